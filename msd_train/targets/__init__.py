@@ -1,0 +1,84 @@
+"""Target adapters: one interface over the LLaVA and Qwen2-VL / Qwen2.5-VL families."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from msd_train.targets.base import Encoded, Features, Target
+from msd_train.targets.llava import LlavaTarget
+from msd_train.targets.qwen_vl import QwenVLTarget
+
+log = logging.getLogger(__name__)
+
+FAMILIES = {
+    "llava": LlavaTarget,
+    "qwen2_vl": QwenVLTarget,
+    "qwen2_5_vl": QwenVLTarget,
+}
+
+__all__ = ["Encoded", "Features", "Target", "load_target", "wrap_target", "resolve_dtype"]
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:
+    """``auto`` is bf16 on CUDA and fp32 elsewhere (CPU bf16 matmuls are slow and lossy)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}[dtype]
+
+
+def wrap_target(model, processor, name: str, chat_template: str | None = None) -> Target:
+    """Adapter for an already-loaded transformers model and its processor."""
+    model_type = model.config.model_type
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"target {name}: model_type {model_type!r} is not supported; "
+            f"supported: {', '.join(sorted(FAMILIES))}"
+        )
+    return FAMILIES[model_type](model, processor, name, chat_template)
+
+
+def load_target(
+    name_or_path: str,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    adapter: str | None = None,
+    chat_template: str | None = None,
+    trust_remote_code: bool = False,
+    attn_implementation: str = "sdpa",
+) -> Target:
+    """Load a frozen target by Hub id or local path, optionally merging a LoRA adapter.
+
+    The adapter (a peft folder) is merged into the weights at load, so every later
+    forward (features, verification) sees the tuned target at no extra cost.
+    """
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+    torch_dtype = resolve_dtype(dtype, device)
+    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    if config.model_type not in FAMILIES:
+        raise ValueError(
+            f"target {name_or_path}: model_type {config.model_type!r} is not supported; "
+            f"supported: {', '.join(sorted(FAMILIES))}"
+        )
+    model = AutoModelForImageTextToText.from_pretrained(
+        name_or_path, dtype=torch_dtype, trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation,
+    )
+    if adapter:
+        if not Path(adapter).exists() and "/" not in adapter:
+            raise FileNotFoundError(f"target.adapter={adapter}: no such adapter folder")
+        from peft import PeftModel
+
+        log.info("merging LoRA adapter %s into %s", adapter, name_or_path)
+        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    model.to(device)
+    processor = AutoProcessor.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    target = wrap_target(model, processor, name_or_path, chat_template)
+    target.adapter = adapter
+    return target

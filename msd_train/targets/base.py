@@ -1,0 +1,224 @@
+"""The interface every target family implements, and what it returns.
+
+A target adapter wraps a frozen Hugging Face multimodal model and answers the questions
+the rest of the project asks of it: how a conversation becomes token ids and a loss mask,
+what the model's input embeddings and last hidden states are, where the visual tokens
+sit, which position ids the model uses, and how to run its language model over a KV
+cache with an arbitrary (tree) attention mask. Everything the reference implementation
+hard-coded (image token id, visual tokens per image) is read from the model's config or
+processor here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from msd_train.targets.chat import IMAGE_MARKER, render_prompt, render_segments
+from msd_train.targets.tokenize import encode_segments
+
+
+@dataclass
+class Encoded:
+    """One tokenised conversation.
+
+    ``input_ids`` has image placeholders already expanded to one token per visual
+    embedding; ``pixel`` holds the processor's image tensors for this sample (empty for
+    text-only samples).
+    """
+
+    input_ids: torch.Tensor  # (L,)
+    loss_mask: torch.Tensor  # (L,)
+    pixel: dict[str, torch.Tensor] = field(default_factory=dict)
+    num_images: int = 0
+
+
+@dataclass
+class Features:
+    """What one frozen forward of the target yields for a batch."""
+
+    inputs_embeds: torch.Tensor  # (B, L, H): text embeddings, projector outputs at visual slots
+    hidden_states: torch.Tensor  # (B, L, H): last layer, after the final norm
+    visual_mask: torch.Tensor  # (B, L) bool
+    position_ids: torch.Tensor  # (B, L) for 1-D RoPE, (3, B, L) for M-RoPE
+    rope_deltas: torch.Tensor | None = None  # (B,) M-RoPE: text position minus token index
+
+
+class Target:
+    """Base class for a frozen multimodal target. Subclasses fill in the family specifics."""
+
+    family: str = "base"
+    #: the placeholder string the processor expands, e.g. "<image>" or "<|image_pad|>"
+    image_text: str
+    #: text that stands for one image in a rendered prompt (placeholder plus wrappers)
+    image_prompt_text: str
+
+    def __init__(self, model: nn.Module, processor, name: str, chat_template: str | None):
+        self.model = model.eval().requires_grad_(False)
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.name = name
+        self.chat_template = chat_template or self.tokenizer.chat_template
+        if self.chat_template is None:
+            raise ValueError(
+                f"target {name} has no chat template; set target.chat_template "
+                "(vicuna_v1 for LLaVA-1.5, chatml_qwen for Qwen2-VL)"
+            )
+
+    # ----- identity -------------------------------------------------------------------
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def text_config(self):
+        return self.model.config.text_config
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text_config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text_config.vocab_size
+
+    @property
+    def image_token_id(self) -> int:
+        return self.model.config.image_token_id
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids = self.model.generation_config.eos_token_id if self.model.generation_config else None
+        if ids is None:
+            ids = self.tokenizer.eos_token_id
+        return [ids] if isinstance(ids, int) else list(ids)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.model.lm_head
+
+    @property
+    def language_model(self) -> nn.Module:
+        return self.model.model.language_model
+
+    # ----- formatting -----------------------------------------------------------------
+    def template_vars(self) -> dict[str, str]:
+        return {"eos_token": self.tokenizer.eos_token or "", "bos_token": self.tokenizer.bos_token or ""}
+
+    def add_bos(self) -> bool:
+        return True
+
+    def image_inputs(self, images: list) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """Processor tensors for ``images`` (PIL) and the visual tokens each one expands to."""
+        raise NotImplementedError
+
+    def encode(self, messages: list[dict], images: list) -> Encoded:
+        """A conversation (``<image>`` markers in the text, PIL images) -> ids and loss mask.
+
+        The loss mask is 1 exactly on the assistant turns' tokens, each turn's
+        end-of-turn token included.
+        """
+        pixel, counts = self.image_inputs(images) if images else ({}, [])
+        segments = render_segments(
+            messages, self.chat_template, self.image_prompt_text, **self.template_vars()
+        )
+        ids, mask = encode_segments(
+            self.tokenizer, segments, self.image_text, self.image_token_id, counts, bos=self.add_bos()
+        )
+        return Encoded(ids, mask, pixel, len(images))
+
+    def encode_prompt(self, messages: list[dict], images: list) -> Encoded:
+        """The ids a target reads before generating the next assistant turn."""
+        pixel, counts = self.image_inputs(images) if images else ({}, [])
+        text = render_prompt(messages, self.chat_template, self.image_prompt_text, **self.template_vars())
+        from msd_train.targets.chat import Segment
+
+        ids, mask = encode_segments(
+            self.tokenizer, [Segment(text, False)], self.image_text, self.image_token_id, counts,
+            bos=self.add_bos(),
+        )
+        return Encoded(ids, mask, pixel, len(images))
+
+    # ----- forward pieces -------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor, pixel: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """Input embeddings: the token table, with projector outputs at visual slots."""
+        embeds = self.embed_tokens(input_ids)
+        if pixel:
+            visual = self.visual_embeddings(pixel).to(embeds.dtype)
+            slots = (input_ids == self.image_token_id).unsqueeze(-1).expand_as(embeds)
+            if int(slots[..., 0].sum()) != visual.shape[0]:
+                raise ValueError(
+                    f"{int(slots[..., 0].sum())} image tokens in the ids but the vision tower "
+                    f"produced {visual.shape[0]} visual embeddings"
+                )
+            embeds = embeds.masked_scatter(slots, visual)
+        return embeds
+
+    def visual_embeddings(self, pixel: dict[str, torch.Tensor]) -> torch.Tensor:
+        """All images' projector outputs, concatenated: (total visual tokens, H)."""
+        raise NotImplementedError
+
+    def position_ids(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pixel: dict
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Position ids of a (padded, right-padded) batch and, for M-RoPE, the rope deltas."""
+        raise NotImplementedError
+
+    def continue_positions(self, start: int, n: int, rope_deltas: torch.Tensor | None) -> torch.Tensor:
+        """Position ids of ``n`` text tokens placed after ``start`` cached tokens (batch 1).
+
+        The decoder adds tree depths to these; for M-RoPE text tokens all three axes
+        share one value, offset by the prompt's rope delta.
+        """
+        pos = torch.arange(start, start + n, device=self.device).unsqueeze(0)
+        return pos
+
+    def run_language_model(
+        self,
+        inputs_embeds: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+        use_cache: bool = False,
+    ):
+        """The language model alone; returns (post-norm hidden states, cache)."""
+        out = self.language_model(
+            inputs_embeds=inputs_embeds,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+        )
+        return out.last_hidden_state, out.past_key_values
+
+    @torch.no_grad()
+    def features(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, pixel: dict | None = None
+    ) -> Features:
+        """One frozen forward: embeddings, last hidden states, visual mask, positions."""
+        pixel = {k: v.to(self.device) for k, v in (pixel or {}).items()}
+        input_ids = input_ids.to(self.device)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(self.device)
+        embeds = self.embed(input_ids, pixel)
+        pos, deltas = self.position_ids(input_ids, attention_mask, pixel)
+        hidden, _ = self.run_language_model(embeds, pos, attention_mask)
+        return Features(embeds, hidden, input_ids == self.image_token_id, pos, deltas)
+
+
+def count_image_markers(messages: list[dict]) -> int:
+    return sum(m["content"].count(IMAGE_MARKER) for m in messages)
