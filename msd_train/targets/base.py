@@ -122,6 +122,11 @@ class Target:
     def add_bos(self) -> bool:
         return True
 
+    @property
+    def end_of_turn(self) -> str:
+        """The text that closes an assistant turn (the last token that carries loss)."""
+        return self.tokenizer.eos_token
+
     def image_inputs(self, images: list) -> tuple[dict[str, torch.Tensor], list[int]]:
         """Processor tensors for ``images`` (PIL) and the visual tokens each one expands to."""
         raise NotImplementedError
@@ -134,7 +139,8 @@ class Target:
         """
         pixel, counts = self.image_inputs(images) if images else ({}, [])
         segments = render_segments(
-            messages, self.chat_template, self.image_prompt_text, **self.template_vars()
+            messages, self.chat_template, self.image_prompt_text, self.end_of_turn,
+            **self.template_vars(),
         )
         ids, mask = encode_segments(
             self.tokenizer, segments, self.image_text, self.image_token_id, counts, bos=self.add_bos()

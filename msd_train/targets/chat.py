@@ -71,13 +71,19 @@ def _render(template: str, messages: list[dict], add_generation_prompt: bool, **
 
 
 def render_segments(
-    messages: list[dict], template: str, image_text: str = IMAGE_MARKER, **special: str
+    messages: list[dict],
+    template: str,
+    image_text: str = IMAGE_MARKER,
+    end_of_turn: str | None = None,
+    **special: str,
 ) -> list[Segment]:
     """Render ``messages`` into consecutive segments; assistant turns carry the loss.
 
     ``image_text`` replaces each ``<image>`` marker (the target's placeholder, e.g.
     ``<|vision_start|><|image_pad|><|vision_end|>`` for Qwen2-VL). ``special`` are extra
-    template variables such as ``eos_token``.
+    template variables such as ``eos_token``. With ``end_of_turn`` given, an assistant
+    segment's loss stops right after that marker (ChatML's newline after ``<|im_end|>`` is
+    never generated, so it carries no loss).
     """
     template = resolve_template(template)
     msgs = [{**m, "content": m["content"].replace(IMAGE_MARKER, image_text)} for m in messages]
@@ -97,7 +103,11 @@ def render_segments(
                     "chat template renders the generation prompt differently from an "
                     "assistant turn; set target.chat_template to a template that does not"
                 )
-            segments.append(Segment(full[len(done):], True))
+            turn = full[len(done):]
+            cut = turn.rfind(end_of_turn) + len(end_of_turn) if end_of_turn and end_of_turn in turn else len(turn)
+            segments.append(Segment(turn[:cut], True))
+            if turn[cut:]:
+                segments.append(Segment(turn[cut:], False))
             done = full
     tail = _render(template, msgs, False, **special)
     if tail != done and tail.startswith(done):

@@ -21,6 +21,10 @@ class QwenVLTarget(Target):
         return False  # ChatML has no BOS
 
     @property
+    def end_of_turn(self) -> str:
+        return "<|im_end|>"
+
+    @property
     def merge_size(self) -> int:
         return self.config.vision_config.spatial_merge_size
 

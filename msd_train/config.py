@@ -1,0 +1,49 @@
+"""Hydra/OmegaConf glue shared by the entry points."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONF_DIR = REPO_ROOT / "conf"
+
+# ${msd_root:} is the project checkout, so the embedded default's paths work from any cwd.
+if not OmegaConf.has_resolver("msd_root"):
+    OmegaConf.register_new_resolver("msd_root", lambda: str(REPO_ROOT))
+
+
+def strip_launcher_args(argv: list[str] | None = None) -> None:
+    """Turn launcher arguments into something Hydra accepts.
+
+    The ``deepspeed`` launcher appends ``--local_rank=N`` (older torch launchers
+    ``--local-rank N``); Hydra rejects both. The rank is already in the ``LOCAL_RANK``
+    environment variable, so the argument is dropped here.
+    """
+    import os
+
+    argv = sys.argv if argv is None else argv
+    out = [argv[0]]
+    skip = False
+    for arg in argv[1:]:
+        if skip:
+            skip = False
+            continue
+        if arg.startswith(("--local_rank=", "--local-rank=")):
+            os.environ.setdefault("LOCAL_RANK", arg.split("=", 1)[1])
+            continue
+        if arg in ("--local_rank", "--local-rank"):
+            skip = True
+            continue
+        out.append(arg)
+    argv[:] = out
+
+
+def pick_device(device: str) -> str:
+    import torch
+
+    if device != "auto":
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,106 @@
+"""Random tiny targets built in-process for tests (no Hub access on test machines).
+
+The trained tiny LLaVA under data/tiny-llava is the embedded default; these random
+models exercise code paths it cannot (Qwen2-VL's M-RoPE, arbitrary shapes).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from PIL import Image
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+from transformers import PreTrainedTokenizerFast
+
+from msd_train.targets import wrap_target
+from msd_train.targets.chat import CHATML_QWEN, VICUNA_V1
+
+WORDS = (
+    "the a an is are what colour shape red green blue circle square how many image "
+    "describe this that there one two three four it of and in on to you assistant user "
+    "system helpful hello world python function returns value"
+).split()
+
+
+def _tokenizer(specials: list[str], bos: str | None, eos: str, template: str) -> PreTrainedTokenizerFast:
+    """A character-and-word level tokenizer: small, exact round trip of ASCII text."""
+    vocab = {}
+    for tok in specials + [chr(i) for i in range(32, 127)] + ["\n"] + ["Ġ" + w for w in WORDS] + WORDS:
+        vocab.setdefault(tok, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=specials[0], ignore_merges=True))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token=specials[0], bos_token=bos, eos_token=eos,
+        pad_token=specials[0], additional_special_tokens=[s for s in specials if s not in (specials[0], bos, eos)],
+    )
+    fast.chat_template = template
+    return fast
+
+
+def random_image(seed: int, size: int = 32) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8))
+
+
+def tiny_llava(seed: int = 0):
+    """A random tiny LlavaForConditionalGeneration with a real processor (16 visual tokens)."""
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    tok = _tokenizer(["<unk>", "<s>", "</s>", "<image>"], "<s>", "</s>", VICUNA_V1)
+    image_token_id = tok.convert_tokens_to_ids("<image>")
+    text = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=0)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, image_size=16, patch_size=4, projection_dim=32)
+    cfg = LlavaConfig(text_config=text, vision_config=vision, image_token_id=image_token_id,
+                      vision_feature_layer=-2, vision_feature_select_strategy="default")
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(cfg).eval()
+    improc = CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    proc = LlavaProcessor(image_processor=improc, tokenizer=tok, patch_size=4,
+                          vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                          chat_template=VICUNA_V1)
+    return model, proc
+
+
+def tiny_qwen2vl(seed: int = 0):
+    """A random tiny Qwen2VLForConditionalGeneration with M-RoPE and a real processor."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                "<|image_pad|>", "<|video_pad|>"]
+    tok = _tokenizer(specials, None, "<|im_end|>", CHATML_QWEN)
+    ids = {s: tok.convert_tokens_to_ids(s) for s in specials}
+    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
+                eos_token_id=ids["<|im_end|>"], bos_token_id=None, pad_token_id=0)
+    vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    cfg = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                        vision_end_token_id=ids["<|vision_end|>"])
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(cfg).eval()
+    improc = Qwen2VLImageProcessorPil(min_pixels=16 * 16, max_pixels=32 * 32, patch_size=4,
+                                      temporal_patch_size=2, merge_size=2)
+    # Qwen2VLProcessor itself insists on a torchvision video processor; the adapter only
+    # reads these three attributes, so a namespace stands in for it here.
+    proc = SimpleNamespace(image_processor=improc, tokenizer=tok, image_token="<|image_pad|>")
+    return model, proc
+
+
+def tiny_llava_target(seed: int = 0):
+    model, proc = tiny_llava(seed)
+    return wrap_target(model, proc, "tiny-random-llava")
+
+
+def tiny_qwen2vl_target(seed: int = 0):
+    model, proc = tiny_qwen2vl(seed)
+    return wrap_target(model, proc, "tiny-random-qwen2vl")
