@@ -1,0 +1,183 @@
+"""Configuration of an MSD draft head.
+
+The config carries everything needed to rebuild the head (layer sizes, RoPE, layer
+family, fusion and decoupling conventions) plus the identity of the target it was
+trained for. It is also handed directly to transformers' decoder-layer classes, so it
+holds the few attributes those classes read (see the class attributes below).
+"""
+
+import copy
+from typing import Literal
+
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
+
+# model_type of a target's text config -> the decoder-layer family of its draft head.
+_FAMILY_OF_TARGET = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen2_vl_text": "qwen2",
+    "qwen2_5_vl_text": "qwen2",
+}
+
+
+@strict
+class MSDDraftConfig(PreTrainedConfig):
+    r"""
+    Config of an MSD draft head: `fc(concat(e_{t+1}, h_t))`, then `num_hidden_layers`
+    decoder layers; the target's embedding table and lm_head are used, never stored.
+
+    Args:
+        hidden_size, intermediate_size, num_attention_heads, num_key_value_heads,
+        head_dim, num_hidden_layers, rms_norm_eps, hidden_act, max_position_embeddings:
+            decoder-layer sizes, normally copied from the target's text config
+            (see `from_target_config`).
+        rope_parameters: transformers-5 RoPE dict (`rope_type`, `rope_theta`, ...);
+            `rope_theta=` is accepted as a keyword and folded into it.
+        mrope_section: M-RoPE split of the rotary frequencies into (temporal, height,
+            width) sections, e.g. `[16, 24, 24]` for Qwen2-VL; `None` for 1-D RoPE.
+            Kept in sync with `rope_parameters["mrope_section"]`.
+        layer_family: "llama" (no attention bias) or "qwen2" (q/k/v bias).
+        fc_bias: whether the fusion layer `fc: Linear(2H, H)` has a bias.
+        first_layer_input_norm: whether the first decoder layer keeps its
+            `input_layernorm`. `None` picks the family default: False for llama (the
+            EAGLE convention of the released LLaVA heads), True for qwen2.
+        decouple_visual: replace the fused input at image positions by the raw visual
+            embedding (the projector output). That is MSD's decoupling.
+        visual_offset: where the visual block sits in the draft sequence.
+            "released": positions `p-1 .. p+N-2` (the released MSD heads);
+            "paper": positions `p .. p+N-1` (the paper's formula); `p` is the first
+            image position of the expanded target sequence.
+        target_name_or_path, target_vocab_size, target_hidden_size, target_adapter:
+            the target this head drafts for (the head reuses its embedding and lm_head).
+    """
+
+    model_type = "msd_draft"
+    ignore_keys_at_rope_validation = {"mrope_section"}
+
+    # Read by transformers' decoder-layer classes, fixed for every MSD head and therefore
+    # class attributes rather than saved fields.
+    attention_bias = False  # LlamaAttention; Qwen2 layers hard-code q/k/v bias
+    mlp_bias = False
+    attention_dropout = 0.0
+    use_sliding_window = False  # Qwen2VLDecoderLayer
+    sliding_window = None
+
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    num_hidden_layers: int = 1
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.02
+    rope_parameters: RopeParameters | dict | None = None
+    mrope_section: list[int] | None = None
+
+    layer_family: Literal["llama", "qwen2"] = "llama"
+    fc_bias: bool = True
+    first_layer_input_norm: bool | None = None
+    decouple_visual: bool = True
+    visual_offset: Literal["released", "paper"] = "released"
+
+    target_name_or_path: str | None = None
+    target_vocab_size: int | None = None
+    target_hidden_size: int | None = None
+    target_adapter: str | None = None
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.first_layer_input_norm is None:
+            self.first_layer_input_norm = self.layer_family == "qwen2"
+        super().__post_init__(**kwargs)  # folds rope_theta/rope_scaling into rope_parameters
+        self._sync_mrope_section()
+
+    def _sync_mrope_section(self):
+        """Keep `mrope_section` and `rope_parameters["mrope_section"]` equal: the field is
+        the public knob, the dict entry is what Qwen2VLRotaryEmbedding reads."""
+        rope = self.rope_parameters
+        in_rope = rope.get("mrope_section") if rope else None
+        if self.mrope_section is None and in_rope is not None:
+            self.mrope_section = list(in_rope)
+        elif self.mrope_section is not None:
+            if in_rope is not None and list(in_rope) != list(self.mrope_section):
+                raise ValueError(
+                    f"mrope_section={self.mrope_section} disagrees with "
+                    f"rope_parameters['mrope_section']={in_rope}; set only one of them"
+                )
+            self.mrope_section = list(self.mrope_section)
+            self.rope_parameters["mrope_section"] = list(self.mrope_section)
+
+    def validate_architecture(self):
+        """Part of `@strict` validation: shapes the decoder layers can actually build."""
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not a multiple of "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.layer_family == "qwen2" and self.head_dim != self.hidden_size // self.num_attention_heads:
+            raise ValueError(
+                f"layer_family='qwen2' needs head_dim = hidden_size // num_attention_heads "
+                f"({self.hidden_size // self.num_attention_heads}), got head_dim={self.head_dim}"
+            )
+        if self.mrope_section is not None and 2 * sum(self.mrope_section) != self.head_dim:
+            raise ValueError(
+                f"mrope_section={self.mrope_section} must sum to head_dim/2 = {self.head_dim // 2}"
+            )
+
+    @property
+    def uses_mrope(self) -> bool:
+        """True when positions are M-RoPE ids of shape (3, B, T) (Qwen2-VL family)."""
+        return self.mrope_section is not None
+
+    @classmethod
+    def from_target_config(cls, text_config, target_name_or_path: str | None, **overrides) -> "MSDDraftConfig":
+        """Derive a draft config from a target's config.
+
+        Sizes, RoPE (M-RoPE sections included) and the layer family come from the
+        target's text config, so that the head's layer matches one target layer and the
+        target's `embed_tokens`/`lm_head` fit it. `text_config` may also be a composite
+        config (`LlavaConfig`, `Qwen2VLConfig`); its text part is used. `overrides` set
+        any field last (e.g. `visual_offset="paper"`, `num_hidden_layers=2`).
+        """
+        text_config = text_config.get_text_config(decoder=True)
+        family = _FAMILY_OF_TARGET.get(text_config.model_type)
+        if family is None:
+            raise ValueError(
+                f"no MSD draft layer family for a target text config of model_type "
+                f"{text_config.model_type!r}; supported: {sorted(_FAMILY_OF_TARGET)}. "
+                f"Pass the text config of a LLaVA (llama) or Qwen2-VL / Qwen2.5-VL target."
+            )
+        rope = copy.deepcopy(text_config.rope_parameters) or {}
+        mrope_section = rope.pop("mrope_section", None)
+        hidden = text_config.hidden_size
+        heads = text_config.num_attention_heads
+        fields = dict(
+            hidden_size=hidden,
+            intermediate_size=text_config.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=text_config.num_key_value_heads or heads,
+            head_dim=getattr(text_config, "head_dim", None) or hidden // heads,
+            rms_norm_eps=text_config.rms_norm_eps,
+            hidden_act=text_config.hidden_act,
+            max_position_embeddings=text_config.max_position_embeddings,
+            rope_parameters=rope,
+            mrope_section=list(mrope_section) if mrope_section is not None else None,
+            layer_family=family,
+            target_name_or_path=target_name_or_path,
+            target_vocab_size=text_config.vocab_size,
+            target_hidden_size=hidden,
+        )
+        fields.update(overrides)
+        return cls(**fields)

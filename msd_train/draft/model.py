@@ -1,0 +1,269 @@
+"""The MSD draft head.
+
+    x_t   = fc(concat(e_{t+1}, h_t))                  fusion (embedding half first)
+    x_t   = v_t            where t is a visual slot   decoupling (config.decouple_visual)
+    f_hat = layers(x)                                 no final norm
+    logits = target.lm_head(f_hat)                    computed by callers
+
+`e` are the target's input embeddings (projector outputs at image positions), `h` the
+target's last-layer post-norm hidden states. The head stores no embedding table and no
+lm_head: both stay with the target.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLDecoderLayer, Qwen2VLRotaryEmbedding
+from transformers.utils import ModelOutput
+
+from msd_train.draft.config import MSDDraftConfig
+
+# Attention implementations that honour an arbitrary 4-D additive mask exactly (tree
+# drafting needs it); flash-attention variants only take padding masks.
+_SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+_DECODER_LAYER = {"llama": LlamaDecoderLayer, "qwen2": Qwen2VLDecoderLayer}
+
+
+@dataclass
+class MSDDraftOutput(ModelOutput):
+    """Output of `MSDDraftModel.forward`.
+
+    last_hidden_state: [B, T, H] predicted next features `f_hat_{t+1}`; logits are
+        `target.lm_head(last_hidden_state)`.
+    past_key_values: the draft's KV cache (a `DynamicCache`) when one was used.
+    layer_input: [B, T, H] the first layer's input (fused, then visual-replaced);
+        only with `return_layer_input=True`.
+    """
+
+    last_hidden_state: torch.Tensor | None = None
+    past_key_values: Cache | None = None
+    layer_input: torch.Tensor | None = None
+
+
+def align_inputs(
+    config: MSDDraftConfig,
+    inputs_embeds: torch.Tensor,
+    hidden_states: torch.Tensor,
+    visual_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Turn one target pass over L tokens into the draft's L-1 training inputs.
+
+    Draft position t pairs `h_t` with the next token's embedding `e_{t+1}` and is trained
+    to predict `h_{t+1}` (hence token t+2 through the lm_head):
+        embeds = E[:, 1:]        hidden = Hs[:, :-1]
+    Decoupling puts the raw visual embeddings at the image block, whose draft slots
+    depend on `config.visual_offset`:
+        "released": replace_mask[t] = V[t+1], raw[t] = E[t+1]  (block at p-1 .. p+N-2)
+        "paper":    replace_mask[t] = V[t],   raw[t] = E[t]    (block at p .. p+N-1)
+    With `decouple_visual=False` (or no image) `replace_mask` is all False.
+    Position ids for the draft are the target's ids of tokens 0..L-2
+    (`position_ids[..., :-1]`), i.e. those of `h_t`.
+
+    Args:
+        inputs_embeds: [B, L, H] target input embeddings E.
+        hidden_states: [B, L, H] target last-layer post-norm hidden states Hs.
+        visual_mask: [B, L] bool, True at image-token positions; None for text only.
+    Returns:
+        (embeds, hidden, replace_mask, raw), each of length L-1; replace_mask is bool [B, L-1].
+    """
+    embeds = inputs_embeds[:, 1:]
+    hidden = hidden_states[:, :-1]
+    if visual_mask is None or not config.decouple_visual:
+        replace_mask = torch.zeros(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
+        return embeds, hidden, replace_mask, embeds
+    visual_mask = visual_mask.bool()
+    if config.visual_offset == "released":
+        return embeds, hidden, visual_mask[:, 1:], inputs_embeds[:, 1:]
+    return embeds, hidden, visual_mask[:, :-1], inputs_embeds[:, :-1]
+
+
+def crop_cache(cache: Cache, length: int) -> Cache:
+    """Trim a KV cache back to its first `length` positions (the committed prefix).
+
+    Decoding appends draft-tree nodes to the cache and must drop the rejected ones. Note
+    that in transformers 5.23 `Cache.crop(n)` takes a *negative* count of positions to
+    remove (a positive `n` raises), hence this helper. Returns the same cache object.
+    """
+    surplus = cache.get_seq_length() - length
+    if surplus < 0:
+        raise ValueError(f"cannot crop a cache of length {cache.get_seq_length()} up to {length}")
+    if surplus > 0:
+        cache.crop(-surplus)
+    return cache
+
+
+def attention_bias(
+    attention_mask: torch.Tensor | None,
+    batch_size: int,
+    query_length: int,
+    past_length: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """Additive attention bias [B, 1, T, past+T]: 0 where allowed, dtype-min elsewhere.
+
+    Query t (absolute position past+t) may attend key s iff s <= past+t (causal) and,
+    for a 2-D padding mask [B, past+T], key s is not padding. A 4-D mask is returned as
+    is (a bool 4-D mask, True = attend, is converted): tree drafting builds its own.
+    """
+    min_value = torch.finfo(dtype).min
+    if attention_mask is not None and attention_mask.ndim == 4:
+        if attention_mask.dtype == torch.bool:
+            return torch.zeros(attention_mask.shape, dtype=dtype, device=device).masked_fill(
+                ~attention_mask, min_value
+            )
+        return attention_mask.to(dtype)
+    kv_length = past_length + query_length
+    query_positions = past_length + torch.arange(query_length, device=device)
+    allowed = torch.arange(kv_length, device=device)[None, :] <= query_positions[:, None]
+    allowed = allowed[None, None].expand(batch_size, 1, query_length, kv_length)
+    if attention_mask is not None:
+        if attention_mask.shape != (batch_size, kv_length):
+            raise ValueError(
+                f"2-D attention_mask must be [batch, past + new] = [{batch_size}, {kv_length}], "
+                f"got {list(attention_mask.shape)}"
+            )
+        allowed = allowed & attention_mask.bool()[:, None, None, :]
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return bias.masked_fill(~allowed, min_value)
+
+
+class MSDDraftModel(PreTrainedModel):
+    """MSD draft head: fusion `fc`, decoupled visual inputs, transformers decoder layers.
+
+    Build with `MSDDraftModel(MSDDraftConfig.from_target_config(target.config, name))`;
+    export with `save_pretrained(dir)` (config.json + model.safetensors); load with
+    `MSDDraftModel.from_pretrained(dir)`.
+    """
+
+    config_class = MSDDraftConfig
+    main_input_name = "input_embeds"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["LlamaDecoderLayer", "Qwen2VLDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+
+    def __init__(self, config: MSDDraftConfig):
+        super().__init__(config)
+        hidden = config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
+        layer_class = _DECODER_LAYER[config.layer_family]
+        self.layers = nn.ModuleList(layer_class(config, layer_idx=i) for i in range(config.num_hidden_layers))
+        if not config.first_layer_input_norm:
+            # EAGLE convention: the fused vector enters the first attention un-normalised.
+            self.layers[0].input_layernorm = nn.Identity()
+        rotary_class = Qwen2VLRotaryEmbedding if config.uses_mrope else LlamaRotaryEmbedding
+        self.rotary_emb = rotary_class(config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def align_inputs(
+        self,
+        inputs_embeds: torch.Tensor,
+        hidden_states: torch.Tensor,
+        visual_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`align_inputs(self.config, ...)`: see the module-level function."""
+        return align_inputs(self.config, inputs_embeds, hidden_states, visual_mask)
+
+    def fuse(
+        self,
+        input_embeds: torch.Tensor,
+        hidden_states: torch.Tensor,
+        replace_mask: torch.Tensor | None = None,
+        raw_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """First-layer input: `fc(concat(e, h))`, replaced by `raw_embeds` where
+        `replace_mask` is True if the config decouples visual tokens."""
+        dtype = self.fc.weight.dtype
+        x = self.fc(torch.cat([input_embeds.to(dtype), hidden_states.to(dtype)], dim=-1))
+        if self.config.decouple_visual and replace_mask is not None:
+            if raw_embeds is None:
+                raise ValueError("replace_mask was given without raw_embeds (the visual embeddings)")
+            x = torch.where(replace_mask[..., None].bool(), raw_embeds.to(x.dtype), x)
+        return x
+
+    def _position_ids(self, position_ids, batch_size, query_length, past_length, device):
+        """Default `past + arange(T)`; broadcast [B, T] to [3, B, T] under M-RoPE."""
+        if position_ids is None:
+            position_ids = past_length + torch.arange(query_length, device=device)
+            position_ids = position_ids[None].expand(batch_size, query_length)
+        if self.config.uses_mrope and position_ids.ndim == 2:
+            position_ids = position_ids[None].expand(3, *position_ids.shape)
+        if not self.config.uses_mrope and position_ids.ndim != 2:
+            raise ValueError(
+                f"position_ids must be [batch, T] for 1-D RoPE, got {list(position_ids.shape)}; "
+                f"M-RoPE ids [3, batch, T] need a config with mrope_section"
+            )
+        return position_ids
+
+    def forward(
+        self,
+        input_embeds: torch.Tensor,
+        hidden_states: torch.Tensor,
+        replace_mask: torch.Tensor | None = None,
+        raw_embeds: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool = False,
+        return_layer_input: bool = False,
+    ) -> MSDDraftOutput:
+        """Predict the next target features for T new draft positions.
+
+        Args:
+            input_embeds: [B, T, H] embeddings of the next tokens `e_{t+1}`.
+            hidden_states: [B, T, H] target (or draft-predicted) features `h_t`.
+            replace_mask, raw_embeds: [B, T] bool and [B, T, H]: positions whose layer
+                input is the raw visual embedding (see `align_inputs`).
+            position_ids: [B, T] or, with M-RoPE, [3, B, T]; default `past + arange(T)`.
+            attention_mask: None (causal), 2-D padding mask [B, past+T] (causal is
+                added), or 4-D additive mask [B, 1, T, past+T] used as is (tree drafting).
+            past_key_values: a cache to read and extend; with `use_cache=True` and none
+                given, a new `DynamicCache` is created.
+            return_layer_input: also return the first layer's input.
+        Returns:
+            MSDDraftOutput(last_hidden_state [B, T, H], past_key_values, layer_input).
+        """
+        attn_impl = self.config._attn_implementation
+        if attn_impl not in _SUPPORTED_ATTENTION:
+            raise ValueError(
+                f"MSD draft heads need an attention implementation that takes 4-D masks: "
+                f"one of {_SUPPORTED_ATTENTION}, got {attn_impl!r}"
+            )
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache()
+        batch_size, query_length = input_embeds.shape[:2]
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+
+        x = self.fuse(input_embeds, hidden_states, replace_mask, raw_embeds)
+        layer_input = x
+        position_ids = self._position_ids(position_ids, batch_size, query_length, past_length, x.device)
+        position_embeddings = self.rotary_emb(x, position_ids)
+        # With no mask, sdpa's own causal path is exact when there is no past or a single
+        # query, and lets it pick a fused kernel; every other case gets an explicit bias.
+        if attention_mask is None and (query_length == 1 or (past_length == 0 and attn_impl == "sdpa")):
+            bias = None
+        else:
+            bias = attention_bias(attention_mask, batch_size, query_length, past_length, x.dtype, x.device)
+
+        for layer in self.layers:
+            x = layer(
+                x,
+                attention_mask=bias,
+                position_embeddings=position_embeddings,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+            )
+        return MSDDraftOutput(
+            last_hidden_state=x,
+            past_key_values=past_key_values,
+            layer_input=layer_input if return_layer_input else None,
+        )
