@@ -1,6 +1,12 @@
 """MSD draft head: config, model, and the alignment of target features to draft inputs."""
 
+from transformers import AutoConfig, AutoModel
+
 from msd_train.draft.config import MSDDraftConfig
 from msd_train.draft.model import MSDDraftModel, MSDDraftOutput, align_inputs, attention_bias, crop_cache
+
+# Lets AutoConfig/AutoModel open an exported head folder once this package is imported.
+AutoConfig.register(MSDDraftConfig.model_type, MSDDraftConfig, exist_ok=True)
+AutoModel.register(MSDDraftConfig, MSDDraftModel, exist_ok=True)
 
 __all__ = ["MSDDraftConfig", "MSDDraftModel", "MSDDraftOutput", "align_inputs", "attention_bias", "crop_cache"]

@@ -118,8 +118,7 @@ class MSDDraftConfig(PreTrainedConfig):
         """Part of `@strict` validation: shapes the decoder layers can actually build."""
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
-                f"hidden_size={self.hidden_size} is not a multiple of "
-                f"num_attention_heads={self.num_attention_heads}"
+                f"hidden_size={self.hidden_size} is not a multiple of num_attention_heads={self.num_attention_heads}"
             )
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
@@ -132,9 +131,7 @@ class MSDDraftConfig(PreTrainedConfig):
                 f"({self.hidden_size // self.num_attention_heads}), got head_dim={self.head_dim}"
             )
         if self.mrope_section is not None and 2 * sum(self.mrope_section) != self.head_dim:
-            raise ValueError(
-                f"mrope_section={self.mrope_section} must sum to head_dim/2 = {self.head_dim // 2}"
-            )
+            raise ValueError(f"mrope_section={self.mrope_section} must sum to head_dim/2 = {self.head_dim // 2}")
 
     @property
     def uses_mrope(self) -> bool:

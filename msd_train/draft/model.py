@@ -114,9 +114,7 @@ def attention_bias(
     min_value = torch.finfo(dtype).min
     if attention_mask is not None and attention_mask.ndim == 4:
         if attention_mask.dtype == torch.bool:
-            return torch.zeros(attention_mask.shape, dtype=dtype, device=device).masked_fill(
-                ~attention_mask, min_value
-            )
+            return torch.zeros(attention_mask.shape, dtype=dtype, device=device).masked_fill(~attention_mask, min_value)
         return attention_mask.to(dtype)
     kv_length = past_length + query_length
     query_positions = past_length + torch.arange(query_length, device=device)
