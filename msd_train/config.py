@@ -16,7 +16,7 @@ if not OmegaConf.has_resolver("msd_root"):
 
 
 def strip_launcher_args(argv: list[str] | None = None) -> None:
-    """Turn launcher arguments into something Hydra accepts.
+    """Turn launcher arguments into something Hydra accepts (in place).
 
     The ``deepspeed`` launcher appends ``--local_rank=N`` (older torch launchers
     ``--local-rank N``); Hydra rejects both. The rank is already in the ``LOCAL_RANK``
@@ -37,6 +37,10 @@ def strip_launcher_args(argv: list[str] | None = None) -> None:
         if arg in ("--local_rank", "--local-rank"):
             skip = True
             continue
+        # `stage=1` selects the config group file stage/1.yaml, but Hydra's override
+        # parser reads 1 as an int and refuses it for a group; quote it as a string.
+        if arg.startswith("stage=") and arg[6:].isdigit():
+            arg = f"stage='{arg[6:]}'"
         out.append(arg)
     argv[:] = out
 

@@ -57,6 +57,7 @@ class Target:
 
     def __init__(self, model: nn.Module, processor, name: str, chat_template: str | None):
         self.model = model.eval().requires_grad_(False)
+        self._config = model.config
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.name = name
@@ -70,11 +71,20 @@ class Target:
     # ----- identity -------------------------------------------------------------------
     @property
     def config(self):
-        return self.model.config
+        return self._config
+
+    def tokenizing_view(self) -> "Target":
+        """A copy without the model: enough to encode conversations, cheap to pickle
+        into ``datasets.map`` worker processes."""
+        import copy
+
+        view = copy.copy(self)
+        view.model = None
+        return view
 
     @property
     def text_config(self):
-        return self.model.config.text_config
+        return self.config.text_config
 
     @property
     def hidden_size(self) -> int:
@@ -86,7 +96,7 @@ class Target:
 
     @property
     def image_token_id(self) -> int:
-        return self.model.config.image_token_id
+        return self.config.image_token_id
 
     @property
     def device(self) -> torch.device:

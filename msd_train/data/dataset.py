@@ -1,0 +1,156 @@
+"""Conversations -> tokenised ``datasets.Dataset`` with loss masks, cached on disk.
+
+Tokenisation goes through ``datasets.Dataset.map`` so a 665k-conversation file is
+tokenised once (in parallel with ``num_proc``) and reused from the Arrow cache on every
+later launch and on every rank. Images are opened here to count their visual tokens and
+to catch missing or corrupt files before training starts; pixels are computed again at
+collate time rather than stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from msd_train.data.formats import BadSample, BadSampleError, read_conversations
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = 1
+
+
+@dataclass
+class Split:
+    """A tokenised split plus what was skipped on the way."""
+
+    dataset: object  # datasets.Dataset with id, input_ids, loss_mask, images, n_visual, source
+    skipped: list[BadSample] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+def load_images(paths: list[str]):
+    from PIL import Image
+
+    images = []
+    for p in paths:
+        with Image.open(p) as im:
+            images.append(im.convert("RGB"))
+    return images
+
+
+def _file_digest(path: str) -> str:
+    h = hashlib.sha1()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _encode_row(row: dict, target, max_length: int, image_root_hint: str) -> dict:
+    """Tokenise one conversation, or say in ``bad`` why it cannot be used."""
+    empty = {"input_ids": [], "loss_mask": [], "n_visual": 0, "bad": "", "fix": ""}
+    try:
+        images = load_images(row["images"])
+    except FileNotFoundError as e:
+        return {**empty, "bad": f"image {Path(e.filename).name if e.filename else ''} not found at {e.filename}",
+                "fix": f"check image_root={image_root_hint} or remove the sample"}
+    except Exception as e:  # PIL raises several types for broken files
+        return {**empty, "bad": f"image cannot be decoded ({type(e).__name__}: {e})",
+                "fix": "re-download or remove the image"}
+    enc = target.encode(row["messages"], images)
+    ids, mask = enc.input_ids, enc.loss_mask
+    visual = ids == target.image_token_id
+    if len(ids) > max_length:
+        # Truncation may only cut text: a partial image block would leave the target's
+        # forward with fewer placeholders than visual embeddings.
+        if visual.any() and int(visual.nonzero().max()) >= max_length:
+            return {**empty, "bad": f"an image block ends after max_length={max_length} (length {len(ids)})",
+                    "fix": "raise data.max_length or shorten the conversation before the image"}
+        ids, mask, visual = ids[:max_length], mask[:max_length], visual[:max_length]
+    if int(mask.sum()) == 0:
+        return {**empty, "bad": f"no assistant tokens left within max_length={max_length}",
+                "fix": "raise data.max_length or shorten the first user turn"}
+    return {"input_ids": ids.tolist(), "loss_mask": mask.tolist(), "n_visual": int(visual.sum()),
+            "bad": "", "fix": ""}
+
+
+def build_split(
+    sources: list[dict],
+    target,
+    max_length: int,
+    on_bad_sample: str = "skip",
+    cache_dir: str | None = None,
+    num_proc: int = 1,
+    limit: int | None = None,
+) -> Split:
+    """Read, validate and tokenise every source of one split.
+
+    ``sources`` are config entries ``{path, format, image_root}``. With
+    ``on_bad_sample=error`` the first bad sample raises :class:`BadSampleError`;
+    with ``skip`` it is counted and returned in ``Split.skipped``.
+    """
+    import datasets
+
+    if on_bad_sample not in ("skip", "error"):
+        raise ValueError(f"data.on_bad_sample={on_bad_sample}: use skip or error")
+    rows, skipped = [], []
+    for src in sources:
+        for rec in read_conversations(src["path"], src.get("format", "auto"), src.get("image_root")):
+            if isinstance(rec, BadSample):
+                if on_bad_sample == "error":
+                    raise BadSampleError(rec)
+                skipped.append(rec)
+                continue
+            rows.append(rec)
+            if limit and len(rows) >= limit:
+                break
+    if not rows:
+        return Split(datasets.Dataset.from_dict({}), skipped)
+
+    key = json.dumps({
+        "v": CACHE_VERSION, "files": [(s["path"], _file_digest(s["path"]), str(s.get("image_root"))) for s in sources],
+        "target": target.name, "template": target.chat_template, "max_length": max_length,
+        "vocab": len(target.tokenizer), "limit": limit,
+    }, sort_keys=True)
+    fingerprint = hashlib.sha1(key.encode()).hexdigest()[:16]
+    ds = datasets.Dataset.from_list(rows)
+    kwargs = {}
+    if cache_dir:
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        kwargs["cache_file_name"] = str(Path(cache_dir) / f"tokenised-{fingerprint}.arrow")
+    roots = ",".join(str(s.get("image_root")) for s in sources)
+    ds = ds.map(
+        _encode_row,
+        fn_kwargs={"target": target.tokenizing_view(), "max_length": max_length, "image_root_hint": roots},
+        remove_columns=["messages"],
+        num_proc=num_proc if num_proc > 1 else None,
+        new_fingerprint=fingerprint,
+        desc="tokenising",
+        **kwargs,
+    )
+    bad_idx = [i for i, b in enumerate(ds["bad"]) if b]
+    if bad_idx:
+        for i in bad_idx:
+            r = ds[i]
+            bad = BadSample(r["source"], r["index"], r["id"], r["bad"], r["fix"])
+            if on_bad_sample == "error":
+                raise BadSampleError(bad)
+            skipped.append(bad)
+        keep = sorted(set(range(len(ds))) - set(bad_idx))
+        ds = ds.select(keep)
+    ds = ds.remove_columns(["bad", "fix"])
+    return Split(ds, skipped)
+
+
+def write_skipped(path: str | Path, skipped: list[BadSample]) -> None:
+    """List skipped samples, one JSON object a line, for the user to inspect or fix."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for b in skipped:
+            f.write(json.dumps(b.to_dict()) + "\n")

@@ -1,0 +1,22 @@
+"""Where target features come from during training.
+
+``online``: the frozen target runs inside each training step (this module). An offline
+store of precomputed shards plugs in behind the same call: ``source(batch) -> Features``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from msd_train.targets import Features, Target
+
+
+class OnlineFeatures:
+    """Runs the frozen target on each batch; no gradients, the target's dtype."""
+
+    def __init__(self, target: Target):
+        self.target = target
+
+    @torch.no_grad()
+    def __call__(self, batch: dict) -> Features:
+        return self.target.features(batch["input_ids"], batch["attention_mask"], batch["pixel"])
