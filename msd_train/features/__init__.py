@@ -20,3 +20,15 @@ class OnlineFeatures:
     @torch.no_grad()
     def __call__(self, batch: dict) -> Features:
         return self.target.features(batch["input_ids"], batch["attention_mask"], batch["pixel"])
+
+
+def make_feature_source(cfg, target: Target):
+    """The configured source: ``features.mode=online`` or ``offline`` (a feature store)."""
+    mode = cfg.features.mode
+    if mode == "online":
+        return OnlineFeatures(target)
+    if mode == "offline":
+        from msd_train.features.offline import OfflineFeatures
+
+        return OfflineFeatures(cfg, target)
+    raise ValueError(f"features.mode={mode}: use online or offline")

@@ -30,7 +30,7 @@ from msd_train.data.collate import collate
 from msd_train.data.curriculum import Curriculum, mm_share
 from msd_train.data.dataset import build_split, write_skipped
 from msd_train.draft import MSDDraftConfig, MSDDraftModel
-from msd_train.features import OnlineFeatures
+from msd_train.features import make_feature_source
 from msd_train.targets import load_target, resolve_dtype
 from msd_train.training import checkpoint as ckpt
 from msd_train.training.loss import draft_loss_mask, msd_loss
@@ -110,7 +110,8 @@ class TrainRecipe:
             cfg.target.name_or_path, cfg.target.dtype, self.device, cfg.target.adapter,
             cfg.target.chat_template, cfg.target.trust_remote_code, cfg.target.attn_implementation,
         )
-        self.features = OnlineFeatures(self.target)
+        self.features = make_feature_source(cfg, self.target)
+        self.pixels = cfg.features.mode == "online"
         self._setup_data()
 
         resume_from = self._resume_point()
@@ -118,7 +119,7 @@ class TrainRecipe:
         tc = cfg.train
         precision = tc.precision if tc.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
         if tc.gradient_checkpointing:
-            self.draft.gradient_checkpointing_enable()
+            self.draft.activation_checkpointing_enable()
         params = [p for p in self.draft.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -289,7 +290,7 @@ class TrainRecipe:
         sums = torch.zeros(4, dtype=torch.float64)
         bad = 0
         for micro, batch_rows in enumerate(micro_batches):
-            batch = collate(batch_rows, self.target)
+            batch = collate(batch_rows, self.target, pixels=self.pixels)
             feats = self.features(batch)
             embeds, hidden, replace, raw = self.engine.module.align_inputs(
                 feats.inputs_embeds, feats.hidden_states, feats.visual_mask)
@@ -386,7 +387,7 @@ class TrainRecipe:
         try:
             for name, ds in self.heldout.items():
                 bs = self.cfg.eval.batch_size
-                batches = (collate([ds[i] for i in range(s, min(s + bs, len(ds)))], self.target)
+                batches = (collate([ds[i] for i in range(s, min(s + bs, len(ds)))], self.target, pixels=self.pixels)
                            for s in range(0, len(ds), bs))
                 results[name] = evaluate_split(module, self.target, batches, self.features, self.cfg.eval.rollout)
                 pooled.append(results[name])

@@ -1,0 +1,75 @@
+"""Token distributions: the warpers (temperature, top-k, top-p) and draws from them.
+
+The same warpers are applied to the target's and the draft's logits, so that the
+acceptance test compares the distribution the user asked for (the warped target) with
+the one the draft actually proposed from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """``temperature <= 0`` is greedy decoding; ``top_k = 0`` and ``top_p = 1`` disable those warpers."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def __post_init__(self):
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling.top_k must be >= 0 (0 disables it), got {self.top_k}")
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Warped next-token probabilities (fp32) over the last dimension.
+
+    Greedy decoding maps to a one-hot distribution on the argmax, so that code written
+    for distributions (acceptance tests, draft scores) covers both cases.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1:
+        # Keep the smallest set of most likely tokens whose mass reaches top_p (the most
+        # likely token always survives).
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probabilities used to score draft-tree nodes.
+
+    Greedy decoding ranks by the draft's raw log-softmax; sampling ranks by the warped
+    distribution the draft proposes from (tokens the warpers removed get ``-inf``).
+    """
+    if params.greedy:
+        return logits.float().log_softmax(-1)
+    return logits_to_probs(logits, params).log()
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw per row of ``probs`` (..., V) by inverting the CDF with one uniform each."""
+    cdf = probs.float().cumsum(-1)
+    u = torch.rand(probs.shape[:-1] + (1,), generator=generator, device=probs.device, dtype=cdf.dtype)
+    u = u * cdf[..., -1:]  # rows need not be normalised exactly
+    idx = torch.searchsorted(cdf, u, right=True).squeeze(-1)
+    return idx.clamp_max(probs.shape[-1] - 1)
