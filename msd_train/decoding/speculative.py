@@ -78,7 +78,25 @@ class DecodeState:
     tokens: list[int] = field(default_factory=list)  # new tokens; tokens[-1] is the root x_m
 
     def clone(self) -> DecodeState:
-        return copy.deepcopy(self)
+        """An independent copy (caches included), e.g. to decode one prompt many times."""
+        out = copy.copy(self)
+        out.target_cache = _clone_cache(self.target_cache)
+        out.draft_cache = _clone_cache(self.draft_cache)
+        out.tokens = list(self.tokens)
+        return out
+
+
+def _clone_cache(cache):
+    if cache is None:
+        return None
+    out = copy.copy(cache)
+    out.layers = []
+    for layer in cache.layers:
+        new = copy.copy(layer)
+        if getattr(layer, "is_initialized", False):
+            new.keys, new.values = layer.keys.clone(), layer.values.clone()
+        out.layers.append(new)
+    return out
 
 
 @dataclass
