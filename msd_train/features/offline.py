@@ -1,0 +1,82 @@
+"""Training from a feature store: ``features=offline features.path=DIR``.
+
+``OfflineFeatures(cfg, target)(batch) -> Features`` stands in for the online target
+forward. The batch comes from the same curriculum and collator as online training (with
+``pixels=False``); for each sample the store's rows are looked up by the batch's stable
+key, checked against the batch's token ids, padded to the batch length, and moved to the
+target's device and dtype. Text embeddings come from the configured target's frozen table;
+the stored projector outputs are scattered in at the image positions.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from msd_train.features.generate import STAGE_SPLITS, data_fingerprint, manifest_differences, target_identity
+from msd_train.features.store import FeatureStore, FeatureStoreError
+from msd_train.targets import Features, Target
+
+log = logging.getLogger("msd_train.features")
+
+
+class OfflineFeatures:
+    def __init__(self, cfg, target: Target):
+        fc = cfg.features
+        self.target = target
+        self.store = FeatureStore(fc.path, verify=fc.get("verify", "quick"))
+        names = STAGE_SPLITS[int(cfg.stage.id)] if "stage" in cfg else STAGE_SPLITS[2]
+        diffs = manifest_differences(self.store.manifest, target_identity(target, cfg.target.adapter),
+                                     data_fingerprint(cfg, names))
+        if diffs:
+            raise FeatureStoreError(
+                f"the feature store {fc.path} does not match this configuration:\n  " + "\n  ".join(diffs)
+                + f"\nregenerate it (python scripts/generate_features.py features.path=NEW_DIR with the same "
+                  f"target and data overrides) or point features.path at a matching store")
+        if self.store.manifest["target"]["name"] != target.name:
+            log.info("feature store %s was made from %s; same weights as %s", fc.path,
+                     self.store.manifest["target"]["name"], target.name)
+        log.info("offline features: %s (%d samples, %s)", fc.path, len(self.store), self.store.manifest["dtype"])
+
+    @torch.no_grad()
+    def __call__(self, batch: dict) -> Features:
+        target = self.target
+        ids, attn = batch["input_ids"], batch["attention_mask"]
+        B, L = ids.shape
+        hidden = torch.zeros(B, L, target.hidden_size, dtype=self.store.dtype)
+        visual, stored_pos = [], {}
+        for i, key in enumerate(batch["keys"]):
+            s = self.store.read(key)
+            n = int(attn[i].sum())
+            if len(s.input_ids) != n or not torch.equal(s.input_ids, ids[i, :n].cpu()):
+                raise FeatureStoreError(
+                    f"sample {key}: the token ids stored in {self.store.path} differ from this run's tokenisation "
+                    f"({len(s.input_ids)} stored tokens, {n} now); the data, chat template or data.max_length "
+                    f"changed since the store was generated: regenerate it")
+            if "loss_mask" in batch and not torch.equal(s.loss_mask, batch["loss_mask"][i, :n].cpu().long()):
+                raise FeatureStoreError(f"sample {key}: the stored loss mask differs from this run's; regenerate the store")
+            P = len(s.prefix)
+            hidden[i, :P] = s.prefix
+            hidden[i, P:P + len(s.rows)] = s.rows
+            visual.append(s.visual)
+            if s.position_ids is not None:
+                stored_pos[i] = (s.position_ids, s.rope_delta)
+
+        device = target.device
+        ids = ids.to(device)
+        attn = attn.to(device)
+        embeds = target.embed_tokens(ids)
+        visual_mask = ids == target.image_token_id
+        vis = torch.cat(visual)
+        if int(visual_mask.sum()) != len(vis):
+            raise FeatureStoreError(f"batch {batch['keys']}: {int(visual_mask.sum())} image tokens but the store "
+                                    f"holds {len(vis)} visual embeddings for these samples; regenerate the store")
+        if len(vis):
+            embeds = embeds.masked_scatter(visual_mask.unsqueeze(-1).expand_as(embeds), vis.to(device, embeds.dtype))
+        pos, deltas = target.position_ids(ids, attn, {})
+        for i, (p, d) in stored_pos.items():
+            n = p.shape[-1]
+            pos[:, i, :n] = p.to(device)
+            deltas[i] = d
+        return Features(embeds, hidden.to(device, target.dtype), visual_mask, pos, deltas)

@@ -1,0 +1,337 @@
+"""The offline feature store: safetensors shards plus a JSON manifest.
+
+A store is a folder::
+
+    manifest.json                  target identity, data fingerprint, dtype, shard list
+    text-00000.safetensors         samples 0..S-1 of the text split
+    multimodal-00003.safetensors   ...
+    progress/rank-0.jsonl          one line per finished shard (what resume reads)
+
+Each shard holds its samples' tensors concatenated along the token axis, and an
+``index`` table that says where each sample's rows start:
+
+    hidden          (R, H)   last-layer post-norm states, store dtype (bf16/fp16/fp32)
+    prefix_hidden   (P, H)   the states of the P leading tokens every sample of the shard shares
+    visual          (V, H)   projector outputs, the image blocks only
+    input_ids       (T,)     uint16 when the vocabulary fits, else int32
+    loss_mask_bits  (M,)     uint8, the loss mask packed eight tokens a byte
+    position_ids    (3, Q)   int32, M-RoPE targets' samples with images only
+    index           (N, 10)  int64, columns INDEX_COLUMNS
+
+Only rows training reads are stored. The draft at position t reads h_t as input and is
+trained towards h_{t+1} where token t+2 carries loss, so of a sample whose last loss token
+sits at index ``last`` it needs h_0 .. h_{last-1}; later rows (at least the final token's)
+are left out and read back as zeros. Causal attention makes h_t a function of tokens
+0..t, so the P tokens all samples of a shard open with (the BOS token, the chat
+template's system prompt, up to the first image) have the same states: they are stored
+once per shard. Text embeddings are the frozen table applied to the ids, so only the
+visual block of ``inputs_embeds`` is stored. A CRC32 per sample (over its rows, visual
+rows and ids as stored) is checked on every read; a SHA-256 per shard is in the manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+FORMAT = "msd-train-features"
+VERSION = 1
+MANIFEST = "manifest.json"
+INDEX_COLUMNS = ("token_start", "n_tokens", "hidden_start", "n_hidden", "visual_start", "n_visual",
+                 "pos_start", "rope_delta", "crc32", "mask_start")
+_COL = {name: i for i, name in enumerate(INDEX_COLUMNS)}
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32}
+
+
+class FeatureStoreError(ValueError):
+    """A store that cannot be used as it is; the message names the file and the fix."""
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def ids_dtype(vocab: int) -> torch.dtype:
+    """The narrowest integer type that holds every token id (LLaVA 32064 fits 16 bits)."""
+    return torch.uint16 if vocab <= 1 << 16 else torch.int32
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
+
+
+def sample_crc(rows: torch.Tensor, visual: torch.Tensor, ids: torch.Tensor) -> int:
+    return zlib.crc32(_bytes(ids), zlib.crc32(_bytes(visual), zlib.crc32(_bytes(rows))))
+
+
+# ----------------------------------------------------------------------------- layout
+def needed_rows(loss_mask) -> int:
+    """Rows h_0 .. h_{last-1} that training reads, ``last`` the index of the last loss token."""
+    nz = np.flatnonzero(np.asarray(loss_mask))
+    return int(nz[-1]) if len(nz) else 0
+
+
+def shared_prefix(ids: list, image_token_id: int, loss_masks: list) -> int:
+    """Tokens every sample opens with, stopping at the first image token and before any
+    sample's needed rows run out (identical samples otherwise share everything)."""
+    if not ids:
+        return 0
+    first = np.asarray(ids[0])
+    p = min(len(first), *(needed_rows(m) for m in loss_masks))
+    for seq in ids[1:]:
+        seq = np.asarray(seq)
+        m = min(p, len(seq))
+        diff = np.flatnonzero(first[:m] != seq[:m])
+        p = int(diff[0]) if len(diff) else m
+    img = np.flatnonzero(first[:p] == image_token_id)
+    return int(img[0]) if len(img) else p
+
+
+def sample_bytes(n_tokens: int, n_visual: int, n_rows: int, hidden_size: int, itemsize: int,
+                 ids_itemsize: int, positions: bool) -> int:
+    """Bytes one sample adds to a shard (excluding the shard's shared prefix and header)."""
+    return ((n_rows + n_visual) * hidden_size * itemsize + n_tokens * ids_itemsize + math.ceil(n_tokens / 8)
+            + 8 * len(INDEX_COLUMNS) + (12 * n_tokens if positions else 0))
+
+
+# ----------------------------------------------------------------------------- writing
+@dataclass
+class SampleFeatures:
+    """One sample's features as the generator produces them (CPU tensors, full length)."""
+
+    key: str
+    input_ids: torch.Tensor  # (n,)
+    loss_mask: torch.Tensor  # (n,)
+    hidden: torch.Tensor  # (n, H)
+    visual: torch.Tensor  # (V, H)
+    position_ids: torch.Tensor | None = None  # (3, n) where not trivial
+    rope_delta: int = 0
+
+
+def write_shard(path: str | Path, samples: list[SampleFeatures], dtype: torch.dtype, id_dtype: torch.dtype,
+                image_token_id: int) -> dict:
+    """Write ``samples`` as one shard: to ``path.tmp``, fsynced, then renamed into place.
+
+    Returns the shard's record for the manifest (sample and token counts, bytes, SHA-256).
+    """
+    path = Path(path)
+    if not samples:
+        raise ValueError(f"{path}: a shard needs at least one sample")
+    H = samples[0].hidden.shape[-1]
+    masks = [s.loss_mask for s in samples]
+    P = shared_prefix([s.input_ids.tolist() for s in samples], image_token_id, [m.tolist() for m in masks])
+    hidden, visual, ids, bits, pos, index = [], [], [], [], [], []
+    tok = hrow = vrow = prow = mbyte = 0
+    for s in samples:
+        n = len(s.input_ids)
+        rows = s.hidden[P:needed_rows(s.loss_mask)].to(dtype)
+        vis = s.visual.to(dtype)
+        if dtype == torch.float16 and not (torch.isfinite(rows).all() and torch.isfinite(vis).all()):
+            raise FeatureStoreError(
+                f"sample {s.key}: features overflow float16 (|x| > 65504); set features.dtype=bf16")
+        sid = s.input_ids.to(torch.int64).to(id_dtype)
+        packed = torch.from_numpy(np.packbits(s.loss_mask.numpy().astype(bool)))
+        has_pos = s.position_ids is not None
+        index.append([tok, n, hrow, len(rows), vrow, len(vis), prow if has_pos else -1, int(s.rope_delta),
+                      sample_crc(rows, vis, sid), mbyte])
+        hidden.append(rows)
+        visual.append(vis)
+        ids.append(sid)
+        bits.append(packed)
+        if has_pos:
+            pos.append(s.position_ids.to(torch.int32))
+            prow += n
+        tok, hrow, vrow, mbyte = tok + n, hrow + len(rows), vrow + len(vis), mbyte + len(packed)
+    prefix = samples[0].hidden[:P].to(dtype)
+    tensors = {
+        "hidden": torch.cat(hidden) if hrow else torch.zeros(0, H, dtype=dtype),
+        "prefix_hidden": prefix.contiguous(),
+        "visual": torch.cat(visual) if vrow else torch.zeros(0, H, dtype=dtype),
+        "input_ids": torch.cat(ids),
+        "loss_mask_bits": torch.cat(bits),
+        "position_ids": torch.cat(pos, dim=1) if pos else torch.zeros(3, 0, dtype=torch.int32),
+        "index": torch.tensor(index, dtype=torch.int64),
+    }
+    meta = {"format": FORMAT, "version": str(VERSION), "keys": json.dumps([s.key for s in samples]),
+            "prefix_len": str(P), "prefix_crc32": str(sample_crc(prefix, prefix[:0], ids[0][:0])),
+            "index_columns": json.dumps(INDEX_COLUMNS)}
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates files private to the writer
+    os.replace(tmp, path)
+    return {"file": path.name, "n_samples": len(samples), "n_tokens": tok,
+            "n_visual": vrow, "n_hidden_rows": hrow + P, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+# ----------------------------------------------------------------------------- reading
+@dataclass
+class StoredSample:
+    """One sample as read back: ``hidden`` rows start at ``prefix_len``; rows past them are zeros."""
+
+    key: str
+    input_ids: torch.Tensor  # (n,) int64
+    loss_mask: torch.Tensor  # (n,) int64
+    prefix: torch.Tensor  # (P, H)
+    rows: torch.Tensor  # (r, H) rows P .. P+r-1
+    visual: torch.Tensor  # (V, H)
+    position_ids: torch.Tensor | None
+    rope_delta: int
+
+    def hidden(self) -> torch.Tensor:
+        """The (n, H) states, zeros where training reads none."""
+        n, P = len(self.input_ids), len(self.prefix)
+        out = torch.zeros(n, self.rows.shape[-1], dtype=self.rows.dtype)
+        out[:P] = self.prefix
+        out[P:P + len(self.rows)] = self.rows
+        return out
+
+
+def read_manifest(path: str | Path) -> dict:
+    path = Path(path)
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise FeatureStoreError(
+            f"{path}: no {MANIFEST}; not a feature store (generate one with "
+            f"`python scripts/generate_features.py features.path={path}`)")
+    manifest = json.loads(mpath.read_text())
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise FeatureStoreError(f"{mpath}: format {manifest.get('format')} v{manifest.get('version')} is not "
+                                f"{FORMAT} v{VERSION}; regenerate the store with this version")
+    return manifest
+
+
+class FeatureStore:
+    """Memory-mapped read access to a finished store: ``store.read(key) -> StoredSample``.
+
+    ``verify``: ``quick`` checks at open that every shard exists with its recorded size,
+    ``full`` also checks every shard's SHA-256 (reads the whole store), ``none`` skips
+    both. Each sample's CRC32 is checked on read in all modes but ``none``.
+    """
+
+    def __init__(self, path: str | Path, verify: str = "quick", max_open: int = 64):
+        if verify not in ("none", "quick", "full"):
+            raise ValueError(f"features.verify={verify}: use none, quick or full")
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path)
+        if not self.manifest.get("complete"):
+            raise FeatureStoreError(
+                f"{self.path}: generation has not finished ({len(self.manifest.get('shards', []))} shards "
+                f"recorded); re-run the same generate_features command to resume it")
+        self.verify = verify
+        self.dtype = DTYPES[self.manifest["dtype"]]
+        self.shards = self.manifest["shards"]
+        self.max_open = max_open
+        self._open: OrderedDict[int, object] = OrderedDict()
+        self._prefix: dict[int, torch.Tensor] = {}
+        self.index: dict[str, tuple[int, int]] = {}
+        self._tables: list[torch.Tensor] = []
+        bad = []
+        for s, rec in enumerate(self.shards):
+            f = self.path / rec["file"]
+            if verify != "none":
+                if not f.is_file():
+                    bad.append(f"{f}: missing")
+                    continue
+                if f.stat().st_size != rec["bytes"]:
+                    bad.append(f"{f}: {f.stat().st_size} bytes, the manifest says {rec['bytes']} (truncated or replaced)")
+                    continue
+                if verify == "full" and sha256_file(f) != rec["sha256"]:
+                    bad.append(f"{f}: SHA-256 differs from the manifest (corrupt)")
+                    continue
+            with safe_open(str(f), "pt") as h:
+                keys = json.loads(h.metadata()["keys"])
+                self._tables.append(h.get_tensor("index"))
+            for j, key in enumerate(keys):
+                self.index[key] = (s, j)
+        if bad:
+            raise FeatureStoreError(
+                "feature store shards failed verification:\n  " + "\n  ".join(bad)
+                + "\nre-run generate_features with the same features.path: it regenerates exactly these shards")
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.index
+
+    def _handle(self, s: int):
+        h = self._open.get(s)
+        if h is None:
+            h = safe_open(str(self.path / self.shards[s]["file"]), "pt")
+            self._open[s] = h
+            if len(self._open) > self.max_open:
+                self._open.popitem(last=False)
+        else:
+            self._open.move_to_end(s)
+        return h
+
+    def _prefix_rows(self, s: int, h) -> torch.Tensor:
+        if s not in self._prefix:
+            prefix = h.get_tensor("prefix_hidden")
+            meta = h.metadata()
+            if self.verify != "none" and sample_crc(prefix, prefix[:0], prefix.new_zeros(0)) != int(meta["prefix_crc32"]):
+                raise FeatureStoreError(f"{self.path / self.shards[s]['file']}: shared prefix rows fail their "
+                                        "checksum (corrupt shard); re-run generate_features to regenerate it")
+            self._prefix[s] = prefix
+        return self._prefix[s]
+
+    def read(self, key: str) -> StoredSample:
+        if key not in self.index:
+            raise FeatureStoreError(
+                f"sample {key} is not in the feature store {self.path}; the store was generated from other data "
+                f"(regenerate it with the current data config)")
+        s, j = self.index[key]
+        row = self._tables[s][j].tolist()
+        c = {name: row[i] for name, i in _COL.items()}
+        h = self._handle(s)
+        n = c["n_tokens"]
+        ids = h.get_slice("input_ids")[c["token_start"]:c["token_start"] + n]
+        rows = h.get_slice("hidden")[c["hidden_start"]:c["hidden_start"] + c["n_hidden"]]
+        visual = h.get_slice("visual")[c["visual_start"]:c["visual_start"] + c["n_visual"]]
+        if self.verify != "none" and sample_crc(rows, visual, ids) != c["crc32"]:
+            raise FeatureStoreError(
+                f"{self.path / self.shards[s]['file']}: sample {key} fails its checksum (corrupt shard); re-run "
+                f"generate_features with features.path={self.path} to regenerate the shard")
+        bits = h.get_slice("loss_mask_bits")[c["mask_start"]:c["mask_start"] + math.ceil(n / 8)]
+        mask = torch.from_numpy(np.unpackbits(bits.numpy())[:n].astype(np.int64))
+        pos = None
+        if c["pos_start"] >= 0:
+            pos = h.get_slice("position_ids")[:, c["pos_start"]:c["pos_start"] + n].to(torch.int64)
+        return StoredSample(key, ids.to(torch.int64), mask, self._prefix_rows(s, h), rows, visual, pos,
+                            c["rope_delta"])
