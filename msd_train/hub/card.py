@@ -1,0 +1,327 @@
+"""The model card (README.md) of a pushed head: how it was trained, what it measured.
+
+Everything in the card is read from files the project writes: the head's config.json,
+`training.json` of its export folder (and of the stage it started from), the LoRA
+adapter's `adapter_config.json`, and the evaluation's `report.json`. Nothing is typed
+in by hand, so the card cannot drift from the head.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from pathlib import Path
+
+from msd_train.draft import MSDDraftConfig
+
+log = logging.getLogger(__name__)
+
+TAGS = ["speculative-decoding", "msd", "eagle", "draft-model", "multimodal"]
+
+#: File names of the MSD recipe's data -> their Hugging Face dataset repositories.
+KNOWN_DATASETS = {
+    "ShareGPT_V3_unfiltered_cleaned_split.json": "anon8231489123/ShareGPT_Vicuna_unfiltered",
+    "llava_v1_5_mix665k.json": "liuhaotian/LLaVA-Instruct-150K",
+}
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+# --- gathering ---------------------------------------------------------------------------------
+
+
+def read_training(folder: Path) -> list[dict]:
+    """`training.json` of this export and of the stages before it, oldest first.
+
+    A stage-2 export starts from `stage.init_from` or, when that is null,
+    `RUN_DIR/stage1/final` (the trainer's rule); its training.json is read from there.
+    """
+    chain, seen = [], set()
+    path = folder / "training.json"
+    while path.is_file() and path.resolve() not in seen:
+        seen.add(path.resolve())
+        meta = json.loads(path.read_text())
+        chain.append(meta)
+        cfg = meta.get("config") or {}
+        stage = cfg.get("stage") or {}
+        if str(meta.get("stage", stage.get("id"))) in ("1", "None"):
+            break
+        init = stage.get("init_from") or (f"{cfg['run_dir']}/stage1/final" if cfg.get("run_dir") else None)
+        if not init:
+            break
+        path = Path(init) / "training.json"
+    return chain[::-1]
+
+
+def find_report(folder: Path, explicit: str | Path | None = None) -> Path | None:
+    """`explicit` if given; else the newest report.json in the export folder, a folder
+    inside it, its parent, or a folder beside it. A report whose `draft` names another
+    head is skipped."""
+    if explicit:
+        path = Path(explicit)
+        if path.is_dir():
+            path = path / "report.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"report={explicit}: no such report.json")
+        return path
+    here = folder.resolve()
+    candidates = [here / "report.json", *here.glob("*/report.json"), here.parent / "report.json",
+                  *here.parent.glob("*/report.json")]
+    found = []
+    for path in {p.resolve() for p in candidates if p.is_file()}:
+        try:
+            draft = json.loads(path.read_text()).get("draft")
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        if draft and Path(str(draft)).exists() and Path(str(draft)).resolve() != here:
+            continue
+        found.append(path)
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def adapter_identity(adapter: str | None) -> dict | None:
+    """Who the target's LoRA adapter is: where it came from, its settings, a weights hash."""
+    if not adapter:
+        return None
+    ident = {"adapter": adapter}
+    folder = Path(adapter)
+    config = folder / "adapter_config.json"
+    if config.is_file():
+        cfg = json.loads(config.read_text())
+        for key in ("peft_type", "base_model_name_or_path", "r", "lora_alpha", "target_modules", "revision"):
+            if cfg.get(key) is not None:
+                ident[key] = sorted(cfg[key]) if isinstance(cfg[key], (list, set)) else cfg[key]
+    for name in ("adapter_model.safetensors", "adapter_model.bin"):
+        if (folder / name).is_file():
+            ident["weights_sha256"] = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+            break
+    return ident
+
+
+def datasets_of(training: list[dict]) -> list[str]:
+    """Hub dataset ids behind the training data: known file names, or paths that are ids."""
+    out = []
+    for meta in training:
+        data = (meta.get("config") or {}).get("data") or {}
+        for key in ("text", "multimodal"):
+            for source in data.get(key) or []:
+                path = str(source.get("path", "")) if isinstance(source, dict) else str(source)
+                ident = KNOWN_DATASETS.get(Path(path).name)
+                if ident is None and _REPO_ID.match(path) and not Path(path).exists():
+                    ident = path
+                if ident and ident not in out:
+                    out.append(ident)
+    return out
+
+
+# --- rendering ---------------------------------------------------------------------------------
+
+
+def _fmt(value, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_fmt(v, 2) for v in value) + "]"
+    return str(value)
+
+
+METRICS = [
+    ("tau", "tau", 3),
+    ("speedup", "speedup", 2),
+    ("tokens_per_s", "tokens/s", 1),
+    ("ar_tokens_per_s", "AR tokens/s", 1),
+    ("outputs_match_ar", "matches AR", 3),
+    ("n_samples", "samples", 0),
+    ("new_tokens", "new tokens", 0),
+]
+
+
+def _metrics_row(name: str, m: dict) -> str:
+    return "| " + " | ".join([name] + [_fmt(m.get(k), d) for k, _, d in METRICS]) + " |"
+
+
+def _groups(report: dict) -> dict[str, dict]:
+    """Per-category (per-benchmark) metrics, whichever key the report uses."""
+    for key in ("per_category", "categories", "per_benchmark", "benchmarks", "by_category"):
+        groups = report.get(key)
+        if isinstance(groups, dict):
+            return {str(k): v for k, v in groups.items() if isinstance(v, dict)}
+        if isinstance(groups, list):
+            return {str(g.get("category") or g.get("name") or g.get("bench") or i): g
+                    for i, g in enumerate(groups) if isinstance(g, dict)}
+    return {}
+
+
+def _evaluation_section(report: dict | None, report_name: str | None, repo_id: str, target: str | None) -> list[str]:
+    lines = ["## Evaluation", ""]
+    if report is None:
+        lines += [
+            "No evaluation was recorded for this head. Measure it with",
+            "",
+            "```bash",
+            f"python eval.py draft={repo_id} out=eval/{repo_id.split('/')[-1]}"
+            + (f" target.name_or_path={target}" if target else ""),
+            "```",
+            "",
+        ]
+        return lines
+    overall = report.get("overall") if isinstance(report.get("overall"), dict) else report
+    command = report.get("command")
+    lines += [f"Numbers from `{report_name}` (uploaded with the head)."]
+    if command:
+        lines += ["", "Evaluated with", "", "```bash", str(command), "```"]
+    settings = report.get("decoding") or report.get("settings")
+    facts = []
+    if report.get("device") or overall.get("device"):
+        facts.append(f"- device: {report.get('device') or overall.get('device')}")
+    if isinstance(settings, dict):
+        facts.append("- decoding: " + ", ".join(f"{k}={_fmt(v)}" for k, v in settings.items()))
+    elif settings:
+        facts.append(f"- decoding: {settings}")
+    for key in ("bench", "benchmark", "dtype", "date"):
+        if report.get(key) is not None:
+            facts.append(f"- {key}: {_fmt(report[key])}")
+    if facts:
+        lines += [""] + facts
+    header = "| | " + " | ".join(label for _, label, _ in METRICS) + " |"
+    lines += ["", header, "|" + "---|" * (len(METRICS) + 1), _metrics_row("overall", overall)]
+    for name, m in _groups(report).items():
+        lines.append(_metrics_row(name, m))
+    accept = [(n, m.get("accept_at_pos")) for n, m in [("overall", overall), *_groups(report).items()]]
+    accept = [(n, a) for n, a in accept if a]
+    if accept:
+        lines += ["", "Acceptance per draft position (conditional: position i accepted given positions < i were):", ""]
+        lines += [f"- {n}: {_fmt(a)}" for n, a in accept]
+    lines += [
+        "",
+        "tau: tokens committed per target verification forward, the bonus token included (plain decoding: 1). "
+        "speedup: speculative over plain autoregressive tokens/s of the same target in the same process "
+        "(ratio of totals). matches AR: whether greedy outputs equal plain greedy decoding exactly.",
+        "",
+    ]
+    return lines
+
+
+def _training_section(training: list[dict]) -> list[str]:
+    lines = ["## Training", ""]
+    if not training:
+        return lines + ["No training record (`training.json`) came with this head.", ""]
+    for meta in training:
+        cfg = meta.get("config") or {}
+        stage = cfg.get("stage") or {}
+        train = cfg.get("train") or {}
+        data = cfg.get("data") or {}
+        lines += [f"### Stage {meta.get('stage', stage.get('id', '?'))} (exported at step {meta.get('step', '?')})", ""]
+        if meta.get("command"):
+            lines += ["```bash", str(meta["command"]), "```", ""]
+        cur = stage.get("curriculum")
+        if cur:
+            if not cur.get("ramp_steps") and cur.get("start") == cur.get("end"):
+                share = cur.get("start", 0.0)
+                text = "text-only" if not share else f"constant multimodal share {share}"
+                lines.append(f"- curriculum: {text}")
+            else:
+                lines.append(f"- curriculum: multimodal share of each batch {cur.get('start')} -> {cur.get('end')} "
+                             f"over {cur.get('ramp_steps')} optimizer steps ({cur.get('schedule', 'linear')})")
+        for key, label in (("text", "text data"), ("multimodal", "multimodal data")):
+            paths = [str(s.get("path")) if isinstance(s, dict) else str(s) for s in data.get(key) or []]
+            if paths and (key == "text" or (cur or {}).get("end")):
+                lines.append(f"- {label}: " + ", ".join(f"`{Path(p).name}`" for p in paths))
+        hp = [f"{k}={train[k]}" for k in ("max_steps", "micro_batch_size", "grad_accum", "lr", "warmup_steps",
+                                          "grad_clip", "w_feat", "w_tok", "noise", "noise_scale", "precision")
+              if k in train]
+        if hp:
+            lines.append("- " + ", ".join(hp))
+        if cfg.get("deepspeed", {}).get("zero_optimization"):
+            lines.append(f"- DeepSpeed ZeRO stage {cfg['deepspeed']['zero_optimization'].get('stage')}")
+        lines.append("")
+    return lines
+
+
+def model_card(
+    config: MSDDraftConfig,
+    repo_id: str,
+    training: list[dict],
+    report: dict | None = None,
+    report_name: str | None = "report.json",
+    files: list[tuple[str, int]] | None = None,
+    license: str = "apache-2.0",
+    datasets: list[str] | None = None,
+    num_parameters: int | None = None,
+    dtype: str | None = None,
+    imported_from: str | None = None,
+) -> str:
+    """README.md text: YAML metadata, then usage, head, target, training, evaluation."""
+    from huggingface_hub import ModelCardData
+
+    target = config.target_name_or_path
+    tags = TAGS + (["qwen2-vl"] if config.layer_family == "qwen2" else ["llava"])
+    data = ModelCardData(
+        base_model=target if target and _REPO_ID.match(target) else None,
+        license=license,
+        datasets=datasets if datasets is not None else (datasets_of(training) or None),
+        tags=tags,
+        pipeline_tag=None,
+    )
+    adapter = adapter_identity(config.target_adapter)
+    lines = ["---", data.to_yaml(), "---", "", f"# MSD draft head for {target or 'an unnamed target'}", ""]
+    lines += [
+        "A draft head for lossless speculative decoding of a multimodal model: MSD (Lin et al., "
+        "arXiv 2505.14260), an EAGLE-style head that fuses the target's last hidden state with the next token's "
+        "embedding and treats visual tokens apart from text tokens. It is not a model on its own: it uses the "
+        "target's embedding table and `lm_head`, and the target verifies every drafted token, so outputs are "
+        "exactly the target's. Trained with msd-train.",
+        "",
+        "## Use",
+        "",
+        "```python",
+        "from msd_train.hub import load_head",
+        "from msd_train.targets import load_target",
+        "",
+        f"target = load_target({target!r}" + (f", adapter={config.target_adapter!r}" if config.target_adapter else "")
+        + ", device=\"cuda\")",
+        f"head = load_head({repo_id!r}, target=target)",
+        "```",
+        "",
+        "## Head",
+        "",
+        "| field | value |",
+        "|---|---|",
+    ]
+    rows = [
+        ("layer family", config.layer_family),
+        ("decoder layers", config.num_hidden_layers),
+        ("hidden size", config.hidden_size),
+        ("intermediate size", config.intermediate_size),
+        ("attention heads (KV heads)", f"{config.num_attention_heads} ({config.num_key_value_heads})"),
+        ("fc bias", config.fc_bias),
+        ("input norm on the first layer", config.first_layer_input_norm),
+        ("visual decoupling", config.decouple_visual),
+        ("visual offset", config.visual_offset),
+        ("M-RoPE sections", config.mrope_section),
+        ("parameters", f"{num_parameters:,}" if num_parameters else None),
+        ("dtype", dtype),
+    ]
+    lines += [f"| {k} | {_fmt(v)} |" for k, v in rows if v is not None]
+    if imported_from:
+        lines += ["", f"Imported from the released head `{imported_from}` (weights unchanged)."]
+    lines += ["", "## Target", "", f"- base model: `{target}`"]
+    if config.target_vocab_size:
+        lines.append(f"- vocabulary: {config.target_vocab_size} tokens")
+    if adapter:
+        lines.append(f"- LoRA adapter merged into the target: `{adapter['adapter']}`")
+        lines += [f"  - {k}: {_fmt(v)}" for k, v in adapter.items() if k != "adapter"]
+        lines.append("  - load the target with this adapter (`target.adapter=...`): the head was trained on its features")
+    else:
+        lines.append("- adapter: none")
+    lines.append("")
+    lines += _training_section(training)
+    lines += _evaluation_section(report, report_name, repo_id, target)
+    if files:
+        lines += ["## Files", ""] + [f"- `{name}` ({size:,} bytes)" for name, size in files] + [""]
+    return "\n".join(lines)

@@ -1,0 +1,141 @@
+"""Publish an export folder to the Hugging Face Hub with a generated model card.
+
+`push_head` talks to the Hub through a client with two methods, `create_repo` and
+`upload_folder` (`huggingface_hub.HfApi` by default); tests pass a recording fake.
+The token is handed to the client only: it is never printed, logged or written, and
+is scrubbed from any error the client raises.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from msd_train.hub.card import find_report, model_card, read_training
+from msd_train.hub.folders import IncompleteHeadError, export_weight_files, load_export
+from msd_train.hub.reference import IMPORT_RECORD
+
+log = logging.getLogger(__name__)
+
+#: Files of an export folder that are published besides the weights.
+SIDE_FILES = ("config.json", "training.json", IMPORT_RECORD)
+
+
+@dataclass
+class PushPlan:
+    """What would be uploaded: (name in the repo, source path or None when generated)."""
+
+    folder: Path
+    repo_id: str
+    files: list[tuple[str, Path | None]]
+    card: str
+    report_path: Path | None
+
+    def listing(self) -> list[tuple[str, int]]:
+        return [(name, src.stat().st_size if src else len(self.card.encode())) for name, src in self.files]
+
+
+def plan_push(
+    checkpoint: str | Path,
+    repo_id: str,
+    report: str | Path | None = None,
+    license: str = "apache-2.0",
+    datasets: list[str] | None = None,
+) -> PushPlan:
+    """Check the export folder (refusing an incomplete one) and build the card."""
+    folder = Path(checkpoint)
+    if not folder.is_dir():
+        raise IncompleteHeadError(f"checkpoint={checkpoint}: no such folder")
+    if not (folder / "config.json").is_file() and (folder / "final" / "config.json").is_file():
+        log.info("checkpoint=%s is a stage folder; pushing its final export %s/final", folder, folder)
+        folder = folder / "final"
+    if not (folder / "config.json").is_file():
+        raise IncompleteHeadError(
+            f"checkpoint={folder}: no config.json, so no head to push. Pass an export folder "
+            f"(RUN_DIR/stageN/final, or the out= of scripts/export.py / scripts/import_reference.py)"
+        )
+    weights = export_weight_files(folder)  # raises when missing
+    model = load_export(folder)  # raises when the weights do not load into the configured head
+    report_path = find_report(folder, report)
+    report_data = json.loads(report_path.read_text()) if report_path else None
+    files = [(p.name, p) for p in weights]
+    files += [(name, folder / name) for name in SIDE_FILES if (folder / name).is_file()]
+    if report_path:
+        files.append(("report.json", report_path))
+    imported = json.loads((folder / IMPORT_RECORD).read_text())["source"] if (folder / IMPORT_RECORD).is_file() else None
+    listing = [(name, src.stat().st_size) for name, src in files]
+    card = model_card(
+        model.config, repo_id, read_training(folder), report=report_data,
+        report_name="report.json" if report_path else None, files=listing, license=license, datasets=datasets,
+        num_parameters=model.num_parameters(), dtype=str(model.dtype).replace("torch.", ""), imported_from=imported,
+    )
+    return PushPlan(folder, repo_id, [*files, ("README.md", None)], card, report_path)
+
+
+def _scrub(text: str, token: str | None) -> str:
+    for secret in (token, os.environ.get("HF_TOKEN"), os.environ.get("HUGGING_FACE_HUB_TOKEN")):
+        if secret:
+            text = text.replace(secret, "***")
+    return text
+
+
+def push_head(
+    checkpoint: str | Path,
+    repo_id: str,
+    private: bool = False,
+    dry_run: bool = False,
+    report: str | Path | None = None,
+    token: str | None = None,
+    client=None,
+    license: str = "apache-2.0",
+    datasets: list[str] | None = None,
+    commit_message: str | None = None,
+    echo=print,
+) -> PushPlan:
+    """Create `repo_id` if missing and upload the export folder with its model card.
+
+    `dry_run`: list the files and print the card, touch nothing. `token`: given to the
+    client only (default: HF_TOKEN or the cached `huggingface-cli login`). Returns the
+    plan that was (or would be) uploaded.
+    """
+    if "/" not in repo_id:
+        raise ValueError(f"repo_id={repo_id}: use USER/NAME (or ORG/NAME)")
+    plan = plan_push(checkpoint, repo_id, report, license, datasets)
+    plan.card = _scrub(plan.card, token)
+    echo(f"head: {plan.folder}")
+    echo(f"report: {plan.report_path or 'none (the card says no evaluation was recorded)'}")
+    echo(f"{'would upload' if dry_run else 'uploading'} to {repo_id} ({'private' if private else 'public'}):")
+    for name, size in plan.listing():
+        echo(f"  {name:<32} {size:>14,} bytes")
+    if dry_run:
+        echo("\n----- README.md -----\n" + plan.card)
+        return plan
+    if client is None:
+        from huggingface_hub import HfApi
+
+        client = HfApi(token=token)
+    with tempfile.TemporaryDirectory(prefix="msd-push-") as tmp:
+        staged = Path(tmp)
+        for name, src in plan.files:
+            if src is None:
+                (staged / name).write_text(plan.card)
+                continue
+            try:
+                os.link(src, staged / name)  # same bytes, no copy of a large weight file
+            except OSError:
+                shutil.copy2(src, staged / name)
+        try:
+            client.create_repo(repo_id=repo_id, private=private, exist_ok=True, repo_type="model")
+            result = client.upload_folder(
+                repo_id=repo_id, folder_path=str(staged), repo_type="model",
+                commit_message=commit_message or f"Upload MSD draft head from {plan.folder.name}",
+            )
+        except Exception as err:
+            raise RuntimeError(f"push to {repo_id} failed: {_scrub(f'{type(err).__name__}: {err}', token)}") from None
+    echo(f"pushed: {getattr(result, 'commit_url', None) or f'https://huggingface.co/{repo_id}'}")
+    return plan

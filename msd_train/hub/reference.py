@@ -1,0 +1,579 @@
+"""The layout of the released MSD heads, to and from this project's export folder.
+
+Released layout (`lucylyn/MSD-LLaVA1.5-7B` and siblings)::
+
+    config.json        Llama-like: hidden_size, ..., num_hidden_layers 1,
+                       model_type "llava" | "qwen2_vl", optional "bias" (fc bias, default true)
+    pytorch_model.bin  or model.safetensors:
+                       embed_tokens.weight, fc.weight, fc.bias,
+                       layers.0.self_attn.{q,k,v,o}_proj.weight (+ q/k/v .bias for Qwen2),
+                       layers.0.mlp.{gate,up,down}_proj.weight,
+                       layers.0.post_attention_layernorm.weight (+ input_layernorm for Qwen2)
+
+This project's export folder (`MSDDraftModel.save_pretrained`) holds the same `fc.*` and
+`layers.*` tensors under the same names, no embedding (the head uses the target's), and
+a config that states the conventions the released code fixed implicitly: layer family,
+no input norm on the first LLaVA layer, fc bias, decoupling with the released offset.
+An import also writes `reference_import.json` (the original config.json verbatim, the
+weight-file format, the embedding's shape and sha256, the embedding check), which lets
+`export_reference` reproduce the original folder bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from msd_train.draft import MSDDraftConfig, MSDDraftModel
+from msd_train.hub.folders import (
+    REFERENCE_MODEL_TYPES,
+    REFERENCE_WEIGHT_FILES,
+    IncompleteHeadError,
+    detect_layout,
+    load_export,
+    read_config,
+    resolve_folder,
+)
+from msd_train.hub.vocab import EmbeddingCheck, VocabMap, check_embedding
+from msd_train.targets import resolve_dtype
+
+log = logging.getLogger(__name__)
+
+IMPORT_RECORD = "reference_import.json"
+EMBED_KEY = "embed_tokens.weight"
+
+#: The targets the published heads were trained for, by (model_type, hidden_size), and
+#: those targets' vocabulary sizes in their transformers format. Used only to fill the
+#: head's `target_*` fields when the importer is not told the target.
+PUBLISHED_TARGETS = {
+    ("llava", 4096): ("llava-hf/llava-1.5-7b-hf", 32064),
+    ("llava", 5120): ("llava-hf/llava-1.5-13b-hf", 32064),
+    ("qwen2_vl", 3584): ("Qwen/Qwen2-VL-7B-Instruct", 152064),
+}
+
+
+# --- the target, as far as heads care ------------------------------------------------------
+
+
+@dataclass
+class TargetInfo:
+    """What import/export need to know of a target: its name, sizes, embedding table."""
+
+    name: str
+    model_type: str | None
+    vocab_size: int
+    hidden_size: int
+    embedding: torch.Tensor | None  # [vocab, H]; None when not read
+    original_vocab_size: int | None = None  # LLaVA: the tokenizer's base vocabulary (no appended tokens)
+    adapter: str | None = None
+
+
+def describe_target(target, read_embedding: bool = True) -> TargetInfo:
+    """A `msd_train.targets.Target` (or any object with `config` and `embed_tokens`), or a
+    target name / path, whose embedding is then read from its weight files alone."""
+    if target is None:
+        raise ValueError("no target given")
+    if not isinstance(target, (str, os.PathLike)):
+        config = target.config
+        text = config.get_text_config(decoder=True)
+        tokenizer = getattr(target, "tokenizer", None)
+        return TargetInfo(
+            name=str(getattr(target, "name", None) or getattr(config, "_name_or_path", "")),
+            model_type=config.model_type,
+            vocab_size=text.vocab_size,
+            hidden_size=text.hidden_size,
+            embedding=target.embed_tokens.weight.detach() if read_embedding else None,
+            original_vocab_size=getattr(tokenizer, "vocab_size", None),
+            adapter=getattr(target, "adapter", None),
+        )
+    from transformers import AutoConfig, AutoTokenizer
+
+    name = str(target)
+    config = AutoConfig.from_pretrained(name)
+    text = config.get_text_config(decoder=True)
+    original = None
+    if config.model_type == "llava":
+        try:
+            original = AutoTokenizer.from_pretrained(name).vocab_size
+        except Exception as err:  # a target without a tokenizer still has an embedding
+            log.warning("%s: could not read the tokenizer (%s); assuming no appended tokens", name, err)
+    return TargetInfo(
+        name=name, model_type=config.model_type, vocab_size=text.vocab_size, hidden_size=text.hidden_size,
+        embedding=read_target_embedding(name) if read_embedding else None, original_vocab_size=original,
+    )
+
+
+def read_target_embedding(name_or_path: str, revision: str | None = None) -> torch.Tensor:
+    """The target's input embedding table, read from its weight files alone (one shard,
+    not the whole model): the text model's `*embed_tokens.weight`."""
+    from huggingface_hub import hf_hub_download
+    from safetensors import safe_open
+
+    local = Path(name_or_path)
+
+    def fetch(filename: str) -> Path | None:
+        if local.is_dir():
+            return local / filename if (local / filename).is_file() else None
+        try:
+            return Path(hf_hub_download(str(name_or_path), filename, revision=revision))
+        except Exception:
+            return None
+
+    def pick(keys) -> str:
+        found = [k for k in keys if k.endswith("embed_tokens.weight") and "vision" not in k and "visual" not in k]
+        if len(found) != 1:
+            raise ValueError(f"{name_or_path}: expected one text embed_tokens.weight, found {found or 'none'}")
+        return found[0]
+
+    index = fetch("model.safetensors.index.json")
+    if index is not None:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        key = pick(weight_map)
+        path = fetch(weight_map[key])
+    else:
+        path = fetch("model.safetensors")
+        if path is None:
+            bin_path = fetch("pytorch_model.bin")
+            if bin_path is None:
+                raise FileNotFoundError(f"{name_or_path}: no model.safetensors(.index.json) or pytorch_model.bin")
+            state = torch.load(bin_path, map_location="cpu", weights_only=True, mmap=True)
+            return state[pick(state)].clone()
+        with safe_open(path, "pt") as f:
+            key = pick(f.keys())
+    with safe_open(path, "pt") as f:
+        return f.get_tensor(key)
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+# --- reading the released layout -------------------------------------------------------------
+
+
+@dataclass
+class ReferenceHead:
+    """A released-layout head as read from disk."""
+
+    folder: Path
+    config: dict
+    state_dict: dict[str, torch.Tensor]
+    weights_file: str  # "model.safetensors" or "pytorch_model.bin"
+
+    @property
+    def model_type(self) -> str:
+        return self.config["model_type"]
+
+    @property
+    def family(self) -> str:
+        return REFERENCE_MODEL_TYPES[self.model_type]
+
+
+def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
+    """safetensors, or a `pytorch_model.bin` through `torch.load(weights_only=True)` only."""
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise IncompleteHeadError(
+            f"{path}: not loadable as plain tensors with torch.load(weights_only=True) ({err}); "
+            f"arbitrary pickles are never loaded"
+        ) from err
+
+
+def read_reference(folder: str | Path) -> ReferenceHead:
+    folder = Path(folder)
+    config = read_config(folder)
+    if config.get("model_type") not in REFERENCE_MODEL_TYPES:
+        raise IncompleteHeadError(
+            f"{folder}/config.json: model_type {config.get('model_type')!r} is not one of the released "
+            f"heads' ({', '.join(REFERENCE_MODEL_TYPES)})"
+        )
+    for name in REFERENCE_WEIGHT_FILES:
+        if (folder / name).is_file():
+            state = load_weights_file(folder / name)
+            break
+    else:
+        raise IncompleteHeadError(f"{folder}: no weights ({' or '.join(REFERENCE_WEIGHT_FILES)})")
+    if "fc.weight" not in state:
+        raise IncompleteHeadError(
+            f"{folder}/{name}: no fc.weight; this is not an MSD/EAGLE draft head "
+            f"(a full {config['model_type']} model folder, perhaps?)"
+        )
+    return ReferenceHead(folder, config, state, name)
+
+
+# --- released -> ours ------------------------------------------------------------------------
+
+
+def _rope_from_reference(cfg: dict) -> tuple[dict, list[int] | None]:
+    """(transformers-5 rope_parameters, mrope_section) from a released config, which
+    uses the transformers-4 fields `rope_theta` and `rope_scaling`."""
+    if cfg.get("rope_parameters"):
+        rope = dict(cfg["rope_parameters"])
+    else:
+        scaling = dict(cfg.get("rope_scaling") or {})
+        rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+        rope = {"rope_type": rope_type, "rope_theta": float(cfg.get("rope_theta", 10000.0)), **scaling}
+    mrope = rope.pop("mrope_section", None)
+    if rope.get("rope_type") == "mrope":  # Qwen2-VL's label for default frequencies split in sections
+        rope["rope_type"] = "default"
+    return rope, (list(mrope) if mrope is not None else None)
+
+
+def _layer_count(state: dict) -> int:
+    ids = {int(k.split(".")[1]) for k in state if k.startswith("layers.")}
+    if ids != set(range(len(ids))) or not ids:
+        raise IncompleteHeadError(f"decoder layers must be numbered 0..N-1, found {sorted(ids)}")
+    return len(ids)
+
+
+def config_from_reference(ref: ReferenceHead, target: TargetInfo | None = None) -> MSDDraftConfig:
+    """Translate a released config.json into an `MSDDraftConfig`.
+
+    Sizes come from the config (a nested `text_config`, if any, wins), the layer count
+    from the weights. Conventions the released code fixed without saying so are set
+    explicitly: the family from model_type, no input norm on the first LLaVA layer (but
+    one on the Qwen2-VL head's), the fc bias from `"bias"` (default true), and
+    decoupling with the released offset (visual block at `p-1 .. p+N-2`).
+    """
+    cfg = {**ref.config, **(ref.config.get("text_config") or {})}
+    heads = cfg["num_attention_heads"]
+    rope, mrope = _rope_from_reference(cfg)
+    hidden = cfg["hidden_size"]
+    if target is not None:
+        target_name, target_vocab = target.name, target.vocab_size
+    else:
+        target_name, target_vocab = PUBLISHED_TARGETS.get((ref.model_type, hidden), (None, None))
+    return MSDDraftConfig(
+        hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads,
+        num_hidden_layers=_layer_count(ref.state_dict),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        hidden_act=cfg.get("hidden_act", "silu"),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        rope_parameters=rope,
+        mrope_section=mrope,
+        layer_family=ref.family,
+        fc_bias=bool(ref.config.get("bias", True)),
+        first_layer_input_norm=ref.family == "qwen2",
+        decouple_visual=True,
+        visual_offset="released",
+        target_name_or_path=target_name,
+        target_vocab_size=target_vocab,
+        target_hidden_size=hidden,
+        target_adapter=target.adapter if target is not None else None,
+    )
+
+
+@dataclass
+class ImportReport:
+    """What an import found and did; `notes` are worth reading, `embedding` is None when
+    no target was given."""
+
+    source: str
+    weights_file: str
+    model_type: str
+    config: dict  # the translated MSDDraftConfig fields that matter
+    dropped_keys: list[str]
+    embed_rows: int
+    embed_sha256: str
+    embedding: EmbeddingCheck | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def record(self, reference_config: dict) -> dict:
+        """The `reference_import.json` an import writes next to the export."""
+        return {
+            "source": self.source,
+            "weights_file": self.weights_file,
+            "reference_config": reference_config,
+            "embed_tokens": {"rows": self.embed_rows, "sha256": self.embed_sha256},
+            "embedding_check": self.embedding.as_dict() if self.embedding else None,
+            "dropped_keys": self.dropped_keys,
+            "notes": self.notes,
+        }
+
+
+def convert_reference(ref: ReferenceHead, target=None, source: str | None = None) -> tuple[MSDDraftModel, ImportReport]:
+    """Build an `MSDDraftModel` from a released head, with its weights bit for bit.
+
+    `target` (a `Target`, a name or path, or None): when given, the released
+    `embed_tokens` is compared with the target's table on the shared ids and the head's
+    `target_*` fields name it.
+    """
+    info = describe_target(target) if target is not None else None
+    config = config_from_reference(ref, info)
+    state = dict(ref.state_dict)
+    notes, dropped = [], []
+    embed = state.pop(EMBED_KEY, None)
+    if embed is None:
+        raise IncompleteHeadError(f"{ref.folder}/{ref.weights_file}: no {EMBED_KEY}")
+    if embed.shape[1] != config.hidden_size:
+        raise IncompleteHeadError(f"{ref.folder}: {EMBED_KEY} is {list(embed.shape)}, hidden_size {config.hidden_size}")
+    if ref.config.get("vocab_size") not in (None, embed.shape[0]):
+        notes.append(f"config vocab_size {ref.config['vocab_size']} but {EMBED_KEY} has {embed.shape[0]} rows")
+
+    norm0 = "layers.0.input_layernorm.weight"
+    if config.layer_family == "llama" and norm0 in state:
+        # The released LLaVA code keeps this module but never applies it to layer 0.
+        state.pop(norm0)
+        dropped.append(norm0)
+        notes.append(f"{norm0} dropped: the released LLaVA head does not apply an input norm on its first layer")
+    if config.layer_family == "qwen2" and norm0 not in state:
+        raise IncompleteHeadError(f"{ref.folder}/{ref.weights_file}: a Qwen2-VL head needs {norm0}")
+    if config.fc_bias and "fc.bias" not in state:
+        raise IncompleteHeadError(
+            f"{ref.folder}/{ref.weights_file}: no fc.bias, but config.json does not say \"bias\": false"
+        )
+    if not config.fc_bias and "fc.bias" in state:
+        raise IncompleteHeadError(f"{ref.folder}: config.json says \"bias\": false but the weights hold fc.bias")
+    if config.uses_mrope:
+        notes.append("the released Qwen2-VL head was trained with 1-D positions; this project feeds it the "
+                     "target's M-RoPE ids, which agree on text but not at and after images")
+
+    dtypes = {t.dtype for t in state.values()}
+    dtype = state["fc.weight"].dtype
+    if len(dtypes) > 1:
+        notes.append(f"mixed dtypes {sorted(map(str, dtypes))} cast to {dtype}")
+    model = MSDDraftModel(config).to(dtype)
+    expected = set(model.state_dict())
+    unexpected, missing = sorted(set(state) - expected), sorted(expected - set(state))
+    if unexpected or missing:
+        raise IncompleteHeadError(
+            f"{ref.folder}/{ref.weights_file}: keys do not match an MSD head with config.json's sizes "
+            f"(unexpected: {unexpected or 'none'}; missing: {missing or 'none'})"
+        )
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise IncompleteHeadError(f"{ref.folder}: weight shapes do not match config.json: {err}") from err
+
+    check = None
+    if info is not None:
+        check = check_embedding(embed, info.embedding)
+        (log.info if check.ok else log.warning)("%s: %s", ref.folder, check.message())
+        if not check.ok:
+            notes.append(check.message())
+        if info.hidden_size != config.hidden_size:
+            raise ValueError(f"{ref.folder}: hidden size {config.hidden_size} does not fit target {info.name} "
+                             f"(hidden size {info.hidden_size})")
+    elif config.target_name_or_path:
+        notes.append(f"no target given; target_name_or_path set to {config.target_name_or_path}, the target "
+                     f"the published {ref.model_type} heads of hidden size {config.hidden_size} were trained for")
+    report = ImportReport(
+        source=source or str(ref.folder), weights_file=ref.weights_file, model_type=ref.model_type,
+        config={k: getattr(config, k) for k in ("layer_family", "num_hidden_layers", "fc_bias",
+                                                "first_layer_input_norm", "decouple_visual", "visual_offset",
+                                                "mrope_section", "target_name_or_path")},
+        dropped_keys=dropped, embed_rows=embed.shape[0], embed_sha256=tensor_sha256(embed), embedding=check,
+        notes=notes,
+    )
+    return model.eval(), report
+
+
+def import_reference(src: str | Path, out: str | Path, target=None, revision: str | None = None) -> ImportReport:
+    """Released-layout folder (or Hub repo id) -> an export folder `out` that loads with
+    `MSDDraftModel.from_pretrained(out)`. Written atomically (temp folder, then rename)."""
+    folder = resolve_folder(src, revision)
+    ref = read_reference(folder)
+    model, report = convert_reference(ref, target, source=str(src))
+    out = Path(out)
+
+    def write(tmp: Path):
+        model.save_pretrained(tmp)
+        (tmp / IMPORT_RECORD).write_text(json.dumps(report.record(ref.config), indent=1))
+
+    write_atomic(out, write)
+    return report
+
+
+def write_atomic(out: Path, write) -> None:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp-{out.name}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+# --- ours -> released ------------------------------------------------------------------------
+
+
+def reference_config(config: MSDDraftConfig, vocab_size: int, dtype: torch.dtype) -> dict:
+    """A released-style config.json for a head trained here (Llama field names)."""
+    rope = dict(config.rope_parameters or {})
+    theta = rope.pop("rope_theta", 10000.0)
+    rope_type = rope.pop("rope_type", "default")
+    rope.pop("mrope_section", None)
+    if config.mrope_section is not None:
+        scaling = {"type": "mrope", "mrope_section": list(config.mrope_section)}
+    elif rope_type != "default":
+        scaling = {"type": rope_type, **rope}
+    else:
+        scaling = None
+    return {
+        "model_type": "qwen2_vl" if config.layer_family == "qwen2" else "llava",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "num_hidden_layers": config.num_hidden_layers,
+        "hidden_act": config.hidden_act,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "vocab_size": vocab_size,
+        "bias": config.fc_bias,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).replace("torch.", ""),
+    }
+
+
+def _reference_embedding(folder: Path, record: dict | None, target, embed_from, vocab_size: int | None):
+    """The `embed_tokens.weight` a released-layout folder needs, and where it came from.
+
+    In order: `embed_from` (a released-layout folder, e.g. the one a head was imported
+    from), the target's table cut to the released vocabulary, or the folder the head was
+    imported from (recorded in reference_import.json) when it is still reachable.
+    """
+    if embed_from is not None:
+        return read_reference(resolve_folder(embed_from)).state_dict[EMBED_KEY], f"{embed_from}"
+    if target is not None:
+        info = describe_target(target)
+        rows = vocab_size or (record or {}).get("embed_tokens", {}).get("rows")
+        if rows is None:
+            # The original LLaVA vocabulary ends where llava-hf appended <image> and padding.
+            rows = info.original_vocab_size if info.model_type == "llava" and info.original_vocab_size else None
+            rows = rows or info.embedding.shape[0]
+        return VocabMap(rows, info.embedding.shape[0]).rows_to_released(info.embedding), f"target {info.name}"
+    if record is not None:
+        try:
+            source = resolve_folder(record["source"])
+        except (FileNotFoundError, IncompleteHeadError) as err:
+            raise FileNotFoundError(
+                f"{folder}: was imported from {record['source']}, which is not reachable now ({err}); pass "
+                f"embed_from=<the released folder> or target=<the target> to supply embed_tokens.weight"
+            ) from err
+        return read_reference(source).state_dict[EMBED_KEY], f"{record['source']} (recorded at import)"
+    raise ValueError(
+        f"{folder}: the released layout stores embed_tokens.weight, which this export does not hold (the head "
+        f"uses its target's); pass target=<target name or path> or embed_from=<a released-layout folder>"
+    )
+
+
+def export_reference(
+    checkpoint: str | Path,
+    out: str | Path,
+    target=None,
+    embed_from: str | Path | None = None,
+    weights: str = "auto",
+    vocab_size: int | None = None,
+) -> dict:
+    """Write an export folder in the released layout, for tools written for the reference.
+
+    Weights are copied bit for bit; `embed_tokens.weight` comes from `embed_from`, the
+    target, or the recorded import source (see `_reference_embedding`), in the head's
+    dtype. `weights`: "safetensors", "bin", or "auto" (the imported file's format when
+    round-tripping, else safetensors). Returns a summary dict (files, embedding source,
+    warnings).
+    """
+    folder = resolve_folder(checkpoint)
+    model = load_export(folder)
+    config = model.config
+    record_path = folder / IMPORT_RECORD
+    record = json.loads(record_path.read_text()) if record_path.is_file() else None
+    warnings = []
+    family_norm = config.layer_family == "qwen2"
+    if config.first_layer_input_norm != family_norm:
+        raise ValueError(
+            f"{folder}: first_layer_input_norm={config.first_layer_input_norm} cannot be expressed in the released "
+            f"layout, whose {'Qwen2-VL' if family_norm else 'LLaVA'} code {'always' if family_norm else 'never'} "
+            f"applies an input norm on the first layer"
+        )
+    if not config.decouple_visual or config.visual_offset != "released":
+        warnings.append(f"this head was trained with decouple_visual={config.decouple_visual}, "
+                        f"visual_offset={config.visual_offset!r}; the released code decouples with the released "
+                        f"offset, so acceptance on images will drop there")
+    embed, embed_source = _reference_embedding(folder, record, target, embed_from, vocab_size)
+    dtype = model.dtype
+    embed = embed.to(dtype)
+    if record is not None and tensor_sha256(embed) != record["embed_tokens"]["sha256"]:
+        warnings.append(f"embed_tokens from {embed_source} differs from the one the head was imported with")
+
+    if record is not None:
+        ref_config = dict(record["reference_config"])
+        if ref_config.get("vocab_size") not in (None, embed.shape[0]):
+            ref_config["vocab_size"] = embed.shape[0]
+    else:
+        ref_config = reference_config(config, embed.shape[0], dtype)
+    if weights == "auto":
+        weights = "bin" if record is not None and record["weights_file"].endswith(".bin") else "safetensors"
+    if weights not in ("safetensors", "bin"):
+        raise ValueError(f"weights={weights!r}: use safetensors, bin or auto")
+    state = {EMBED_KEY: embed}
+    state.update({k: v.detach().contiguous() for k, v in model.state_dict().items()})
+    filename = "model.safetensors" if weights == "safetensors" else "pytorch_model.bin"
+
+    def write(tmp: Path):
+        if weights == "safetensors":
+            from safetensors.torch import save_file
+
+            save_file(state, tmp / filename, metadata={"format": "pt"})
+        else:
+            torch.save({k: v.clone() for k, v in state.items()}, tmp / filename)
+        (tmp / "config.json").write_text(json.dumps(ref_config, indent=2) + "\n")
+
+    write_atomic(Path(out), write)
+    for w in warnings:
+        log.warning("%s", w)
+    return {"out": str(out), "files": ["config.json", filename], "embed_tokens_from": embed_source,
+            "embed_rows": embed.shape[0], "warnings": warnings}
+
+
+def export_msd(checkpoint: str | Path, out: str | Path, target=None, dtype: str | None = None) -> dict:
+    """Write this project's export folder from an export folder or a released-layout one,
+    optionally cast to `dtype` (fp16/bf16/fp32): training exports are fp32."""
+    folder = resolve_folder(checkpoint)
+    extra = {}
+    if detect_layout(folder) == "reference":
+        ref = read_reference(folder)
+        model, report = convert_reference(ref, target, source=str(checkpoint))
+        extra[IMPORT_RECORD] = json.dumps(report.record(ref.config), indent=1)
+    else:
+        model = load_export(folder)
+        for name in ("training.json", IMPORT_RECORD):
+            if (folder / name).is_file():
+                extra[name] = (folder / name).read_text()
+    if dtype:
+        model = model.to(resolve_dtype(dtype, "cpu"))
+
+    def write(tmp: Path):
+        model.save_pretrained(tmp)
+        for name, text in extra.items():
+            (tmp / name).write_text(text)
+
+    write_atomic(Path(out), write)
+    return {"out": str(out), "files": sorted(["config.json", "model.safetensors", *extra]), "dtype": str(model.dtype)}

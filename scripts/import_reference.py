@@ -1,0 +1,35 @@
+#!/usr/bin/env python
+"""Import a released MSD head into this project's export format.
+
+    python scripts/import_reference.py src=lucylyn/MSD-LLaVA1.5-7B out=heads/msd-llava15-7b target=llava15_7b
+
+Reads config.json + pytorch_model.bin (with torch.load(weights_only=True)) or
+model.safetensors, writes OUT/config.json + OUT/model.safetensors (loadable with
+MSDDraftModel.from_pretrained) and OUT/reference_import.json. See docs/hub.md.
+"""
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from msd_train.hub.cli import parse_args, resolve_target  # noqa: E402
+
+
+def main(argv=None) -> None:
+    cfg = parse_args("import_reference", argv, __doc__)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from msd_train.hub import import_reference
+
+    target, _ = resolve_target(cfg.target)
+    report = import_reference(cfg.src, cfg.out, target=target, revision=cfg.revision)
+    print(f"imported {cfg.src} -> {cfg.out}")
+    print(json.dumps({"config": report.config, "dropped_keys": report.dropped_keys,
+                      "embedding_check": report.embedding.as_dict() if report.embedding else None,
+                      "notes": report.notes}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+#!/usr/bin/env python
+"""Publish a head to the Hugging Face Hub with a generated model card.
+
+    python scripts/push_to_hub.py checkpoint=runs/tiny/stage2/final repo_id=me/msd-tiny dry_run=true
+    python scripts/push_to_hub.py checkpoint=runs/tiny/stage2/final repo_id=me/msd-tiny private=true
+
+Creates the repository if missing and uploads the export folder (weights, config.json,
+training.json), report.json and README.md. The card carries the training commands, the
+curriculum, the target (and its LoRA adapter) and the latest eval.py numbers. The token
+comes from HF_TOKEN or `huggingface-cli login` and is never printed. See docs/hub.md.
+"""
+
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from msd_train.hub.cli import parse_args  # noqa: E402
+
+
+def main(argv=None) -> None:
+    cfg = parse_args("push", argv, __doc__)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from msd_train.hub import IncompleteHeadError, push_head
+
+    try:
+        push_head(cfg.checkpoint, cfg.repo_id, private=cfg.private, dry_run=cfg.dry_run, report=cfg.report,
+                  license=cfg.license, datasets=list(cfg.datasets) if cfg.datasets else None,
+                  commit_message=cfg.commit_message)
+    except (IncompleteHeadError, FileNotFoundError) as err:
+        sys.exit(f"refusing to push: {err}")
+
+
+if __name__ == "__main__":
+    main()
