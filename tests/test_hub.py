@@ -214,6 +214,24 @@ def test_import_refuses_incomplete_heads(tmp_path):
         import_reference(tmp_path / "c", tmp_path / "out")
 
 
+def test_qwen_head_without_mrope_sections_takes_the_targets(tmp_path):
+    """A Qwen2-VL head whose config.json names no M-RoPE sections gets the target's, since
+    this project feeds Qwen2-VL heads the target's M-RoPE position ids."""
+    from builders import tiny_qwen2vl_target
+
+    target = tiny_qwen2vl_target()
+    released_head(tmp_path / "src", "qwen2_vl", "safetensors", embed=target.embed_tokens.weight.detach())
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    config["rope_scaling"] = None
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    report = import_reference(tmp_path / "src", tmp_path / "out", target=target)
+    assert report.embedding.ok and report.config["mrope_section"] == [2, 1, 1]
+    assert any("names no M-RoPE sections" in n for n in report.notes)
+    head = load_head(tmp_path / "out", target=target)
+    pos = torch.arange(5)[None, None].expand(3, 1, 5)
+    assert head(*inputs(B=1, T=5), position_ids=pos).last_hidden_state.shape == (1, 5, H)
+
+
 # --- vocabulary -------------------------------------------------------------------------------
 
 

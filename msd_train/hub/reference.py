@@ -73,6 +73,7 @@ class TargetInfo:
     embedding: torch.Tensor | None  # [vocab, H]; None when not read
     original_vocab_size: int | None = None  # LLaVA: the tokenizer's base vocabulary (no appended tokens)
     adapter: str | None = None
+    mrope_section: list[int] | None = None
 
 
 def describe_target(target, read_embedding: bool = True) -> TargetInfo:
@@ -92,6 +93,7 @@ def describe_target(target, read_embedding: bool = True) -> TargetInfo:
             embedding=target.embed_tokens.weight.detach() if read_embedding else None,
             original_vocab_size=getattr(tokenizer, "vocab_size", None),
             adapter=getattr(target, "adapter", None),
+            mrope_section=_mrope_of(text),
         )
     from transformers import AutoConfig, AutoTokenizer
 
@@ -107,7 +109,13 @@ def describe_target(target, read_embedding: bool = True) -> TargetInfo:
     return TargetInfo(
         name=name, model_type=config.model_type, vocab_size=text.vocab_size, hidden_size=text.hidden_size,
         embedding=read_target_embedding(name) if read_embedding else None, original_vocab_size=original,
+        mrope_section=_mrope_of(text),
     )
+
+
+def _mrope_of(text_config) -> list[int] | None:
+    rope = getattr(text_config, "rope_parameters", None) or {}
+    return list(rope["mrope_section"]) if rope.get("mrope_section") else None
 
 
 def read_target_embedding(name_or_path: str, revision: str | None = None) -> torch.Tensor:
@@ -250,6 +258,8 @@ def config_from_reference(ref: ReferenceHead, target: TargetInfo | None = None) 
     cfg = {**ref.config, **(ref.config.get("text_config") or {})}
     heads = cfg["num_attention_heads"]
     rope, mrope = _rope_from_reference(cfg)
+    if mrope is None and ref.family == "qwen2" and target is not None:
+        mrope = target.mrope_section  # the target's positions are M-RoPE ids: the head must take them
     hidden = cfg["hidden_size"]
     if target is not None:
         target_name, target_vocab = target.name, target.vocab_size
@@ -340,6 +350,9 @@ def convert_reference(ref: ReferenceHead, target=None, source: str | None = None
         )
     if not config.fc_bias and "fc.bias" in state:
         raise IncompleteHeadError(f"{ref.folder}: config.json says \"bias\": false but the weights hold fc.bias")
+    if config.layer_family == "qwen2" and "mrope_section" not in json.dumps(ref.config):
+        origin = "from the target" if config.mrope_section else "1-D RoPE; pass target= to take the target's sections"
+        notes.append(f"config.json names no M-RoPE sections; mrope_section={config.mrope_section} ({origin})")
     if config.uses_mrope:
         notes.append("the released Qwen2-VL head was trained with 1-D positions; this project feeds it the "
                      "target's M-RoPE ids, which agree on text but not at and after images")
@@ -389,7 +402,7 @@ def import_reference(src: str | Path, out: str | Path, target=None, revision: st
     `MSDDraftModel.from_pretrained(out)`. Written atomically (temp folder, then rename)."""
     folder = resolve_folder(src, revision)
     ref = read_reference(folder)
-    model, report = convert_reference(ref, target, source=str(src))
+    model, report = convert_reference(ref, target, source=_source_name(src))
     out = Path(out)
 
     def write(tmp: Path):
@@ -398,6 +411,11 @@ def import_reference(src: str | Path, out: str | Path, target=None, revision: st
 
     write_atomic(out, write)
     return report
+
+
+def _source_name(src) -> str:
+    """A local folder as an absolute path (so a later export finds it from any cwd), a repo id as is."""
+    return str(Path(src).resolve()) if Path(src).exists() else str(src)
 
 
 def write_atomic(out: Path, write) -> None:
@@ -560,7 +578,7 @@ def export_msd(checkpoint: str | Path, out: str | Path, target=None, dtype: str 
     extra = {}
     if detect_layout(folder) == "reference":
         ref = read_reference(folder)
-        model, report = convert_reference(ref, target, source=str(checkpoint))
+        model, report = convert_reference(ref, target, source=_source_name(checkpoint))
         extra[IMPORT_RECORD] = json.dumps(report.record(ref.config), indent=1)
     else:
         model = load_export(folder)
