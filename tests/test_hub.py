@@ -300,7 +300,13 @@ def test_reference_round_trip_is_bit_exact(tmp_path, model_type, fmt):
     src = tmp_path / "released"
     raw = released_head(src, model_type, fmt, dtype=torch.float16)
     import_reference(src, tmp_path / "ours")
-    assert MSDDraftModel.from_pretrained(tmp_path / "ours").dtype == torch.float16
+    ours = MSDDraftModel.from_pretrained(tmp_path / "ours")
+    assert ours.dtype == torch.float16
+    on_the_fly = load_head(src)  # the same head, rotary buffers included
+    assert on_the_fly.rotary_emb.inv_freq.dtype == ours.rotary_emb.inv_freq.dtype == torch.float32
+    e, h = inputs()
+    with torch.no_grad():
+        assert torch.equal(on_the_fly(e.half(), h.half()).last_hidden_state, ours(e.half(), h.half()).last_hidden_state)
 
     summary = export_reference(tmp_path / "ours", tmp_path / "back")  # embed_tokens from the recorded source
     weights = "pytorch_model.bin" if fmt == "bin" else "model.safetensors"
@@ -397,6 +403,9 @@ def test_load_head_fits_target(tmp_path):
     head.save_pretrained(tmp_path / "ok")
     loaded = load_head(tmp_path / "ok", target=llava_target)
     assert loaded.dtype == llava_target.dtype and not loaded.training
+    llava_target.model.to(torch.bfloat16)  # a bf16 target: the head follows, its RoPE frequencies stay fp32
+    loaded = load_head(tmp_path / "ok", target=llava_target)
+    assert loaded.dtype == torch.bfloat16 and loaded.rotary_emb.inv_freq.dtype == torch.float32
     MSDDraftModel(MSDDraftConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2)).save_pretrained(
         tmp_path / "narrow")
     with pytest.raises(ValueError, match="hidden size 16"):

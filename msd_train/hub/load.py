@@ -7,7 +7,7 @@ from pathlib import Path
 
 from msd_train.draft import MSDDraftModel
 from msd_train.hub.folders import detect_layout, load_export, resolve_folder
-from msd_train.hub.reference import convert_reference, read_reference
+from msd_train.hub.reference import cast_head, convert_reference, read_reference
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def load_head(path_or_repo_id: str | Path, target=None, revision: str | None = N
         model = load_export(folder)
     if target is not None and not isinstance(target, (str, Path)):
         check_fits(model, target, str(path_or_repo_id))
-        model = model.to(device=target.device, dtype=target.dtype)
+        model = cast_head(model, device=target.device, dtype=target.dtype)
     return model.eval()
 
 

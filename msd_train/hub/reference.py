@@ -159,6 +159,18 @@ def read_target_embedding(name_or_path: str, revision: str | None = None) -> tor
         return f.get_tensor(key)
 
 
+def cast_head(model: MSDDraftModel, device=None, dtype: torch.dtype | None = None) -> MSDDraftModel:
+    """`model.to(device, dtype)` for the parameters only: buffers (the rotary `inv_freq`)
+    keep their fp32 precision, as `from_pretrained(dtype=...)` leaves them. A plain
+    `.to(torch.bfloat16)` would round the RoPE frequencies and shift every angle."""
+    buffers = {name: buf for name, buf in model.named_buffers()}
+    model.to(device=device, dtype=dtype)
+    for name, buf in buffers.items():
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, buf.to(device or buf.device))
+    return model
+
+
 def tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
@@ -361,7 +373,8 @@ def convert_reference(ref: ReferenceHead, target=None, source: str | None = None
     dtype = state["fc.weight"].dtype
     if len(dtypes) > 1:
         notes.append(f"mixed dtypes {sorted(map(str, dtypes))} cast to {dtype}")
-    model = MSDDraftModel(config).to(dtype)
+    # Built in the weights' dtype as from_pretrained does: the RoPE buffers stay fp32.
+    model = MSDDraftModel._from_config(config, dtype=dtype)
     expected = set(model.state_dict())
     unexpected, missing = sorted(set(state) - expected), sorted(expected - set(state))
     if unexpected or missing:
@@ -586,7 +599,7 @@ def export_msd(checkpoint: str | Path, out: str | Path, target=None, dtype: str 
             if (folder / name).is_file():
                 extra[name] = (folder / name).read_text()
     if dtype:
-        model = model.to(resolve_dtype(dtype, "cpu"))
+        model = cast_head(model, dtype=resolve_dtype(dtype, "cpu"))
 
     def write(tmp: Path):
         model.save_pretrained(tmp)
