@@ -295,6 +295,7 @@ def draft_tree(draft, target, state: DecodeState, depth: int, top_k: int, total_
         tokens=torch.cat([root, tokens[keep]]),
         parents=torch.cat([zero - 1, tree_parents]),
         depths=torch.cat([zero, depths[keep]]),
+        scores=torch.cat([zero.to(scores.dtype), scores[keep]]),
     )
 
 
@@ -374,6 +375,7 @@ def accept_sampling(tree: Tree, target_probs: torch.Tensor,
 # ----- cache update ---------------------------------------------------------------------
 
 
+@torch.inference_mode()
 def keep_cache_entries(cache, start: int, index: list[int]) -> None:
     """Keep the cache entries ``start + index`` (in that order) right after the first
     ``start`` entries and drop everything after them."""
@@ -386,6 +388,7 @@ def keep_cache_entries(cache, start: int, index: list[int]) -> None:
     crop_cache(cache, start + n)
 
 
+@torch.inference_mode()
 def commit(state: DecodeState, tree: Tree, path: list[int], bonus: int, hidden: torch.Tensor) -> list[int]:
     """Commit the accepted path and the bonus token.
 

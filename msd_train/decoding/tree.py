@@ -24,6 +24,8 @@ class Tree:
     draft_probs: torch.Tensor | None = None
     #: True when every node has at most one child: plain causal attention verifies it
     is_chain: bool = False
+    #: (N,) cumulative draft log-probability of each node's path (root 0), when drafted by score
+    scores: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]

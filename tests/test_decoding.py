@@ -1,0 +1,392 @@
+"""The speculative decoder: greedy exactness, tree verification, caches, stopping.
+
+Random tiny targets (LLaVA with 1-D RoPE, Qwen2-VL with M-RoPE). The heads are briefly
+trained on each target's own greedy outputs so that drafts are often accepted (deep
+paths, non-first siblings, cache reordering); exactness does not depend on it, but a
+head that is never accepted would leave most of the decoder untested.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from builders import random_image
+
+from msd_train.decoding import (DecodeConfig, Tree, accept_greedy, commit, decode, draft_chain, draft_tree,
+                                generate, keep_cache_entries, prefill, tree_attention_bias, verify)
+from msd_train.decoding.stopping import StopCriteria, find_stop
+from msd_train.draft import MSDDraftConfig, MSDDraftModel
+from msd_train.targets import Encoded
+
+TREE = dict(method="tree", depth=3, top_k=4, total_tokens=16)
+CHAIN = dict(method="chain", k=4)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: threads cost more than they save
+    yield
+    torch.set_num_threads(n)
+
+
+def conversations(target) -> dict[str, Encoded]:
+    user = lambda text: {"role": "user", "content": text}  # noqa: E731
+    return {
+        "text": target.encode_prompt([user("python function returns value")], []),
+        "image": target.encode_prompt([user("<image>\nwhat colour is the circle?")], [random_image(1)]),
+        "two_images": target.encode_prompt([user("<image>\n<image>\nthere are two red circle")],
+                                           [random_image(2), random_image(3)]),
+        "second_turn": target.encode_prompt(
+            [user("<image>\ndescribe this image"), {"role": "assistant", "content": "a red circle"},
+             user("how many squares are there")], [random_image(4)]),
+    }
+
+
+def train_head(target, prompts: list[Encoded], steps: int = 120) -> MSDDraftModel:
+    """A head fitted to the target's greedy continuations of ``prompts`` (top-1 CE)."""
+    torch.manual_seed(0)
+    head = MSDDraftModel(MSDDraftConfig.from_target_config(target.config, target.name))
+    batch = []
+    for enc in prompts:
+        out = generate(target, None, enc, DecodeConfig(method="ar", max_new_tokens=48, eos_token_ids=()))
+        new = torch.tensor(out.tokens)
+        with torch.no_grad():
+            state = prefill(target, None, enc)
+            embeds = torch.cat([target.embed(enc.input_ids[None], enc.pixel), target.embed_tokens(new[None])], 1)
+            pos, deltas = target.position_ids(enc.input_ids[None], None, enc.pixel)
+            pos = torch.cat([pos, target.continue_positions(len(enc.input_ids), len(new), deltas)], -1)
+            hidden, _ = target.run_language_model(embeds, pos)
+        assert state.prompt_len == len(enc.input_ids)
+        visual = torch.cat([enc.input_ids == target.image_token_id, torch.zeros_like(new, dtype=torch.bool)])
+        e, h, replace, raw = head.align_inputs(embeds, hidden, visual[None])
+        batch.append((e, h, replace, raw, pos[..., :-1], target.lm_head(hidden[0, 1:]).argmax(-1)))
+    opt = torch.optim.Adam(head.parameters(), lr=3e-3)
+    for _ in range(steps):
+        loss = sum(
+            torch.nn.functional.cross_entropy(
+                target.lm_head(head(e, h, r, raw, position_ids=p).last_hidden_state[0]), y)
+            for e, h, r, raw, p, y in batch
+        )
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return head.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def llava_setup(llava_target):
+    prompts = conversations(llava_target)
+    return llava_target, train_head(llava_target, list(prompts.values())), prompts
+
+
+@pytest.fixture(scope="module")
+def qwen_setup(qwen_target):
+    prompts = conversations(qwen_target)
+    return qwen_target, train_head(qwen_target, list(prompts.values())), prompts
+
+
+@pytest.fixture(params=["llava", "qwen2_vl"])
+def setup(request):
+    return request.getfixturevalue("llava_setup" if request.param == "llava" else "qwen_setup")
+
+
+def run(target, head, prompt, **config):
+    config.setdefault("max_new_tokens", 40)
+    return generate(target, head, prompt, DecodeConfig(**config))
+
+
+# ----- greedy exactness ---------------------------------------------------------------
+
+
+def test_greedy_outputs_match_plain_decoding(setup):
+    target, head, prompts = setup
+    accepted = []
+    for name, prompt in prompts.items():
+        plain = run(target, None, prompt, method="ar", eos_token_ids=())
+        assert plain.tau == 1.0 and len(plain.tokens) == 40
+        for method in (TREE, CHAIN):
+            out = run(target, head, prompt, eos_token_ids=(), **method)
+            assert out.tokens == plain.tokens, f"{target.family} {name} {method['method']}"
+            accepted += [c.accepted for c in out.cycles]
+    assert max(accepted) >= 2 and sum(accepted) / len(accepted) > 0.5, "the head is hardly ever accepted"
+
+
+def test_greedy_exact_with_a_random_head(llava_target):
+    """A head that is (almost) never right: every cycle rejects, output still exact."""
+    torch.manual_seed(3)
+    head = MSDDraftModel(MSDDraftConfig.from_target_config(llava_target.config, "x")).eval()
+    prompt = conversations(llava_target)["image"]
+    plain = run(llava_target, None, prompt, method="ar", eos_token_ids=())
+    for method in (TREE, CHAIN):
+        assert run(llava_target, head, prompt, eos_token_ids=(), **method).tokens == plain.tokens
+
+
+def test_paper_visual_offset_is_exact_too(llava_setup):
+    target, head, prompts = llava_setup
+    paper = MSDDraftModel(MSDDraftConfig.from_target_config(target.config, "x", visual_offset="paper")).eval()
+    paper.load_state_dict(head.state_dict())
+    plain = run(target, None, prompts["two_images"], method="ar")
+    assert run(target, paper, prompts["two_images"], **TREE).tokens == plain.tokens
+
+
+# ----- tree verification and caches ---------------------------------------------------
+
+
+def test_tree_verification_matches_sequential_forward(setup):
+    """Every node's logits from the one tree forward equal those of running the target on
+    prefix + that node's path one token at a time (positions and mask are right)."""
+    target, head, prompts = setup
+    state = prefill(target, head, prompts["image"])
+    state.tokens.append(int(state.next_logits.argmax()))
+    tree = draft_tree(head, target, state, depth=3, top_k=3, total_tokens=14, sampling=DecodeConfig().sampling)
+    assert len(tree) == 14 and not tree.is_chain
+    base = state.clone()
+    logits, _ = verify(target, state, tree)
+    parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+    for node in range(len(tree)):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        seq = base.clone()
+        for depth, n in enumerate(reversed(path)):
+            emb = target.embed_tokens(torch.tensor([[tokens[n]]]))
+            pos = target.continue_positions(seq.cache_len + depth, 1, seq.rope_deltas)
+            hidden, seq.target_cache = target.run_language_model(emb, pos, None, seq.target_cache, use_cache=True)
+        torch.testing.assert_close(target.lm_head(hidden[0, -1]), logits[node], atol=1e-5, rtol=1e-4)
+
+
+def test_caches_hold_exactly_the_committed_tokens(setup):
+    """After many cycles the target cache equals a plain prefill of the committed
+    sequence, and the head's cache equals the head run over it in one go."""
+    target, head, prompts = setup
+    prompt = prompts["two_images"]
+    state = prefill(target, head, prompt)
+    state.tokens.append(int(state.next_logits.argmax()))
+    reordered = 0
+    for _ in range(12):
+        tree = draft_tree(head, target, state, depth=3, top_k=4, total_tokens=16, sampling=DecodeConfig().sampling)
+        logits, hidden = verify(target, state, tree)
+        path, bonus = accept_greedy(tree, logits)
+        reordered += path != list(range(len(path)))
+        commit(state, tree, path, bonus, hidden)
+    assert reordered > 0, "no cycle accepted a path that needed moving in the cache"
+    new = torch.tensor(state.tokens)
+    assert state.cache_len == len(prompt.input_ids) + len(new) - 1
+
+    plain = prefill(target, None, Encoded(torch.cat([prompt.input_ids, new[:-1]]), prompt.loss_mask, prompt.pixel))
+    for ours, ref in zip(state.target_cache.layers, plain.target_cache.layers):
+        torch.testing.assert_close(ours.keys, ref.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(ours.values, ref.values, atol=1e-5, rtol=1e-4)
+
+    # The head over the committed sequence in one pass (features from one target forward).
+    ids = torch.cat([prompt.input_ids, new])[None]
+    embeds = torch.cat([target.embed(prompt.input_ids[None], prompt.pixel), target.embed_tokens(new[None])], 1)
+    pos, deltas = target.position_ids(prompt.input_ids[None], None, prompt.pixel)
+    pos = torch.cat([pos, target.continue_positions(len(prompt.input_ids), len(new), deltas)], -1)
+    hidden, _ = target.run_language_model(embeds, pos)
+    e, h, replace, raw = head.align_inputs(embeds, hidden, ids == target.image_token_id)
+    ref = head(e, h, replace, raw, position_ids=pos[..., :-1], use_cache=True).past_key_values
+    n = state.draft_len
+    assert n == state.cache_len - 1 - len(path) + 1  # pending: the last cycle's path
+    for ours, theirs in zip(state.draft_cache.layers, ref.layers):
+        assert ours.keys.shape[-2] == n
+        torch.testing.assert_close(ours.keys, theirs.keys[..., :n, :], atol=1e-4, rtol=1e-3)
+        torch.testing.assert_close(ours.values, theirs.values[..., :n, :], atol=1e-4, rtol=1e-3)
+
+
+def _head_logits_after(target, head, prompt, first: int, path: list[int]) -> torch.Tensor:
+    """Reference: the head's next-token logits after ``path``, recomputed from scratch
+    (no cache, causal attention): prompt pairs, then (h_{L-1}, e(first)), then one
+    (own previous output, e(token)) pair per path token."""
+    ids = prompt.input_ids[None]
+    embeds = target.embed(ids, prompt.pixel)
+    pos, deltas = target.position_ids(ids, None, prompt.pixel)
+    hidden, _ = target.run_language_model(embeds, pos)
+    e, h, replace, raw = head.align_inputs(embeds, hidden, ids == target.image_token_id)
+    L = ids.shape[1]
+    e = torch.cat([e, target.embed_tokens(torch.tensor([[first]]))], 1)
+    h = torch.cat([h, hidden[:, -1:]], 1)
+    replace = torch.cat([replace, torch.zeros(1, 1, dtype=torch.bool)], 1)
+    raw = torch.cat([raw, e[:, -1:]], 1)
+    p = torch.cat([pos[..., :-1], target.continue_positions(L - 1, 1, deltas)], -1)
+    for i, tok in enumerate([None] + path):
+        if tok is not None:
+            e = torch.cat([e, target.embed_tokens(torch.tensor([[tok]]))], 1)
+            h = torch.cat([h, out[:, -1:]], 1)
+            replace = torch.cat([replace, torch.zeros(1, 1, dtype=torch.bool)], 1)
+            raw = torch.cat([raw, e[:, -1:]], 1)
+            p = torch.cat([p, target.continue_positions(L - 1 + i, 1, deltas)], -1)
+        out = head(e, h, replace, raw, position_ids=p).last_hidden_state
+    return target.lm_head(out[0, -1])
+
+
+def test_draft_tree_children_are_the_heads_top_k(setup):
+    """Each node's children are the head's top tokens after that node's path, with the
+    cumulative log-probabilities a from-scratch head rollout gives (tree mask and node
+    positions are right)."""
+    target, head, prompts = setup
+    prompt = prompts["image"]
+    state = prefill(target, head, prompt)
+    first = int(state.next_logits.argmax())
+    state.tokens.append(first)
+    tree = draft_tree(head, target, state, depth=2, top_k=3, total_tokens=12, sampling=DecodeConfig().sampling)
+    parents, tokens, kids = tree.parents.tolist(), tree.tokens.tolist(), tree.children()
+    checked = 0
+    for node in range(len(tree)):
+        if not kids[node]:
+            continue
+        path, n = [], node
+        while n > 0:
+            path.insert(0, tokens[n])
+            n = parents[n]
+        ref = _head_logits_after(target, head, prompt, first, path).log_softmax(-1)
+        assert [tokens[c] for c in kids[node]] == ref.topk(3).indices.tolist()[: len(kids[node])], path
+        for c in kids[node]:
+            torch.testing.assert_close(tree.scores[c], tree.scores[node] + ref[tokens[c]], atol=1e-4, rtol=1e-4)
+        checked += node > 0
+    assert checked >= 2
+
+
+def test_chain_draft_leaves_head_cache_at_committed_length(llava_setup):
+    target, head, prompts = llava_setup
+    state = prefill(target, head, prompts["text"])
+    state.tokens.append(int(state.next_logits.argmax()))
+    tree = draft_chain(head, target, state, k=5, sampling=DecodeConfig().sampling)
+    assert tree.is_chain and len(tree) == 6 and tree.draft_probs is None
+    assert state.draft_cache.get_seq_length() == state.draft_len == len(prompts["text"].input_ids)
+
+
+def test_tree_shape():
+    """Ancestor mask, additive bias and the cache move on a hand-made tree."""
+    # 0 -> 1 -> 3 ; 0 -> 2 -> 4 -> 5
+    tree = Tree(torch.tensor([9, 8, 7, 6, 5, 4]), torch.tensor([-1, 0, 0, 1, 2, 4]), torch.tensor([0, 1, 1, 2, 2, 3]))
+    anc = tree.ancestor_mask()
+    assert anc[5].tolist() == [True, False, True, False, True, True]
+    assert anc[3].tolist() == [True, True, False, True, False, False]
+    assert tree.children() == [[1, 2], [3], [4], [], [5], []]
+    bias = tree_attention_bias(anc, past=3, dtype=torch.float32)
+    assert bias.shape == (1, 1, 6, 9) and (bias[0, 0, :, :3] == 0).all()
+    assert (bias[0, 0, :, 3:] == 0).equal(anc)
+
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    kv = torch.arange(10.0).view(1, 1, 10, 1).expand(1, 2, 10, 4).contiguous()
+    cache.update(kv, kv + 100, 0)
+    keep_cache_entries(cache, 4, [0, 2, 5])
+    assert cache.layers[0].keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 6, 9]
+    assert cache.layers[0].values[0, 1, :, 0].tolist() == [100, 101, 102, 103, 104, 106, 109]
+
+
+def test_draft_tree_is_a_valid_eagle2_tree(llava_setup):
+    target, head, prompts = llava_setup
+    state = prefill(target, head, prompts["image"])
+    state.tokens.append(int(state.next_logits.argmax()))
+    before = state.draft_cache.get_seq_length()
+    tree = draft_tree(head, target, state, depth=2, top_k=3, total_tokens=10, sampling=DecodeConfig().sampling)
+    assert len(tree) == 10 and tree.tokens[0] == state.tokens[-1]
+    assert (tree.parents[1:] < torch.arange(1, 10)).all()  # parents come first
+    assert (tree.depths[1:] == tree.depths[tree.parents[1:]] + 1).all()
+    assert tree.depths.max() <= 3  # depth 2: up to 3 draft tokens on a path
+    assert state.draft_cache.get_seq_length() == before + 1 == state.draft_len  # pending fed, tree dropped
+    # depth 0 is just the root's top_k children
+    state = prefill(target, head, prompts["image"])
+    state.tokens.append(int(state.next_logits.argmax()))
+    small = draft_tree(head, target, state, depth=0, top_k=3, total_tokens=10, sampling=DecodeConfig().sampling)
+    assert len(small) == 4 and small.depths.tolist() == [0, 1, 1, 1]
+
+
+# ----- stopping -----------------------------------------------------------------------
+
+
+def _blocks(out) -> list[int]:
+    """Indices of output tokens that were accepted draft tokens (not bonus tokens)."""
+    idx, i = [], 1  # token 0 comes from the prefill
+    for c in out.cycles:
+        idx += list(range(i, i + c.accepted))
+        i += c.accepted + 1
+    return idx
+
+
+def test_eos_inside_an_accepted_block(llava_setup):
+    target, head, prompts = llava_setup
+    prompt = prompts["text"]
+    free = run(target, head, prompt, eos_token_ids=(), **TREE)
+    candidates = [i for i in _blocks(free) if free.tokens[i] not in free.tokens[:i]]
+    assert candidates, "no accepted draft token to turn into EOS"
+    i = candidates[0]
+    eos = (free.tokens[i],)
+    for method in (TREE, CHAIN, dict(method="ar")):
+        out = run(target, head, prompt, eos_token_ids=eos, **method)
+        assert out.tokens == free.tokens[: i + 1] and out.stop_reason == "eos", method
+    spec = run(target, head, prompt, eos_token_ids=eos, **TREE)
+    last = spec.cycles[-1]
+    assert last.committed < last.accepted + 1  # the block went on past EOS and was cut
+
+
+def test_stop_strings(llava_setup):
+    target, head, prompts = llava_setup
+    prompt = prompts["image"]
+    free = run(target, None, prompt, method="ar", eos_token_ids=())
+    tok = target.tokenizer
+    text = tok.decode(free.tokens)
+    stop = tok.decode(free.tokens[10:13])
+    assert stop and text.index(stop) >= len(tok.decode(free.tokens[:10])) - 1
+    n = next(j for j in range(1, 41) if stop in tok.decode(free.tokens[:j]))
+    for method in (TREE, CHAIN, dict(method="ar")):
+        out = run(target, head, prompt, eos_token_ids=(), stop_strings=[stop], **method)
+        assert out.tokens == free.tokens[:n] and out.stop_reason == "stop_string", method
+
+
+def test_max_new_tokens_is_exact(llava_setup):
+    target, head, prompts = llava_setup
+    prompt = prompts["second_turn"]
+    free = run(target, None, prompt, method="ar", eos_token_ids=(), max_new_tokens=14)
+    for n in (1, 2, 3, 5, 8, 13):
+        for method in (TREE, CHAIN):
+            out = run(target, head, prompt, eos_token_ids=(), max_new_tokens=n, **method)
+            assert out.tokens == free.tokens[:n] and out.stop_reason == "max_new_tokens"
+
+
+def test_find_stop_order():
+    c = StopCriteria(max_new_tokens=5, eos_token_ids=(7,))
+    assert find_stop([1, 2, 3], 0, c) is None
+    assert find_stop([1, 2, 7, 4, 5], 1, c) == (3, "eos")
+    assert find_stop([1, 2, 3, 4, 5, 6, 7], 3, c) == (5, "max_new_tokens")
+    assert find_stop([1, 2, 3, 4, 7], 3, c) == (5, "eos")
+
+
+def test_decode_reuses_a_prefill(llava_setup):
+    """``decode`` from a cloned prefill gives the same tokens as ``generate``."""
+    target, head, prompts = llava_setup
+    state = prefill(target, head, prompts["image"])
+    a = decode(target, head, state.clone(), DecodeConfig(max_new_tokens=12, **TREE))
+    b = decode(target, head, state.clone(), DecodeConfig(max_new_tokens=12, **TREE))
+    assert a.tokens == b.tokens == run(target, head, prompts["image"], max_new_tokens=12, **TREE).tokens
+
+
+def test_decoding_needs_no_training_stack():
+    """decoding and evaluation import and run with deepspeed, hydra, wandb, datasets absent."""
+    code = (
+        "import sys\n"
+        "for m in ('deepspeed', 'hydra', 'wandb', 'datasets', 'omegaconf'): sys.modules[m] = None\n"
+        "import torch, msd_train.decoding, msd_train.evaluation\n"
+        "from builders import tiny_llava_target\n"
+        "from msd_train.draft import MSDDraftConfig, MSDDraftModel\n"
+        "t = tiny_llava_target()\n"
+        "d = MSDDraftModel(MSDDraftConfig.from_target_config(t.config, 'x')).eval()\n"
+        "p = t.encode_prompt([{'role': 'user', 'content': 'hello'}], [])\n"
+        "out = msd_train.decoding.generate(t, d, p, msd_train.decoding.DecodeConfig(max_new_tokens=4))\n"
+        "assert len(out.tokens) >= 1\n"
+    )
+    import os
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), str(here.parent)]))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]

@@ -1,0 +1,263 @@
+"""Sampling is lossless: what the speculative decoder emits is distributed as the target.
+
+The target here is a one-layer causal LM over 8 tokens written out in a few lines, with
+the interface of ``msd_train.targets.Target`` that the decoder uses (a transformers
+``DynamicCache``, 4-D additive tree masks, explicit positions). It is small enough that
+20,000 draws through the real decode loop take seconds, and that the exact distribution
+of every 3-token continuation can be enumerated. The "good" head reads the same weights
+as the target (high acceptance, not exact: it misses the first token and sees shifted
+positions); the "bad" head is another random model, sharpened so it disagrees confidently.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from torch import nn
+from transformers import DynamicCache
+
+from msd_train.decoding import (DecodeConfig, SamplingParams, Tree, accept_sampling, chain, decode,
+                                logits_to_probs, prefill, sample)
+from msd_train.targets import Encoded
+
+V, H = 8, 16
+DRAWS = 20_000
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny matmuls: thread hand-offs cost more than they save (and other tests may share the cores).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class TinyLM(nn.Module):
+    """One single-head attention layer with learned absolute positions."""
+
+    def __init__(self, seed: int, scale: float = 3.0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.embed_tokens = nn.Embedding(V, H)
+        self.pos = nn.Embedding(64, H)
+        self.qkv = nn.Linear(H, 3 * H, bias=False)
+        self.o = nn.Linear(H, H, bias=False)
+        self.lm_head = nn.Linear(H, V, bias=False)
+        for p in self.parameters():
+            p.data = torch.randn(p.shape, generator=g) / math.sqrt(H)
+        self.lm_head.weight.data *= scale  # peaked, far from uniform distributions
+        self.requires_grad_(False)
+
+    def layer(self, x, position_ids, attention_mask, cache):
+        x = x + self.pos(position_ids)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        if cache is not None:
+            k, v = cache.update(k[:, None], v[:, None], 0)
+            k, v = k[:, 0], v[:, 0]
+        att = q @ k.transpose(-1, -2) / math.sqrt(H)
+        if attention_mask is None:  # causal over the cache
+            t, s = q.shape[1], k.shape[1]
+            allowed = torch.arange(s)[None, :] <= torch.arange(s - t, s)[:, None]
+            att = att.masked_fill(~allowed, float("-inf"))
+        else:
+            att = att + attention_mask[:, 0]
+        return nn.functional.layer_norm(x + self.o(att.softmax(-1) @ v), (H,))
+
+
+class TinyTarget:
+    """The part of the Target interface the decoder reads."""
+
+    family, image_token_id, tokenizer, eos_token_ids = "tiny", -1, None, []
+    device, dtype = torch.device("cpu"), torch.float32
+
+    def __init__(self, seed: int):
+        self.lm = TinyLM(seed)
+        self.embed_tokens, self.lm_head = self.lm.embed_tokens, self.lm.lm_head
+
+    def embed(self, ids, pixel=None):
+        return self.embed_tokens(ids)
+
+    def position_ids(self, ids, attention_mask, pixel):
+        return torch.arange(ids.shape[1])[None], None
+
+    def continue_positions(self, start, n, rope_deltas):
+        return torch.arange(start, start + n)[None]
+
+    def run_language_model(self, inputs_embeds, position_ids, attention_mask=None, past_key_values=None,
+                           use_cache=False):
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache()
+        return self.lm.layer(inputs_embeds, position_ids, attention_mask, past_key_values), past_key_values
+
+
+class TinyHead:
+    """The part of the MSD head interface the decoder reads, over a TinyLM of its own.
+
+    It ignores the target features and runs its LM over the next-token embeddings: with
+    the target's weights that predicts the target well but not exactly.
+    """
+
+    dtype = torch.float32
+
+    def __init__(self, lm: TinyLM):
+        self.lm = lm
+
+    def align_inputs(self, inputs_embeds, hidden_states, visual_mask):
+        e = inputs_embeds[:, 1:]
+        return e, hidden_states[:, :-1], torch.zeros(e.shape[:2], dtype=torch.bool), e
+
+    def __call__(self, input_embeds, hidden_states, replace_mask=None, raw_embeds=None, position_ids=None,
+                 attention_mask=None, past_key_values=None, use_cache=False):
+        h = self.lm.layer(input_embeds, position_ids, attention_mask, past_key_values)
+        return SimpleNamespace(last_hidden_state=h, past_key_values=past_key_values)
+
+
+def bad_head(seed: int) -> TinyHead:
+    return TinyHead(TinyLM(seed, scale=6.0))
+
+
+PROMPT = torch.tensor([1, 5, 2, 7, 3])
+
+
+def exact_continuations(target: TinyTarget, sampling: SamplingParams, n: int = 3) -> dict[tuple, float]:
+    """P(first n new tokens) under the warped target, by enumerating every continuation."""
+    seqs = torch.tensor(list(itertools.product(range(V), repeat=n)))
+    ids = torch.cat([PROMPT.expand(len(seqs), -1), seqs], dim=1)
+    with torch.no_grad():
+        h = target.lm.layer(target.embed_tokens(ids), torch.arange(ids.shape[1])[None], None, None)
+        probs = logits_to_probs(target.lm_head(h), sampling)
+    L = len(PROMPT)
+    step = probs[:, L - 1 : L - 1 + n].gather(-1, seqs[..., None])[..., 0]  # p(x_i | prefix)
+    joint = step.prod(-1)
+    return {tuple(s): float(p) for s, p in zip(seqs.tolist(), joint)}
+
+
+def assert_same_distribution(counts: dict[tuple, int], expected: dict[tuple, float], draws: int):
+    """Chi-square goodness of fit; cells expected below 5 draws are pooled into one."""
+    big = [c for c, p in expected.items() if p * draws >= 5]
+    small = [c for c in expected if c not in big]
+    obs = [counts.get(c, 0) for c in big] + [sum(counts.get(c, 0) for c in small)]
+    exp = [expected[c] * draws for c in big] + [sum(expected[c] for c in small) * draws]
+    assert sum(counts.values()) == draws and set(counts) <= set(expected), "impossible outcome drawn"
+    if exp[-1] < 5:  # too little pooled mass for its own cell: fold it into the largest one
+        i = max(range(len(big)), key=lambda j: exp[j])
+        obs[i] += obs.pop()
+        exp[i] += exp.pop()
+    total = sum(exp)
+    exp = [e * draws / total for e in exp]
+    p_value = chisquare(obs, exp).pvalue
+    assert p_value > 1e-3, f"chi-square p = {p_value:.2e} over {len(obs)} cells"
+
+
+# ----- the real decode loop -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "method, head, sampling",
+    [
+        ("tree", "good", SamplingParams(temperature=0.8, top_k=6, top_p=0.9)),
+        ("chain", "bad", SamplingParams(temperature=1.0)),
+    ],
+)
+def test_decode_loop_is_lossless(method, head, sampling):
+    target = TinyTarget(seed=0)
+    draft = TinyHead(target.lm) if head == "good" else bad_head(seed=1)
+    config = DecodeConfig(method=method, depth=2, top_k=3, total_tokens=8, k=2, max_new_tokens=3,
+                          eos_token_ids=(), sampling=sampling)
+    state0 = prefill(target, draft, Encoded(PROMPT, torch.zeros_like(PROMPT)))
+    gen = torch.Generator().manual_seed(0)
+    counts: dict[tuple, int] = {}
+    accepted = cycles = 0
+    for _ in range(DRAWS):
+        out = decode(target, draft, state0.clone(), config, gen)
+        key = tuple(out.tokens)
+        counts[key] = counts.get(key, 0) + 1
+        accepted += sum(c.accepted for c in out.cycles)
+        cycles += len(out.cycles)
+    assert_same_distribution(counts, exact_continuations(target, sampling), DRAWS)
+    rate = accepted / cycles  # both regimes are exercised: mostly accepted vs mostly rejected
+    assert rate > 1.0 if head == "good" else rate < 0.8, rate
+
+
+# ----- the acceptance rule alone -----------------------------------------------------
+#
+# A toy target with exact conditionals P0 (first token) and P1[a] (token after a); a
+# cycle that ends after one token gets its second token from P1, as the next cycle would.
+
+
+def _conditionals(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return g, (torch.randn(V, generator=g) * 2).softmax(-1), (torch.randn(V, V, generator=g) * 2).softmax(-1)
+
+
+def _first_two(tree: Tree, path: list[int], bonus: int, P1: torch.Tensor, g) -> tuple[int, int]:
+    out = tree.tokens[path[1:]].tolist() + [bonus]
+    if len(out) == 1:
+        out.append(int(sample(P1[out[0]], g)))
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("quality", ["good", "bad"])
+def test_accept_sampling_over_a_tree_of_top_k_proposals(quality):
+    """Siblings proposed deterministically (point masses), tried in order."""
+    g, P0, P1 = _conditionals(0)
+    order = P0.argsort(descending=quality == "good").tolist()  # good: the likeliest tokens first
+    a, b, c = order[:3]
+    deeper = P1[a].argsort(descending=quality == "good").tolist()[:2]
+    tree = Tree(tokens=torch.tensor([0, a, b, c, *deeper]), parents=torch.tensor([-1, 0, 0, 0, 1, 1]),
+                depths=torch.tensor([0, 1, 1, 1, 2, 2]))
+    target_probs = torch.stack([P0, P1[a], P1[b], P1[c], P0, P0])  # depth-2 rows: any distribution
+    counts: dict[tuple, int] = {}
+    accepted = 0
+    for _ in range(DRAWS):
+        path, bonus = accept_sampling(tree, target_probs, g)
+        accepted += len(path) - 1
+        key = _first_two(tree, path, bonus, P1, g)
+        counts[key] = counts.get(key, 0) + 1
+    expected = {(x, y): float(P0[x] * P1[x, y]) for x in range(V) for y in range(V)}
+    assert_same_distribution(counts, expected, DRAWS)
+    assert accepted / DRAWS > 0.8 if quality == "good" else accepted / DRAWS < 0.3
+
+
+@pytest.mark.parametrize("quality", ["good", "bad"])
+def test_accept_sampling_over_a_chain_of_sampled_proposals(quality):
+    """Chain tokens sampled from q (drawn in one batch), tested with min(1, p/q)."""
+    g, P0, P1 = _conditionals(1)
+    if quality == "good":
+        Q0, Q1 = P0 * 0.8 + 0.2 / V, P1 * 0.8 + 0.2 / V  # close to p
+    else:
+        Q0, Q1 = (-3 * P0.log()).softmax(-1), (-3 * P1.log()).softmax(-1)  # mass where p has least
+    x1 = sample(Q0.expand(DRAWS, V), g)
+    x2 = sample(Q1[x1], g)
+    counts: dict[tuple, int] = {}
+    accepted = 0
+    for i in range(DRAWS):
+        a = int(x1[i])
+        tree = chain(torch.tensor([0]), torch.stack([x1[i], x2[i]]), torch.stack([Q0, Q1[a]]))
+        path, bonus = accept_sampling(tree, torch.stack([P0, P1[a], P0]), g)
+        accepted += len(path) - 1
+        key = _first_two(tree, path, bonus, P1, g)
+        counts[key] = counts.get(key, 0) + 1
+    expected = {(x, y): float(P0[x] * P1[x, y]) for x in range(V) for y in range(V)}
+    assert_same_distribution(counts, expected, DRAWS)
+    assert accepted / DRAWS > 1.2 if quality == "good" else accepted / DRAWS < 0.5
+
+
+def test_warpers():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    assert torch.equal(logits_to_probs(logits, SamplingParams()), torch.tensor([[1.0, 0, 0, 0, 0]]))
+    p = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert (p[0, 2:] == 0).all() and torch.allclose(p[0, :2], logits[0, :2].softmax(-1))
+    full = logits.softmax(-1)[0]
+    p = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=float(full[0] + 0.01)))
+    assert (p[0, 2:] == 0).all() and (p[0, :2] > 0).all()  # smallest set reaching top_p
+    p = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.01))
+    assert torch.equal(p, torch.tensor([[1.0, 0, 0, 0, 0]]))  # the top token always survives
+    p = logits_to_probs(logits, SamplingParams(temperature=0.5))
+    assert torch.allclose(p, (logits / 0.5).softmax(-1))
