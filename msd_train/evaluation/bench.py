@@ -1,0 +1,176 @@
+"""Benchmarks: lists of multi-turn prompts, each with its images and a category.
+
+Three sources, one item shape (:class:`BenchItem`):
+
+* ``conversations``: ShareGPT / LLaVA-Instruct files (the bundled tiny held-out sets);
+  the user turns are the prompts, the reference answers are ignored, each record's
+  ``category`` field is kept (default: ``text`` without images, ``image`` with).
+* ``jsonl``: MMSpec-shaped JSONL, one ``{id, image: str | list | null, turns: [str],
+  category}`` per line; images go before the first turn unless a turn has ``<image>``.
+* ``hf``: a Hugging Face dataset (``datasets`` is imported only here, only then).
+
+Each turn's answer is produced by the decoder being measured and fed into the next turn.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from msd_train.targets.chat import IMAGE_MARKER
+
+
+@dataclass
+class BenchItem:
+    id: str
+    category: str
+    turns: list[str]  # user turns; "<image>" marks where each image goes
+    images: list = field(default_factory=list)  # paths or PIL images, one per marker, in order
+    source: str = ""
+
+    def load_images(self) -> list:
+        from PIL import Image
+
+        out = []
+        for img in self.images:
+            if isinstance(img, (str, Path)):
+                if not Path(img).is_file():
+                    raise FileNotFoundError(
+                        f"{self.source}, sample {self.id}: image {img} not found; set bench.image_root "
+                        "to the folder the image paths are relative to"
+                    )
+                img = Image.open(img)
+            out.append(img.convert("RGB"))
+        return out
+
+
+def _with_markers(turns: list[str], n_images: int) -> list[str]:
+    """Put one marker per image before the first turn unless the turns carry markers."""
+    have = sum(t.count(IMAGE_MARKER) for t in turns)
+    if have == n_images:
+        return turns
+    if have == 0 and turns:
+        return [(IMAGE_MARKER + "\n") * n_images + turns[0]] + turns[1:]
+    raise ValueError(f"{have} {IMAGE_MARKER} markers in the turns but {n_images} images")
+
+
+def _read_records(path: Path) -> list:
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        return json.loads(text)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def load_conversations(path: str, image_root: str | None = None, fmt: str = "auto") -> list[BenchItem]:
+    """ShareGPT / LLaVA-Instruct / messages files through the training data readers."""
+    from msd_train.data.formats import BadSample, read_conversations
+
+    raw = _read_records(Path(path))
+    items = []
+    for conv in read_conversations(path, fmt, image_root):
+        if isinstance(conv, BadSample):
+            raise ValueError(conv.message())
+        turns = [m["content"] for m in conv["messages"] if m["role"] == "user"]
+        record = raw[conv["index"]] if conv["index"] < len(raw) else {}
+        category = record.get("category") if isinstance(record, dict) else None
+        category = category or ("image" if conv["images"] else "text")
+        items.append(BenchItem(conv["id"], str(category), turns, list(conv["images"]), str(path)))
+    return items
+
+
+def load_jsonl(path: str, image_root: str | None = None) -> list[BenchItem]:
+    """MMSpec-shaped JSONL: ``{id, image, turns, category}`` per line."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"bench.path={path}: no such file")
+    root = Path(image_root) if image_root else path.parent
+    items = []
+    for i, rec in enumerate(_read_records(path)):
+        sid = str(rec.get("id", f"{path.stem}-{i}"))
+        turns = rec.get("turns")
+        if isinstance(turns, str):
+            turns = [turns]
+        if not turns or not all(isinstance(t, str) for t in turns):
+            raise ValueError(f"{path}, sample {sid}: 'turns' must be a non-empty list of strings")
+        images = rec.get("image") or rec.get("images") or []
+        images = [images] if isinstance(images, str) else list(images)
+        images = [str(root / p) for p in images]
+        try:
+            turns = _with_markers(turns, len(images))
+        except ValueError as e:
+            raise ValueError(f"{path}, sample {sid}: {e}; give one marker per image or none") from None
+        items.append(BenchItem(sid, str(rec.get("category") or "default"), turns, images, str(path)))
+    return items
+
+
+def load_hf(dataset: str, split: str = "test", subset: str | None = None, revision: str | None = None,
+            id_field: str | None = "id", image_field: str | None = "image", turns_field: str = "question",
+            category_field: str | None = None, category: str | None = None,
+            max_samples: int | None = None) -> list[BenchItem]:
+    """A Hub dataset: ``turns_field`` holds one question (str) or several turns (list)."""
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError("bench=hf needs the `datasets` package: pip install datasets") from None
+    ds = datasets.load_dataset(dataset, subset, split=split, revision=revision)
+    if max_samples:
+        ds = ds.select(range(min(int(max_samples), len(ds))))
+    items = []
+    for i, rec in enumerate(ds):
+        if turns_field not in rec:
+            raise KeyError(f"{dataset} [{split}]: no field {turns_field!r}; fields: {sorted(rec)}; set bench.turns_field")
+        turns = rec[turns_field]
+        turns = [turns] if isinstance(turns, str) else list(turns)
+        images = rec.get(image_field) if image_field else None
+        images = [] if images is None else images if isinstance(images, list) else [images]
+        sid = str(rec.get(id_field, i)) if id_field else str(i)
+        cat = str(rec.get(category_field)) if category_field and rec.get(category_field) is not None else None
+        items.append(BenchItem(sid, cat or category or dataset.split("/")[-1], _with_markers(turns, len(images)),
+                               images, f"{dataset}[{split}]"))
+    return items
+
+
+def load_bench(cfg: dict) -> list[BenchItem]:
+    """Items of the benchmark a ``conf/bench/*.yaml`` describes (a plain dict)."""
+    kind = cfg.get("kind", "conversations")
+    if kind == "conversations":
+        items = []
+        for src in cfg["sources"]:
+            items += load_conversations(src["path"], src.get("image_root"), src.get("format", "auto"))
+    elif kind == "jsonl":
+        if not cfg.get("path"):
+            raise ValueError("bench=jsonl needs bench.path=FILE.jsonl (and bench.image_root=DIR for relative images)")
+        items = load_jsonl(cfg["path"], cfg.get("image_root"))
+    elif kind == "hf":
+        if not cfg.get("dataset"):
+            raise ValueError("bench=hf needs bench.dataset=OWNER/NAME (and bench.split, bench.turns_field, ...)")
+        keys = ("split", "subset", "revision", "id_field", "image_field", "turns_field", "category_field", "category")
+        items = load_hf(cfg["dataset"], max_samples=cfg.get("max_samples"),
+                        **{k: cfg[k] for k in keys if cfg.get(k) is not None})
+    else:
+        raise ValueError(f"bench.kind={kind!r}: choose conversations, jsonl or hf")
+    return select(items, cfg.get("max_per_category"), cfg.get("max_samples"), cfg.get("max_turns"))
+
+
+def select(items: list[BenchItem], max_per_category: int | None = None, max_samples: int | None = None,
+           max_turns: int | None = None) -> list[BenchItem]:
+    """The first items of each category (file order), then the first ``max_samples``."""
+    if max_per_category:
+        seen: dict[str, int] = {}
+        kept = []
+        for it in items:
+            if seen.get(it.category, 0) < int(max_per_category):
+                seen[it.category] = seen.get(it.category, 0) + 1
+                kept.append(it)
+        items = kept
+    if max_samples:
+        items = items[: int(max_samples)]
+    if max_turns:
+        out = []
+        for it in items:
+            turns = it.turns[: int(max_turns)]
+            n = sum(t.count(IMAGE_MARKER) for t in turns)
+            out.append(BenchItem(it.id, it.category, turns, it.images[:n], it.source))
+        items = out
+    return items

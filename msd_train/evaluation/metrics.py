@@ -1,0 +1,71 @@
+"""Benchmark metrics from per-turn records, overall and per category.
+
+* ``tau``: tokens committed per target verification forward, the bonus token included
+  (plain decoding: 1), counted over all verification cycles, before stop truncation; the
+  first new token (from the prefill forward) is not a verification.
+* ``accept_at_pos[i]``: conditional acceptance of draft position i+1: the share of cycles
+  that accepted it among those that tried it (positions before it accepted and the
+  drafted tree had a token there).
+* ``tokens_per_s`` / ``ar_tokens_per_s``: new tokens over wall-clock seconds, prefill
+  included, summed over all turns; ``speedup`` is their ratio (a ratio of totals, not a
+  mean of per-sample ratios).
+"""
+
+from __future__ import annotations
+
+DEFINITIONS = {
+    "tau": "tokens committed per target verification forward, bonus token included (plain decoding: 1); "
+           "mean over all verification cycles, before stop truncation",
+    "accept_at_pos": "conditional acceptance per draft position: P(position i accepted | positions < i accepted "
+                     "and the draft had a token at position i)",
+    "tokens_per_s": "new tokens / wall-clock seconds (prefill included), totals over all turns",
+    "speedup": "tokens_per_s / ar_tokens_per_s: ratio of totals over the same prompts, same process, after warm-up",
+    "outputs_match_ar": "greedy only: every turn's tokens equal plain greedy decoding's exactly",
+}
+
+
+def summarize(records: list[dict], greedy: bool) -> dict:
+    accepted = [a for r in records for a in r["accepted"]]
+    tried = [t for r in records for t in r["tried"]]
+    cycles = len(accepted)
+    depth = max(tried, default=0)
+    time_s = sum(r["time_s"] for r in records)
+    ar_time_s = sum(r["ar_time_s"] for r in records)
+    new = sum(r["new_tokens"] for r in records)
+    ar_new = sum(r["ar_new_tokens"] for r in records)
+    tps = new / time_s if time_s > 0 else None
+    ar_tps = ar_new / ar_time_s if ar_time_s > 0 else None
+
+    def per_cycle_ms(key):
+        return 1000 * sum(r[key] for r in records) / cycles if cycles else None
+
+    return {
+        "tau": sum(a + 1 for a in accepted) / cycles if cycles else None,
+        "accept_at_pos": [
+            sum(a >= i for a in accepted) / max(1, sum(t >= i for t in tried)) for i in range(1, depth + 1)
+        ],
+        "tokens_per_s": tps,
+        "ar_tokens_per_s": ar_tps,
+        "speedup": tps / ar_tps if tps and ar_tps else None,
+        "outputs_match_ar": all(r["outputs_match_ar"] for r in records) if greedy else None,
+        "n_samples": len({r["item"] for r in records}),
+        "n_turns": len(records),
+        "new_tokens": new,
+        "ar_new_tokens": ar_new,
+        "cycles": cycles,
+        "time_s": time_s,
+        "ar_time_s": ar_time_s,
+        "prefill_s": sum(r["prefill_s"] for r in records),
+        "ar_prefill_s": sum(r["ar_prefill_s"] for r in records),
+        "draft_ms_per_cycle": per_cycle_ms("draft_s"),
+        "verify_ms_per_cycle": per_cycle_ms("verify_s"),
+        "accept_ms_per_cycle": per_cycle_ms("accept_s"),
+        "ar_ms_per_token": 1000 * ar_time_s / ar_new if ar_new else None,
+    }
+
+
+def summarize_by_category(records: list[dict], greedy: bool) -> dict[str, dict]:
+    cats: dict[str, list[dict]] = {}
+    for r in records:
+        cats.setdefault(r["category"], []).append(r)
+    return {c: summarize(rs, greedy) for c, rs in sorted(cats.items())}

@@ -1,0 +1,178 @@
+"""`python eval.py ...` without Hydra: a plain config dict in, report files out.
+
+Ranks launched by ``torchrun`` / ``deepspeed`` split the benchmark items; each writes its
+records, rank 0 merges them into one report (totals over all ranks).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from msd_train.decoding import DecodeConfig, SamplingParams
+from msd_train.evaluation.bench import load_bench
+from msd_train.evaluation.metrics import DEFINITIONS, summarize, summarize_by_category
+from msd_train.evaluation.report import write_report, write_samples
+from msd_train.evaluation.runner import evaluate
+
+log = logging.getLogger(__name__)
+
+
+def decode_config(d: dict) -> DecodeConfig:
+    """``conf/decoding/*.yaml`` (a plain dict) -> DecodeConfig."""
+    s = d.get("sampling") or {}
+    return DecodeConfig(
+        method=d.get("method", "tree"), depth=int(d.get("depth", 5)), top_k=int(d.get("top_k", 10)),
+        total_tokens=int(d.get("total_tokens", 60)), k=int(d.get("k", 5)),
+        max_new_tokens=int(d.get("max_new_tokens", 64)), stop_strings=tuple(d.get("stop_strings") or ()),
+        sampling=SamplingParams(float(s.get("temperature", 0.0)), float(s.get("top_p", 1.0)), int(s.get("top_k", 0))),
+    )
+
+
+def decoding_settings(c: DecodeConfig) -> dict:
+    out = {"method": c.method}
+    if c.method == "tree":
+        out.update(depth=c.depth, top_k=c.top_k, total_tokens=c.total_tokens)
+    elif c.method == "chain":
+        out.update(k=c.k)
+    out.update(max_new_tokens=c.max_new_tokens, temperature=c.sampling.temperature, top_p=c.sampling.top_p,
+               sampling_top_k=c.sampling.top_k, greedy=c.sampling.greedy)
+    if c.stop_strings:
+        out["stop_strings"] = list(c.stop_strings)
+    return out
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (cuda)"
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def default_out(draft: str | None, bench: str, method: str) -> Path:
+    """Beside the head's export folder when it is a local folder (where the model card
+    looks for a report), else under ./eval."""
+    if draft and Path(draft).is_dir():
+        return Path(draft).resolve().parent / f"eval-{bench}-{method}"
+    return Path("eval") / f"{bench}-{method}"
+
+
+def _distributed() -> tuple[int, int, int]:
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if world > 1:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group(backend="gloo")  # only barriers: gloo works for CPU and GPU runs
+    return rank, world, local
+
+
+def run_eval(cfg: dict, command: str | None = None) -> dict | None:
+    """Evaluate ``cfg["draft"]`` on ``cfg["bench"]``; returns the report on rank 0."""
+    rank, world, local = _distributed()
+    device = cfg["target"].get("device", "auto")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and world > 1:
+        device = f"cuda:{local}"
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg["threads"]))
+
+    config = decode_config(cfg["decoding"])
+    bench_name = cfg["bench"].get("name", "bench")
+    out = Path(cfg["out"]) if cfg.get("out") else default_out(cfg.get("draft"), bench_name, config.method)
+
+    from msd_train.targets import load_target
+
+    tc = cfg["target"]
+    target = load_target(tc["name_or_path"], tc.get("dtype", "auto"), device, tc.get("adapter"),
+                         tc.get("chat_template"), bool(tc.get("trust_remote_code", False)),
+                         tc.get("attn_implementation", "sdpa"))
+    draft = None
+    if config.method != "ar":
+        if not cfg.get("draft"):
+            raise ValueError("decoding=tree|chain needs a head: draft=PATH (an export folder, e.g. "
+                             "runs/tiny/stage2/final, a released MSD head or a Hub repo id)")
+        from msd_train.hub.load import load_head
+
+        draft = load_head(cfg["draft"], target)
+
+    items = load_bench(cfg["bench"])
+    if not items:
+        raise ValueError(f"bench={bench_name}: no items (check bench paths and max_* limits)")
+    shard = items[rank::world]
+    torch.manual_seed(int(cfg.get("seed", 0)))
+    progress = bool(cfg.get("progress", True)) and rank == 0
+    records = evaluate(target, draft, shard, config, warmup=int(cfg.get("warmup", 1)),
+                       seed=int(cfg.get("seed", 0)), progress=progress)
+    for r in records:  # item index over the whole benchmark, not the shard
+        r["item"] = rank + world * r["item"]
+
+    if world > 1:
+        import torch.distributed as dist
+
+        out.mkdir(parents=True, exist_ok=True)
+        write_samples(out / f"samples.rank{rank}.jsonl", records)
+        dist.barrier()
+        if rank != 0:
+            return None
+        records = []
+        for r in range(world):
+            part = out / f"samples.rank{r}.jsonl"
+            records += [json.loads(line) for line in part.read_text().splitlines() if line.strip()]
+            part.unlink()
+        records.sort(key=lambda x: (x["item"], x["turn"]))
+
+    greedy = config.sampling.greedy
+    report = {
+        "draft": str(cfg.get("draft")) if draft is not None else None,
+        "target": tc["name_or_path"],
+        "adapter": tc.get("adapter"),
+        "bench": bench_name,
+        "method": config.method,
+        "decoding": decoding_settings(config),
+        "device": describe_device(device),
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "world_size": world,
+        "warmup": int(cfg.get("warmup", 1)),
+        "seed": int(cfg.get("seed", 0)),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command or " ".join(sys.argv),
+        "definitions": DEFINITIONS,
+        "accept_at_pos_is": "conditional",
+        "speedup_is": "ratio of totals",
+        "overall": summarize(records, greedy),
+        "per_category": summarize_by_category(records, greedy),
+    }
+    paths = write_report(out, report, records)
+    log.info("wrote %s", ", ".join(str(p) for p in paths.values()))
+    _log_wandb(cfg.get("wandb") or {}, report, paths)
+    return report
+
+
+def _log_wandb(wc: dict, report: dict, paths: dict) -> None:
+    mode = wc.get("mode", "disabled")
+    if mode == "disabled":
+        return
+    import wandb
+
+    run = wandb.init(project=wc.get("project", "msd-train"), entity=wc.get("entity"), name=wc.get("name"),
+                     mode=mode, job_type="eval", config={k: report[k] for k in ("draft", "target", "bench", "decoding")})
+    flat = {f"eval/{k}": v for k, v in report["overall"].items() if isinstance(v, (int, float)) and v is not None}
+    for cat, m in report["per_category"].items():
+        flat.update({f"eval/{cat}/{k}": v for k, v in m.items() if isinstance(v, (int, float)) and v is not None})
+    if "png" in paths:
+        flat["eval/plot"] = wandb.Image(str(paths["png"]))
+    run.log(flat)
+    run.finish()

@@ -1,0 +1,107 @@
+"""Run plain and speculative decoding over a benchmark, side by side, in one process.
+
+For every item both decoders answer every turn of the conversation, each with its own
+previous answers in the context (as a user of that decoder would see them). They are
+interleaved item by item, after a warm-up, so that the two timings see the same
+machine state; ``Generation`` timings already synchronise the device around each phase.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from msd_train.decoding import DecodeConfig, Generation, generate
+from msd_train.evaluation.bench import BenchItem
+from msd_train.targets.chat import IMAGE_MARKER
+
+
+def answer_turns(target, draft, item: BenchItem, config: DecodeConfig, images: list,
+                 generator: torch.Generator | None = None) -> list[tuple[int, Generation]]:
+    """Each turn's (prompt length, generation); every answer is fed into the next turn."""
+    messages, out = [], []
+    for turn in item.turns:
+        messages.append({"role": "user", "content": turn})
+        n_images = sum(m["content"].count(IMAGE_MARKER) for m in messages)
+        prompt = target.encode_prompt(messages, images[:n_images])
+        gen = generate(target, draft, prompt, config, generator)
+        out.append((int(prompt.input_ids.shape[0]), gen))
+        messages.append({"role": "assistant", "content": gen.text})
+    return out
+
+
+def _record(index: int, item: BenchItem, turn: int, prompt_len: int, spec: Generation, ar: Generation,
+            greedy: bool) -> dict:
+    cycles = spec.cycles
+    return {
+        "item": index,
+        "id": item.id,
+        "category": item.category,
+        "turn": turn,
+        "prompt_tokens": prompt_len,
+        "new_tokens": len(spec.tokens),
+        "ar_new_tokens": len(ar.tokens),
+        "time_s": spec.t_total,
+        "ar_time_s": ar.t_total,
+        "prefill_s": spec.t_prefill,
+        "ar_prefill_s": ar.t_prefill,
+        "draft_s": sum(c.t_draft for c in cycles),
+        "verify_s": sum(c.t_verify for c in cycles),
+        "accept_s": sum(c.t_accept for c in cycles),
+        "cycles": len(cycles),
+        "tau": spec.tau,
+        "accepted": [c.accepted for c in cycles],
+        "tried": [c.tried for c in cycles],
+        "tree_size": [c.tree_size for c in cycles],
+        "outputs_match_ar": (spec.tokens == ar.tokens) if greedy else None,
+        "stop_reason": spec.stop_reason,
+        "ar_stop_reason": ar.stop_reason,
+        "text": spec.text,
+        "ar_text": ar.text,
+    }
+
+
+def evaluate(target, draft, items: list[BenchItem], config: DecodeConfig, warmup: int = 1, seed: int = 0,
+             progress: bool = True, on_record=None) -> list[dict]:
+    """Per-turn records (see ``_record``) for every item; ``warmup`` items are decoded
+    first by both decoders and not recorded. ``on_record(record)`` is called per turn."""
+    from tqdm.auto import tqdm
+
+    ar_config = dataclasses.replace(config, method="ar")
+    greedy = config.sampling.greedy
+
+    def generator(i: int):
+        if greedy:
+            return None
+        return torch.Generator(device=target.device).manual_seed(seed * 1_000_003 + i)
+
+    for item in tqdm(items[:warmup], desc="warm-up", disable=not progress, leave=False):
+        images = item.load_images()
+        answer_turns(target, None, item, ar_config, images, generator(-1))
+        answer_turns(target, draft, item, config, images, generator(-1))
+
+    records = []
+    bar = tqdm(total=sum(len(it.turns) for it in items), desc=f"eval {config.method}", unit="turn",
+               disable=not progress)
+    committed = cycles = 0
+    t_spec = t_ar = 0.0
+    for i, item in enumerate(items):
+        images = item.load_images()
+        ar = answer_turns(target, None, item, ar_config, images, generator(i))
+        spec = answer_turns(target, draft, item, config, images, generator(i))
+        for turn, ((n_prompt, s), (_, a)) in enumerate(zip(spec, ar)):
+            rec = _record(i, item, turn, n_prompt, s, a, greedy)
+            records.append(rec)
+            if on_record is not None:
+                on_record(rec)
+            committed += sum(x + 1 for x in rec["accepted"])
+            cycles += rec["cycles"]
+            t_spec += rec["time_s"]
+            t_ar += rec["ar_time_s"]
+            bar.update(1)
+        ar_tps = sum(r["ar_new_tokens"] for r in records) / max(t_ar, 1e-9)
+        tps = sum(r["new_tokens"] for r in records) / max(t_spec, 1e-9)
+        bar.set_postfix(tau=f"{committed / max(cycles, 1):.2f}", speedup=f"{tps / max(ar_tps, 1e-9):.2f}x")
+    bar.close()
+    return records
