@@ -1,0 +1,143 @@
+"""eval.py end to end, the benchmark readers and the metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from builders import random_image
+
+from msd_train.evaluation import load_bench, load_hf, run_eval, summarize
+
+ROOT = Path(__file__).resolve().parent.parent
+FIELDS = ["tau", "accept_at_pos", "tokens_per_s", "ar_tokens_per_s", "speedup", "outputs_match_ar", "n_samples",
+          "new_tokens"]
+
+
+@pytest.fixture(scope="module")
+def target_dir(mini_run) -> str:
+    return next(o.split("=", 1)[1] for o in mini_run if o.startswith("target.name_or_path="))
+
+
+@pytest.fixture(scope="module")
+def head_dir(target_dir, tmp_path_factory) -> str:
+    from transformers import AutoConfig
+
+    from msd_train.draft import MSDDraftConfig, MSDDraftModel
+
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("head")
+    config = MSDDraftConfig.from_target_config(AutoConfig.from_pretrained(target_dir), target_dir)
+    MSDDraftModel(config).save_pretrained(out)
+    return str(out)
+
+
+def test_eval_py_end_to_end(target_dir, head_dir, tmp_path):
+    out = tmp_path / "eval"
+    cmd = [sys.executable, str(ROOT / "eval.py"), f"draft={head_dir}", f"out={out}", f"target.name_or_path={target_dir}",
+           "bench.max_per_category=1", "decoding.max_new_tokens=8", "decoding.depth=2", "decoding.top_k=3",
+           "decoding.total_tokens=8", "warmup=1", "progress=false"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["method"] == "tree" and report["bench"] == "tiny" and report["device"].startswith("cpu")
+    assert report["decoding"] == {"method": "tree", "depth": 2, "top_k": 3, "total_tokens": 8, "max_new_tokens": 8,
+                                  "temperature": 0.0, "top_p": 1.0, "sampling_top_k": 0, "greedy": True}
+    assert report["accept_at_pos_is"] == "conditional" and "conditional" in report["definitions"]["accept_at_pos"]
+    assert report["speedup_is"] == "ratio of totals"
+    assert report["command"].startswith("python eval.py draft=")
+    cats = report["per_category"]
+    assert set(cats) == {"text", "image_question", "image_followup", "multi_image"}
+    for m in [report["overall"], *cats.values()]:
+        assert all(k in m for k in FIELDS)
+        assert m["outputs_match_ar"] is True and m["tau"] >= 1 and m["speedup"] > 0
+    assert report["overall"]["n_samples"] == 4
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == report["overall"]["n_turns"] >= 5  # the follow-up item has two turns
+    assert all(s["time_s"] > 0 and s["ar_time_s"] > 0 and "verify_s" in s for s in samples)
+    assert (out / "report.png").stat().st_size > 0 and "| **overall** |" in (out / "report.md").read_text()
+
+
+def _mmspec(tmp_path: Path) -> Path:
+    (tmp_path / "img").mkdir()
+    for i in range(3):
+        random_image(i, 24).save(tmp_path / "img" / f"{i}.png")
+    rows = [
+        {"id": "a", "image": "0.png", "turns": ["what colour is the circle?", "and the square?"], "category": "chat"},
+        {"id": "b", "image": ["1.png", "2.png"], "turns": ["which image has more shapes?"], "category": "multi"},
+        {"id": "c", "image": None, "turns": ["hello world"], "category": "text"},
+    ]
+    path = tmp_path / "bench.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_jsonl_bench_multi_turn(target_dir, head_dir, tmp_path, temperature):
+    bench = {"name": "mmspec", "kind": "jsonl", "path": str(_mmspec(tmp_path)), "image_root": str(tmp_path / "img")}
+    cfg = {"target": {"name_or_path": target_dir, "device": "cpu"}, "draft": head_dir, "bench": bench,
+           "decoding": {"method": "chain", "k": 3, "max_new_tokens": 6, "sampling": {"temperature": temperature}},
+           "out": str(tmp_path / "out"), "warmup": 0, "progress": False}
+    report = run_eval(cfg)
+    assert set(report["per_category"]) == {"chat", "multi", "text"}
+    assert report["overall"]["n_samples"] == 3 and report["overall"]["n_turns"] == 4
+    samples = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    first, second = [s for s in samples if s["id"] == "a"]
+    # the second turn's prompt holds the first turn, its answer and the new question
+    assert second["prompt_tokens"] > first["prompt_tokens"] + first["new_tokens"]
+    if temperature:
+        assert report["overall"]["outputs_match_ar"] is None and report["decoding"]["greedy"] is False
+    else:
+        assert report["overall"]["outputs_match_ar"] is True
+
+
+def test_bench_readers(tmp_path, monkeypatch):
+    items = load_bench({"kind": "jsonl", "path": str(_mmspec(tmp_path)), "image_root": str(tmp_path / "img")})
+    assert [len(i.images) for i in items] == [1, 2, 0]
+    assert items[1].turns[0].startswith("<image>\n<image>\n")  # markers put before the first turn
+    assert len(items[1].load_images()) == 2
+
+    tiny = load_bench({"kind": "conversations", "max_per_category": 2, "max_turns": 1, "sources": [
+        {"path": str(ROOT / "data/tiny/sharegpt_heldout.json")},
+        {"path": str(ROOT / "data/tiny/llava_heldout.json"), "image_root": str(ROOT / "data/tiny/images")}]})
+    assert len(tiny) == 8 and all(len(i.turns) == 1 for i in tiny)
+    assert {i.category for i in tiny} == {"text", "image_question", "image_followup", "multi_image"}
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "x", "image": "nope.png", "turns": ["hi"]}) + "\n")
+    with pytest.raises(FileNotFoundError, match="bad.jsonl, sample x: image .*nope.png not found"):
+        load_bench({"kind": "jsonl", "path": str(bad)})[0].load_images()
+
+    class FakeDataset(list):
+        def select(self, idx):
+            return FakeDataset(self[i] for i in idx)
+
+    rows = FakeDataset([{"qid": 7, "image": random_image(0), "question": "what is it?", "split": "gqa"},
+                        {"qid": 8, "image": None, "question": ["one", "two"], "split": "chat"}])
+    fake = type(sys)("datasets")
+    fake.load_dataset = lambda name, subset, split, revision: rows
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    items = load_hf("org/bench", id_field="qid", category_field="split", max_samples=5)
+    assert [(i.id, i.category, i.turns) for i in items] == [("7", "gqa", ["<image>\nwhat is it?"]),
+                                                            ("8", "chat", ["one", "two"])]
+
+
+def test_metrics_definitions():
+    def rec(item, accepted, tried, new, t, ar_t):
+        return {"item": item, "accepted": accepted, "tried": tried, "new_tokens": new, "ar_new_tokens": new,
+                "time_s": t, "ar_time_s": ar_t, "prefill_s": 0.0, "ar_prefill_s": 0.0, "draft_s": 0.0,
+                "verify_s": 0.0, "accept_s": 0.0, "outputs_match_ar": True}
+
+    records = [rec(0, [2, 0, 1], [3, 1, 2], 8, 1.0, 2.0), rec(1, [3], [3], 10, 1.0, 8.0)]
+    m = summarize(records, greedy=True)
+    assert m["tau"] == (3 + 1 + 2 + 4) / 4
+    # position 1 tried 4 times, accepted 3; position 2: tried 3 (cycles with >= 1 accepted and depth >= 2), accepted 2
+    assert m["accept_at_pos"] == [3 / 4, 2 / 3, 1 / 2]
+    assert m["speedup"] == pytest.approx((18 / 2.0) / (18 / 10.0))  # ratio of totals, not mean of ratios (2.5)
+    assert m["n_samples"] == 2 and m["outputs_match_ar"] is True
