@@ -255,20 +255,17 @@ def _build_splits(cfg, target, names, group: _Group) -> dict:
 
     d = cfg.data
     out = {}
-    for turn in ("first", "rest"):  # rank 0 tokenises and fills the cache; the others then read it
-        if (turn == "first") != (group.rank == 0):
-            group.barrier()
-            continue
-        for name in names:
-            split = build_split(split_sources(cfg, name), target, d.max_length, d.on_bad_sample, d.cache_dir,
-                                d.num_proc, split_limit(cfg, name))
-            if split.skipped and group.rank == 0:
-                log.warning("data.%s: %d samples skipped (run scripts/check_data.py for the reasons)", name,
-                            len(split.skipped))
-            if len(split):
-                out[name] = split.dataset
-        if turn == "first":
-            group.barrier()
+    for turn in (0, 1):  # rank 0 tokenises and fills the datasets cache, then the others read it
+        if (turn == 0) == (group.rank == 0):
+            for name in names:
+                split = build_split(split_sources(cfg, name), target, d.max_length, d.on_bad_sample, d.cache_dir,
+                                    d.num_proc, split_limit(cfg, name))
+                if split.skipped and group.rank == 0:
+                    log.warning("data.%s: %d samples skipped (scripts/check_data.py lists them with reasons)",
+                                name, len(split.skipped))
+                if len(split):
+                    out[name] = split.dataset
+        group.barrier()
     return out
 
 

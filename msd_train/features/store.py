@@ -186,9 +186,11 @@ def write_shard(path: str | Path, samples: list[SampleFeatures], dtype: torch.dt
         "position_ids": torch.cat(pos, dim=1) if pos else torch.zeros(3, 0, dtype=torch.int32),
         "index": torch.tensor(index, dtype=torch.int64),
     }
-    meta = {"format": FORMAT, "version": str(VERSION), "keys": json.dumps([s.key for s in samples]),
-            "prefix_len": str(P), "prefix_crc32": str(sample_crc(prefix, prefix[:0], ids[0][:0])),
-            "index_columns": json.dumps(INDEX_COLUMNS)}
+    # One metadata entry: safetensors writes several in hash order, which would make equal
+    # shards differ byte-wise (and so in checksum) from one run to the next.
+    meta = {"msd_features": json.dumps({
+        "format": FORMAT, "version": VERSION, "keys": [s.key for s in samples], "prefix_len": P,
+        "prefix_crc32": sample_crc(prefix, prefix[:0], ids[0][:0]), "index_columns": INDEX_COLUMNS})}
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata=meta)
     with open(tmp, "rb") as f:
@@ -220,6 +222,11 @@ class StoredSample:
         out[:P] = self.prefix
         out[P:P + len(self.rows)] = self.rows
         return out
+
+
+def shard_metadata(handle) -> dict:
+    """The JSON metadata of an open shard: format, keys, prefix length and checksum."""
+    return json.loads(handle.metadata()["msd_features"])
 
 
 def read_manifest(path: str | Path) -> dict:
@@ -275,7 +282,7 @@ class FeatureStore:
                     bad.append(f"{f}: SHA-256 differs from the manifest (corrupt)")
                     continue
             with safe_open(str(f), "pt") as h:
-                keys = json.loads(h.metadata()["keys"])
+                keys = shard_metadata(h)["keys"]
                 self._tables.append(h.get_tensor("index"))
             for j, key in enumerate(keys):
                 self.index[key] = (s, j)
@@ -304,8 +311,8 @@ class FeatureStore:
     def _prefix_rows(self, s: int, h) -> torch.Tensor:
         if s not in self._prefix:
             prefix = h.get_tensor("prefix_hidden")
-            meta = h.metadata()
-            if self.verify != "none" and sample_crc(prefix, prefix[:0], prefix.new_zeros(0)) != int(meta["prefix_crc32"]):
+            crc = shard_metadata(h)["prefix_crc32"]
+            if self.verify != "none" and sample_crc(prefix, prefix[:0], prefix.new_zeros(0)) != crc:
                 raise FeatureStoreError(f"{self.path / self.shards[s]['file']}: shared prefix rows fail their "
                                         "checksum (corrupt shard); re-run generate_features to regenerate it")
             self._prefix[s] = prefix
