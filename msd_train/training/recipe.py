@@ -135,6 +135,11 @@ class TrainRecipe:
         }
         self.engine, _, _, _ = deepspeed.initialize(
             model=self.draft, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+        if precision == "bf16":
+            # bf16 mode casts every buffer, RoPE frequencies included; inference rebuilds them
+            # in fp32, so training must use the same angles.
+            rope = self.engine.module.rotary_emb
+            self.engine.module.rotary_emb = type(rope)(self.engine.module.config).to(self.device)
 
         self.global_batch = tc.micro_batch_size * tc.grad_accum * self.world
         cur = cfg.stage.curriculum
@@ -154,20 +159,17 @@ class TrainRecipe:
         parts["heldout_text"] = list(d.heldout_text)
         parts["heldout_mm"] = list(d.heldout_multimodal) if self.stage == 2 else []
         splits, skipped = {}, []
-        # Rank 0 tokenises and fills the datasets cache; the others then read it.
-        for turn in ("first", "rest"):
-            if (turn == "first") != self.main:
-                self.dist.barrier()
-                continue
-            for name, sources in parts.items():
-                limit = d.max_heldout if name.startswith("heldout") else None
-                sources = [OmegaConf.to_container(s, resolve=True) for s in sources]
-                split = build_split(sources, self.target, d.max_length, d.on_bad_sample, d.cache_dir,
-                                    d.num_proc, limit)
-                splits[name] = split
-                skipped += split.skipped
-            if turn == "first":
-                self.dist.barrier()
+        # Rank 0 tokenises and fills the datasets cache; the others wait, then read it.
+        if not self.main:
+            self.dist.barrier()
+        for name, sources in parts.items():
+            limit = d.max_heldout if name.startswith("heldout") else None
+            sources = [OmegaConf.to_container(s, resolve=True) for s in sources]
+            splits[name] = build_split(sources, self.target, d.max_length, d.on_bad_sample, d.cache_dir,
+                                       d.num_proc, limit)
+            skipped += splits[name].skipped
+        if self.main:
+            self.dist.barrier()
         self.text, self.mm = splits["text"].dataset, splits["mm"].dataset
         self.heldout = {k.split("_")[1]: v.dataset for k, v in splits.items() if k.startswith("heldout") and len(v)}
         if self.main:
