@@ -226,7 +226,11 @@ class StoredSample:
 
 def shard_metadata(handle) -> dict:
     """The JSON metadata of an open shard: format, keys, prefix length and checksum."""
-    return json.loads(handle.metadata()["msd_features"])
+    meta = handle.metadata() or {}
+    if "msd_features" not in meta:
+        raise FeatureStoreError("a shard without msd-train feature metadata (not written by generate_features, "
+                                "or by an older version); regenerate the store")
+    return json.loads(meta["msd_features"])
 
 
 def read_manifest(path: str | Path) -> dict:

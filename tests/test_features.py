@@ -1,0 +1,280 @@
+"""The offline feature store: generation, resume, corruption, ranks, and training from it."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from msd_train.config import CONF_DIR
+from msd_train.features.generate import generate
+from msd_train.features.offline import OfflineFeatures
+from msd_train.features.store import FeatureStore, FeatureStoreError, sha256_file
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def compose(name: str, overrides: list[str]):
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        return hydra_compose(name, overrides=overrides)
+
+
+def data_overrides(mini_run):
+    return [o for o in mini_run if o.startswith(("target.", "data."))]
+
+
+def gen_cfg(mini_run, path, *extra):
+    return compose("generate_features", [*data_overrides(mini_run), f"features.path={path}",
+                                         "features.samples_per_shard=8", "features.dtype=fp32", "progress=false",
+                                         *extra])
+
+
+def train_cfg(mini_run, path, *extra):
+    return compose("config", [*mini_run, "stage='2'", "features=offline", f"features.path={path}", *extra])
+
+
+@pytest.fixture(scope="module")
+def target(mini_run):
+    from msd_train.targets import load_target
+
+    path = next(o.split("=", 1)[1] for o in mini_run if o.startswith("target.name_or_path="))
+    return load_target(path)
+
+
+@pytest.fixture(scope="module")
+def store(mini_run, target, tmp_path_factory):
+    path = tmp_path_factory.mktemp("store") / "feats"
+    manifest = generate(gen_cfg(mini_run, path), target=target)
+    return path, manifest
+
+
+def all_keys(manifest_dir: Path) -> list[str]:
+    return list(FeatureStore(manifest_dir).index)
+
+
+def batch_of(target, rows):
+    from msd_train.data.collate import collate
+
+    return collate(rows, target, pixels=True)
+
+
+def split_rows(mini_run, target, name):
+    from msd_train.data.dataset import build_split
+    from msd_train.features.generate import split_sources
+
+    cfg = gen_cfg(mini_run, "unused")
+    ds = build_split(split_sources(cfg, name), target, cfg.data.max_length, "skip", cfg.data.cache_dir).dataset
+    return [ds[i] for i in range(len(ds))]
+
+
+def test_store_layout_and_budget(store, target):
+    path, manifest = store
+    assert manifest["complete"] and manifest["totals"]["n_samples"] == 80
+    assert {s["split"] for s in manifest["shards"]} == {"text", "multimodal", "heldout_text", "heldout_multimodal"}
+    assert manifest["target"]["hidden_size"] == target.hidden_size and manifest["dtype"] == "float32"
+    for s in manifest["shards"]:
+        assert sha256_file(path / s["file"]) == s["sha256"]
+    # Fewer hidden rows than tokens: the final rows training never reads are left out and
+    # the shared prefix is stored once per shard.
+    assert sum(s["n_hidden_rows"] for s in manifest["shards"]) < manifest["totals"]["n_tokens"]
+
+
+def test_offline_features_equal_online_features(store, mini_run, target):
+    path, _ = store
+    source = OfflineFeatures(train_cfg(mini_run, path), target)
+    rows = split_rows(mini_run, target, "multimodal")[:3] + split_rows(mini_run, target, "text")[:2]
+    batch = batch_of(target, rows)
+    on = target.features(batch["input_ids"], batch["attention_mask"], batch["pixel"])
+    off = source({**batch, "pixel": {}})
+    assert torch.equal(off.visual_mask, on.visual_mask) and off.visual_mask.any()
+    text = ~off.visual_mask
+    assert torch.equal(off.inputs_embeds[text], on.inputs_embeds[text])  # the frozen table, exactly
+    # projector outputs computed in another batch: equal up to the vision tower's batch numerics
+    torch.testing.assert_close(off.inputs_embeds, on.inputs_embeds, rtol=0, atol=1e-5)
+    assert torch.equal(off.position_ids, on.position_ids)
+    for i, r in enumerate(rows):
+        last = max(j for j, m in enumerate(r["loss_mask"]) if m)  # rows 0 .. last-1 are what training reads
+        torch.testing.assert_close(off.hidden_states[i, :last], on.hidden_states[i, :last], rtol=0, atol=1e-5)
+
+
+def test_manifest_mismatch_is_refused_with_the_difference(store, mini_run, target):
+    path, _ = store
+    with pytest.raises(FeatureStoreError, match=r"data.max_length: store 512, config 256"):
+        OfflineFeatures(train_cfg(mini_run, path, "data.max_length=256"), target)
+    from builders import tiny_llava_target
+
+    with pytest.raises(FeatureStoreError, match=r"target weights"):
+        OfflineFeatures(train_cfg(mini_run, path), tiny_llava_target(seed=5))
+
+
+def test_stored_ids_must_equal_batch_ids(store, mini_run, target):
+    path, _ = store
+    source = OfflineFeatures(train_cfg(mini_run, path), target)
+    batch = batch_of(target, split_rows(mini_run, target, "text")[:2])
+    batch["input_ids"][1, 3] += 1
+    with pytest.raises(FeatureStoreError, match=rf"sample {batch['keys'][1]}: the token ids stored"):
+        source(batch)
+
+
+def test_dry_run_counts_and_estimates_without_writing(mini_run, target, tmp_path, capsys):
+    est = generate(gen_cfg(mini_run, tmp_path / "dry", "dry_run=true", "features.dtype=bf16"), target=target)
+    out = capsys.readouterr().out
+    assert "dry run" in out and "80 samples" in out and "estimated" in out
+    assert not (tmp_path / "dry").exists()
+    assert est["samples"] == 80 and est["bytes"] <= est["budget_bytes"]
+    real = generate(gen_cfg(mini_run, tmp_path / "real", "features.dtype=bf16"), target=target)
+    assert 0 <= real["totals"]["bytes"] - est["bytes"] < 2000 * len(real["shards"])  # headers aside
+
+
+def test_interrupted_generation_resumes_without_loss_or_duplicates(store, mini_run, target, tmp_path, monkeypatch,
+                                                                   caplog):
+    import msd_train.features.generate as gen
+
+    ref_path, ref = store
+    path = tmp_path / "feats"
+    real_write, calls = gen.write_shard, []
+
+    def write_then_die(p, *a, **kw):
+        if len(calls) == 4:
+            Path(str(p) + ".tmp").write_bytes(b"partial")  # a kill in the middle of a write
+            raise KeyboardInterrupt
+        calls.append(p)
+        return real_write(p, *a, **kw)
+
+    monkeypatch.setattr(gen, "write_shard", write_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        generate(gen_cfg(mini_run, path), target=target)
+    with pytest.raises(FeatureStoreError, match="has not finished"):
+        FeatureStore(path)
+    monkeypatch.setattr(gen, "write_shard", real_write)
+    with caplog.at_level(logging.INFO, logger="msd_train.features"):
+        manifest = generate(gen_cfg(mini_run, path), target=target)
+    assert "4 shards already finished and verified" in caplog.text
+    keys = all_keys(path)
+    assert len(keys) == len(set(keys)) == manifest["totals"]["n_samples"] == 80
+    assert sorted(keys) == sorted(all_keys(ref_path))
+    assert [s["sha256"] for s in manifest["shards"]] == [s["sha256"] for s in ref["shards"]]
+    assert not list(path.glob("*.tmp"))
+
+
+def test_corrupt_shard_is_reported_by_name_and_regenerated(store, mini_run, target, tmp_path, caplog):
+    import shutil
+
+    path = tmp_path / "feats"
+    shutil.copytree(store[0], path)
+    victim = next(s for s in store[1]["shards"] if s["split"] == "multimodal")
+    f = path / victim["file"]
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+    with pytest.raises(FeatureStoreError, match=victim["file"] + ": SHA-256 differs"):
+        FeatureStore(path, verify="full")
+    quick = FeatureStore(path)  # sizes match; the per-sample checksum catches it on read
+    with pytest.raises(FeatureStoreError, match=rf"{victim['file']}: (sample .* fails its checksum|shared prefix)"):
+        for key, (s, _) in quick.index.items():
+            if quick.shards[s]["file"] == victim["file"]:
+                quick.read(key)
+    with caplog.at_level(logging.WARNING, logger="msd_train.features"):
+        manifest = generate(gen_cfg(mini_run, path), target=target)
+    assert f"{victim['file']}: checksum mismatch" in caplog.text
+    assert [s["sha256"] for s in manifest["shards"]] == [s["sha256"] for s in store[1]["shards"]]
+
+
+def test_two_rank_generation_writes_disjoint_shards_covering_the_data(store, mini_run, tmp_path):
+    path = tmp_path / "feats2"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29547",
+           str(ROOT / "scripts" / "generate_features.py"), *data_overrides(mini_run), f"features.path={path}",
+           "features.samples_per_shard=8", "features.dtype=fp32", "progress=false"]
+    out = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    manifest = json.loads((path / "manifest.json").read_text())
+    by_rank = {0: set(), 1: set()}
+    st = FeatureStore(path)
+    for key, (s, _) in st.index.items():
+        by_rank[st.shards[s]["rank"]].add(key)
+    assert by_rank[0] and by_rank[1] and not by_rank[0] & by_rank[1]
+    assert by_rank[0] | by_rank[1] == set(all_keys(store[0]))
+    assert manifest["totals"]["n_samples"] == 80
+    # the same shards as one process writes
+    assert [(s["file"], s["n_samples"], s["n_tokens"]) for s in manifest["shards"]] == \
+        [(s["file"], s["n_samples"], s["n_tokens"]) for s in store[1]["shards"]]
+
+
+def test_mrope_positions_round_trip(qwen_target, tmp_path):
+    """Qwen2-VL: stored M-RoPE positions and rope deltas come back as the online forward's."""
+    from builders import random_image
+
+    from msd_train.data.collate import collate
+
+    root = tmp_path / "q"
+    (root / "img").mkdir(parents=True)
+    recs = []
+    for i in range(3):
+        random_image(i, 32).save(root / "img" / f"{i}.png")
+        recs.append({"id": i, "image": f"{i}.png", "conversations": [
+            {"from": "human", "value": "<image>\nwhat colour is it"}, {"from": "gpt", "value": "red " * (i + 1)}]})
+    (root / "m.json").write_text(json.dumps(recs))
+    (root / "t.json").write_text(json.dumps([{"id": 9, "conversations": [
+        {"from": "human", "value": "hello"}, {"from": "gpt", "value": "hello world"}]}]))
+    over = [f"data.text.0.path={root / 't.json'}", f"data.multimodal.0.path={root / 'm.json'}",
+            f"data.multimodal.0.image_root={root / 'img'}", "data.heldout_text=[]", "data.heldout_multimodal=[]",
+            f"data.cache_dir={root / 'cache'}", "target.name_or_path=tiny-random-qwen2vl"]
+    cfg = compose("generate_features", [*over, f"features.path={root / 'feats'}", "features.dtype=fp32",
+                                        "progress=false"])
+    generate(cfg, target=qwen_target)
+    source = OfflineFeatures(compose("config", [*over, "stage='2'", "features=offline",
+                                                f"features.path={root / 'feats'}"]), qwen_target)
+    rows = split_rows_from(cfg, qwen_target, "multimodal") + split_rows_from(cfg, qwen_target, "text")
+    batch = collate(rows, qwen_target, pixels=True)
+    on = qwen_target.features(batch["input_ids"], batch["attention_mask"], batch["pixel"])
+    off = source({**batch, "pixel": {}})
+    real = batch["attention_mask"].bool()
+    assert torch.equal(off.position_ids[:, real], on.position_ids[:, real])
+    assert torch.equal(off.rope_deltas, on.rope_deltas)
+    torch.testing.assert_close(off.inputs_embeds, on.inputs_embeds, rtol=0, atol=1e-5)
+
+
+def split_rows_from(cfg, target, name):
+    from msd_train.data.dataset import build_split
+    from msd_train.features.generate import split_sources
+
+    ds = build_split(split_sources(cfg, name), target, cfg.data.max_length, "skip", cfg.data.cache_dir).dataset
+    return [ds[i] for i in range(len(ds))]
+
+
+def test_offline_training_gives_the_online_loss(store, mini_run, target, tmp_path):
+    """Same samples, same steps, fp32 store: the stage-2 losses of both runs agree."""
+    from msd_train.draft import MSDDraftConfig, MSDDraftModel
+
+    torch.manual_seed(0)
+    head = tmp_path / "stage1"
+    MSDDraftModel(MSDDraftConfig.from_target_config(target.config, target.name)).save_pretrained(head)
+    common = ["stage=2", *mini_run, f"stage.init_from={head}", "stage.curriculum.start=0.5", "train.max_steps=3",
+              "eval.every=3", "checkpoint.every=100", "train.micro_batch_size=4"]
+    runs = {"online": ["features=online"], "offline": ["features=offline", f"features.path={store[0]}"]}
+    procs = {m: subprocess.Popen([sys.executable, str(ROOT / "train.py"), *common, *x, f"run_dir={tmp_path / m}"],
+                                 cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for m, x in runs.items()}
+    for m, p in procs.items():
+        out = p.communicate(timeout=600)[0]
+        assert p.returncode == 0, f"{m}:\n{out[-5000:]}"
+
+    def metrics(m):
+        lines = (tmp_path / m / "stage2" / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(x) for x in lines]
+
+    on, off = metrics("online"), metrics("offline")
+    assert [m["step"] for m in on] == [m["step"] for m in off]
+    assert any(m.get("mm_share", 0) > 0 for m in on)
+    for a, b in zip(on, off):
+        for k in ("loss", "feat_loss", "tok_loss", "val/multimodal/loss", "val/text/loss"):
+            if k in a:
+                assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), (k, a["step"])
