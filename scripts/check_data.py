@@ -1,0 +1,172 @@
+"""Check a dataset before a long run: what is kept, what is skipped and why, how long.
+
+    python scripts/check_data.py [the target and data overrides you give train.py] [--show N] [--json FILE]
+    python scripts/check_data.py data=sharegpt_llava665k target=llava15_7b \\
+        data.text.0.path=/data/ShareGPT_V3_unfiltered_cleaned_split.json \\
+        data.multimodal.0.path=/data/llava_v1_5_mix665k.json data.multimodal.0.image_root=/data/images
+
+Reads every split of the data config with the readers training uses
+(``msd_train.data.formats`` and ``build_split``) and the target's tokenizer, chat
+template and image processor; the target's weights are not loaded. Prints per split the
+records read, the samples kept, the samples skipped grouped by reason (and the first
+``--show`` of them with file, sample and fix), the images not found, the length
+distribution after truncation at ``data.max_length`` and the share truncated. Exits 1
+when no split holds a usable sample, 2 when a data file cannot be read at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SPLITS = ("text", "multimodal", "heldout_text", "heldout_multimodal")
+NO_LIMIT = 1 << 30  # tokenise at full length, then apply data.max_length here to see what it cuts
+
+
+def reason_group(reason: str) -> str:
+    """A reason without its sample-specific parts, for counting."""
+    if "not found" in reason and reason.startswith("image"):
+        return "image not found"
+    reason = re.sub(r"\(length \d+\)", "", reason)
+    return re.sub(r"\d+", "N", reason).strip()
+
+
+def apply_max_length(input_ids: list[int], loss_mask: list[int], image_token_id: int, max_length: int):
+    """What ``build_split`` does to a sample longer than ``max_length``: (length, truncated, reason-to-skip).
+
+    Truncation may cut text only: a sample whose image block ends past ``max_length`` is
+    skipped, and so is one with no assistant token left.
+    """
+    n = len(input_ids)
+    if n <= max_length:
+        return n, False, None
+    if any(t == image_token_id for t in input_ids[max_length:]):
+        return n, True, f"an image block ends after max_length={max_length} (length {n})"
+    if not any(loss_mask[:max_length]):
+        return n, True, f"no assistant tokens left within max_length={max_length}"
+    return max_length, True, None
+
+
+def percentiles(values: list[int]) -> dict[str, float]:
+    import numpy as np
+
+    if not values:
+        return {}
+    a = np.asarray(values)
+    return {"min": int(a.min()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99)), "max": int(a.max()), "mean": float(a.mean())}
+
+
+def check_split(cfg, target, name: str) -> dict:
+    """Tokenise one split at full length and account for every record."""
+    from omegaconf import OmegaConf
+
+    from msd_train.data.dataset import build_split
+
+    d = cfg.data
+    sources = [OmegaConf.to_container(s, resolve=True) for s in d[name]]
+    limit = int(d.max_heldout) if name.startswith("heldout") else None
+    report = {"files": [s["path"] for s in sources], "limit": limit}
+    try:
+        split = build_split(sources, target, NO_LIMIT, "skip", d.cache_dir, d.num_proc, limit)
+    except (FileNotFoundError, ValueError) as e:
+        report["error"] = str(e)
+        return report
+    skipped = [{"source": b.source, "id": b.id, "index": b.index, "reason": b.reason, "fix": b.fix}
+               for b in split.skipped]
+    lengths, n_trunc, n_visual, n_text_only = [], 0, 0, 0
+    ds = split.dataset
+    for r in (ds[i] for i in range(len(ds))):
+        n, trunc, bad = apply_max_length(r["input_ids"], r["loss_mask"], target.image_token_id, int(d.max_length))
+        if bad:
+            skipped.append({"source": r["source"], "id": r["id"], "index": r["index"], "reason": bad,
+                            "fix": "raise data.max_length or shorten the conversation"})
+            continue
+        lengths.append(n)
+        n_trunc += trunc
+        n_visual += r["n_visual"]
+        n_text_only += not r["images"]
+    groups = Counter(reason_group(s["reason"]) for s in skipped)
+    report.update(
+        records=len(lengths) + len(skipped), kept=len(lengths), skipped=len(skipped),
+        skipped_by_reason=dict(groups.most_common()), skipped_samples=skipped,
+        images_not_found=groups.get("image not found", 0), truncated=n_trunc,
+        truncated_share=n_trunc / max(len(lengths), 1), text_only=n_text_only,
+        tokens=sum(lengths), visual_tokens=n_visual, length=percentiles(lengths), max_length=int(d.max_length))
+    return report
+
+
+def print_report(name: str, r: dict, show: int) -> None:
+    print(f"data.{name}: {', '.join(r['files'])}" + (f" (first {r['limit']} usable, data.max_heldout)" if r["limit"] else ""))
+    if "error" in r:
+        print(f"  cannot be read: {r['error']}")
+        return
+    share = r["kept"] / max(r["records"], 1)
+    print(f"  records {r['records']}, kept {r['kept']} ({share:.1%}), skipped {r['skipped']}"
+          + (f", text-only {r['text_only']}" if name.endswith("multimodal") else ""))
+    for reason, n in r["skipped_by_reason"].items():
+        print(f"    {n:>8}  {reason}")
+    for s in r["skipped_samples"][:show]:
+        print(f"      {s['source']}, sample {s['id']}: {s['reason']} ({s['fix']})")
+    if r["skipped"] > show:
+        print(f"      ... {r['skipped'] - show} more (--show N, or --json FILE for all)")
+    print(f"  images not found: {r['images_not_found']}")
+    if r["length"]:
+        L = r["length"]
+        print(f"  length in tokens (after truncation at data.max_length={r['max_length']}): min {L['min']} "
+              f"p50 {L['p50']:.0f} p90 {L['p90']:.0f} p99 {L['p99']:.0f} max {L['max']} mean {L['mean']:.1f}")
+        print(f"  truncated: {r['truncated']} ({r['truncated_share']:.1%}); tokens {r['tokens']} "
+              f"({r['visual_tokens']} visual)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="Other arguments are Hydra overrides, as for train.py.")
+    p.add_argument("--show", type=int, default=10, help="skipped samples to list per split (default 10)")
+    p.add_argument("--json", type=Path, help="write the full report (every skipped sample) to this file")
+    p.add_argument("--splits", default=",".join(SPLITS), help="comma-separated splits to check")
+    args, overrides = p.parse_known_args(argv)
+
+    from hydra import compose, initialize_config_dir
+
+    from msd_train.config import CONF_DIR
+    from msd_train.features.generate import load_target_skeleton
+
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=overrides)
+    import logging
+
+    logging.getLogger("datasets").setLevel(logging.WARNING)
+    target = load_target_skeleton(cfg.target)
+    print(f"target {cfg.target.name_or_path} (tokenizer, template and image processor; no weights)")
+    reports = {}
+    for name in args.splits.split(","):
+        if name not in SPLITS:
+            p.error(f"--splits: unknown split {name!r}; choose from {', '.join(SPLITS)}")
+        if not cfg.data.get(name):
+            continue
+        reports[name] = check_split(cfg, target, name)
+        print_report(name, reports[name], args.show)
+    if args.json:
+        args.json.write_text(json.dumps(reports, indent=1))
+        print(f"report written to {args.json}")
+    usable = sum(r.get("kept", 0) for r in reports.values() if not r.get("error"))
+    train_usable = sum(reports[n].get("kept", 0) for n in ("text", "multimodal") if n in reports)
+    if any("error" in r for r in reports.values()):
+        print("error: a data file cannot be read (see above)")
+        return 2
+    if usable == 0 or train_usable == 0:
+        print("error: no usable training samples remain")
+        return 1
+    print(f"ok: {train_usable} usable training samples")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

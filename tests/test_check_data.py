@@ -1,0 +1,86 @@
+"""scripts/check_data.py: counts, skipped samples with reasons, lengths, truncation, exit codes."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "data" / "examples"
+
+
+@pytest.fixture(scope="module")
+def check_data():
+    spec = importlib.util.spec_from_file_location("check_data", ROOT / "scripts" / "check_data.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def target_path(mini_run):
+    return next(o.split("=", 1)[1] for o in mini_run if o.startswith("target.name_or_path="))
+
+
+def examples_overrides(target_path, tmp_path, max_length=200):
+    return [f"target.name_or_path={target_path}", f"data.text.0.path={EXAMPLES / 'sharegpt_excerpt.json'}",
+            f"data.multimodal.0.path={EXAMPLES / 'llava_excerpt.json'}",
+            f"data.multimodal.0.image_root={EXAMPLES / 'images'}", "data.heldout_text=[]",
+            "data.heldout_multimodal=[]", f"data.max_length={max_length}", f"data.cache_dir={tmp_path / 'cache'}"]
+
+
+def test_report_on_the_real_world_excerpts(check_data, target_path, tmp_path, capsys):
+    out = tmp_path / "report.json"
+    rc = check_data.main([*examples_overrides(target_path, tmp_path), "--json", str(out), "--show", "2"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    rep = json.loads(out.read_text())
+    t, m = rep["text"], rep["multimodal"]
+    assert t["records"] == 19 and m["records"] == 13
+    assert t["kept"] + t["skipped"] == 19 and m["kept"] + m["skipped"] == 13
+    assert m["images_not_found"] == 1 and "images not found: 1" in text
+    assert m["text_only"] == 1  # the ShareGPT-style entry inside the LLaVA mix is kept as text
+    assert "turn N has unknown role 'narrator'" in t["skipped_by_reason"]
+    assert any("image cannot be decoded" in r for r in m["skipped_by_reason"])
+    # the long pangram conversation: its answer lies past max_length=200, so it is skipped
+    assert any(s["id"] == "mN2bC4x_0" and "max_length=200" in s["reason"] for s in t["skipped_samples"])
+    assert t["length"]["max"] <= 200 and set(t["length"]) >= {"p50", "p90", "p99"}
+    assert 0 < m["truncated_share"] < 1
+    assert any(s["id"] == "000000999999" and s["reason"].startswith("image 000000999999.jpg not found")
+               for s in m["skipped_samples"])
+    assert "p50" in text and "truncated:" in text and "more (--show N" in text
+
+
+def test_prediction_matches_what_training_keeps(check_data, target_path, tmp_path):
+    """check_data applies max_length itself; the result must equal build_split's at that max_length."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from msd_train.config import CONF_DIR
+    from msd_train.data.dataset import build_split
+    from msd_train.features.generate import load_target_skeleton
+
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        cfg = compose("config", examples_overrides(target_path, tmp_path, max_length=160))
+    target = load_target_skeleton(cfg.target)
+    for name in ("text", "multimodal"):
+        rep = check_data.check_split(cfg, target, name)
+        sources = [OmegaConf.to_container(s, resolve=True) for s in cfg.data[name]]
+        split = build_split(sources, target, 160, "skip", None)
+        assert rep["kept"] == len(split) and rep["skipped"] == len(split.skipped)
+        assert rep["tokens"] == sum(len(x) for x in split.dataset["input_ids"])
+        assert sorted(s["id"] for s in rep["skipped_samples"]) == sorted(b.id for b in split.skipped)
+
+
+def test_nothing_usable_exits_nonzero(check_data, target_path, tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"id": i, "conversations": [{"from": "human", "value": "hi"},
+                                                            {"from": "gpt", "value": ""}]} for i in range(3)]))
+    over = [f"target.name_or_path={target_path}", f"data.text.0.path={bad}", "data.multimodal=[]",
+            "data.heldout_text=[]", "data.heldout_multimodal=[]", f"data.cache_dir={tmp_path / 'cache'}"]
+    assert check_data.main(over) == 1
+    assert "no usable training samples" in capsys.readouterr().out
+    missing = [o.replace(str(bad), str(tmp_path / "nope.json")) for o in over]
+    assert check_data.main(missing) == 2
+    assert "data file not found" in capsys.readouterr().out
