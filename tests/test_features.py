@@ -278,3 +278,17 @@ def test_offline_training_gives_the_online_loss(store, mini_run, target, tmp_pat
         for k in ("loss", "feat_loss", "tok_loss", "val/multimodal/loss", "val/text/loss"):
             if k in a:
                 assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), (k, a["step"])
+
+
+def test_prefix_plan_follows_the_majority_and_stops_at_images():
+    from msd_train.features.store import prefix_plan
+
+    IMG = 9
+    ids = [[1, 7, 7, 7, 5, 6, 2],  # a custom system prompt, first in the shard
+           [1, 4, 4, 4, 4, 5, 6, 2],
+           [1, 4, 4, 4, 4, 3, 3, 2],
+           [1, 4, 4, IMG, IMG, 3, 2]]  # the image block ends the shared part
+    masks = [[0] * (len(x) - 2) + [1, 1] for x in ids]
+    ref, shares = prefix_plan(ids, IMG, masks)
+    assert ref in (1, 2)
+    assert shares == [1, 5, 5, 3]

@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 
 from msd_train.features.store import (DTYPES, FORMAT, MANIFEST, VERSION, FeatureStoreError, SampleFeatures,
                                       dtype_name, human_bytes, ids_dtype, needed_rows, sample_bytes, sha256_file,
-                                      shared_prefix, write_shard, _bytes)
+                                      prefix_plan, write_shard, _bytes)
 
 log = logging.getLogger("msd_train.features")
 
@@ -206,9 +206,9 @@ def estimate(datasets: dict, plans: list[ShardPlan], target, dtype: torch.dtype,
     for p in plans:
         part = datasets[p.split].select(p.rows)
         ids, masks, nvis = part["input_ids"], part["loss_mask"], part["n_visual"]
-        P = shared_prefix(ids, target.image_token_id, masks)
-        b = P * H * itemsize
-        for seq, m, v in zip(ids, masks, nvis):
+        _, shares = prefix_plan(ids, target.image_token_id, masks)
+        b = max(shares) * H * itemsize
+        for seq, m, v, P in zip(ids, masks, nvis, shares):
             b += sample_bytes(len(seq), v, needed_rows(m) - P, H, itemsize, ids_size, mrope and v > 0)
         s = out["splits"].setdefault(p.split, {"samples": 0, "tokens": 0, "visual_tokens": 0, "bytes": 0, "shards": 0})
         for d in (s, out):

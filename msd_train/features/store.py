@@ -11,20 +11,20 @@ Each shard holds its samples' tensors concatenated along the token axis, and an
 ``index`` table that says where each sample's rows start:
 
     hidden          (R, H)   last-layer post-norm states, store dtype (bf16/fp16/fp32)
-    prefix_hidden   (P, H)   the states of the P leading tokens every sample of the shard shares
+    prefix_hidden   (K, H)   the states of leading tokens the shard's samples share (see prefix_plan)
     visual          (V, H)   projector outputs, the image blocks only
     input_ids       (T,)     uint16 when the vocabulary fits, else int32
     loss_mask_bits  (M,)     uint8, the loss mask packed eight tokens a byte
     position_ids    (3, Q)   int32, M-RoPE targets' samples with images only
-    index           (N, 10)  int64, columns INDEX_COLUMNS
+    index           (N, 11)  int64, columns INDEX_COLUMNS
 
 Only rows training reads are stored. The draft at position t reads h_t as input and is
 trained towards h_{t+1} where token t+2 carries loss, so of a sample whose last loss token
 sits at index ``last`` it needs h_0 .. h_{last-1}; later rows (at least the final token's)
 are left out and read back as zeros. Causal attention makes h_t a function of tokens
-0..t, so the P tokens all samples of a shard open with (the BOS token, the chat
-template's system prompt, up to the first image) have the same states: they are stored
-once per shard. Text embeddings are the frozen table applied to the ids, so only the
+0..t, so samples that open with the same tokens (the BOS token, the chat template's
+system prompt, up to the first image) have the same states there: a shard stores them
+once and each sample records how many of them it shares. Text embeddings are the frozen table applied to the ids, so only the
 visual block of ``inputs_embeds`` is stored. A CRC32 per sample (over its rows, visual
 rows and ids as stored) is checked on every read; a SHA-256 per shard is in the manifest.
 """
@@ -49,7 +49,7 @@ FORMAT = "msd-train-features"
 VERSION = 1
 MANIFEST = "manifest.json"
 INDEX_COLUMNS = ("token_start", "n_tokens", "hidden_start", "n_hidden", "visual_start", "n_visual",
-                 "pos_start", "rope_delta", "crc32", "mask_start")
+                 "pos_start", "rope_delta", "crc32", "mask_start", "prefix_len")
 _COL = {name: i for i, name in enumerate(INDEX_COLUMNS)}
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
@@ -105,20 +105,32 @@ def needed_rows(loss_mask) -> int:
     return int(nz[-1]) if len(nz) else 0
 
 
-def shared_prefix(ids: list, image_token_id: int, loss_masks: list) -> int:
-    """Tokens every sample opens with, stopping at the first image token and before any
-    sample's needed rows run out (identical samples otherwise share everything)."""
-    if not ids:
-        return 0
-    first = np.asarray(ids[0])
-    p = min(len(first), *(needed_rows(m) for m in loss_masks))
-    for seq in ids[1:]:
-        seq = np.asarray(seq)
-        m = min(p, len(seq))
-        diff = np.flatnonzero(first[:m] != seq[:m])
-        p = int(diff[0]) if len(diff) else m
-    img = np.flatnonzero(first[:p] == image_token_id)
-    return int(img[0]) if len(img) else p
+def prefix_plan(ids: list, image_token_id: int, loss_masks: list) -> tuple[int, list[int]]:
+    """Which sample's leading states a shard stores once, and how many of them each sample shares.
+
+    The reference is a sample of the largest group opening with the same 16 tokens (so
+    one sample with a custom system prompt does not spoil the others). Sample i shares
+    the reference's first P_i tokens: their common prefix, stopped at either's first image
+    token and before its needed rows run out.
+    """
+    seqs = [np.asarray(x) for x in ids]
+
+    def cap(i):
+        img = np.flatnonzero(seqs[i] == image_token_id)
+        return min(len(seqs[i]), needed_rows(loss_masks[i]), int(img[0]) if len(img) else len(seqs[i]))
+
+    caps = [cap(i) for i in range(len(seqs))]
+    heads = [tuple(seqs[i][:min(16, caps[i])].tolist()) for i in range(len(seqs))]
+    counts: dict[tuple, int] = {}
+    for h in heads:
+        counts[h] = counts.get(h, 0) + 1
+    ref = heads.index(max(counts, key=lambda h: (counts[h], len(h))))
+    out = []
+    for i, seq in enumerate(seqs):
+        m = min(caps[i], caps[ref])
+        diff = np.flatnonzero(seqs[ref][:m] != seq[:m])
+        out.append(int(diff[0]) if len(diff) else m)
+    return ref, out
 
 
 def sample_bytes(n_tokens: int, n_visual: int, n_rows: int, hidden_size: int, itemsize: int,
@@ -153,10 +165,10 @@ def write_shard(path: str | Path, samples: list[SampleFeatures], dtype: torch.dt
         raise ValueError(f"{path}: a shard needs at least one sample")
     H = samples[0].hidden.shape[-1]
     masks = [s.loss_mask for s in samples]
-    P = shared_prefix([s.input_ids.tolist() for s in samples], image_token_id, [m.tolist() for m in masks])
+    ref, shares = prefix_plan([s.input_ids.tolist() for s in samples], image_token_id, [m.tolist() for m in masks])
     hidden, visual, ids, bits, pos, index = [], [], [], [], [], []
     tok = hrow = vrow = prow = mbyte = 0
-    for s in samples:
+    for s, P in zip(samples, shares):
         n = len(s.input_ids)
         rows = s.hidden[P:needed_rows(s.loss_mask)].to(dtype)
         vis = s.visual.to(dtype)
@@ -167,7 +179,7 @@ def write_shard(path: str | Path, samples: list[SampleFeatures], dtype: torch.dt
         packed = torch.from_numpy(np.packbits(s.loss_mask.numpy().astype(bool)))
         has_pos = s.position_ids is not None
         index.append([tok, n, hrow, len(rows), vrow, len(vis), prow if has_pos else -1, int(s.rope_delta),
-                      sample_crc(rows, vis, sid), mbyte])
+                      sample_crc(rows, vis, sid), mbyte, P])
         hidden.append(rows)
         visual.append(vis)
         ids.append(sid)
@@ -176,7 +188,7 @@ def write_shard(path: str | Path, samples: list[SampleFeatures], dtype: torch.dt
             pos.append(s.position_ids.to(torch.int32))
             prow += n
         tok, hrow, vrow, mbyte = tok + n, hrow + len(rows), vrow + len(vis), mbyte + len(packed)
-    prefix = samples[0].hidden[:P].to(dtype)
+    prefix = samples[ref].hidden[:max(shares)].to(dtype)
     tensors = {
         "hidden": torch.cat(hidden) if hrow else torch.zeros(0, H, dtype=dtype),
         "prefix_hidden": prefix.contiguous(),
@@ -189,7 +201,7 @@ def write_shard(path: str | Path, samples: list[SampleFeatures], dtype: torch.dt
     # One metadata entry: safetensors writes several in hash order, which would make equal
     # shards differ byte-wise (and so in checksum) from one run to the next.
     meta = {"msd_features": json.dumps({
-        "format": FORMAT, "version": VERSION, "keys": [s.key for s in samples], "prefix_len": P,
+        "format": FORMAT, "version": VERSION, "keys": [s.key for s in samples], "prefix_len": len(prefix),
         "prefix_crc32": sample_crc(prefix, prefix[:0], ids[0][:0]), "index_columns": INDEX_COLUMNS})}
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata=meta)
@@ -197,8 +209,8 @@ def write_shard(path: str | Path, samples: list[SampleFeatures], dtype: torch.dt
         os.fsync(f.fileno())
     os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates files private to the writer
     os.replace(tmp, path)
-    return {"file": path.name, "n_samples": len(samples), "n_tokens": tok,
-            "n_visual": vrow, "n_hidden_rows": hrow + P, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    return {"file": path.name, "n_samples": len(samples), "n_tokens": tok, "n_visual": vrow,
+            "n_hidden_rows": hrow + len(prefix), "bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
 # ----------------------------------------------------------------------------- reading
@@ -344,5 +356,5 @@ class FeatureStore:
         pos = None
         if c["pos_start"] >= 0:
             pos = h.get_slice("position_ids")[:, c["pos_start"]:c["pos_start"] + n].to(torch.int64)
-        return StoredSample(key, ids.to(torch.int64), mask, self._prefix_rows(s, h), rows, visual, pos,
-                            c["rope_delta"])
+        return StoredSample(key, ids.to(torch.int64), mask, self._prefix_rows(s, h)[:c["prefix_len"]], rows,
+                            visual, pos, c["rope_delta"])
