@@ -1,0 +1,232 @@
+"""Time the speculative decoder: per-cycle draft / verify / acceptance+bookkeeping split and tau.
+
+    python scripts/bench_decode.py                                  # tiny target, CPU
+    python scripts/bench_decode.py --tree 5,10,60 --tree 3,4,16 --chain 5 --chain 3
+    python scripts/bench_decode.py --target llava15_7b --random-shape --device cuda   # random 7B-shaped LLaVA
+    python scripts/bench_decode.py --target qwen2vl_7b --random-shape --num-layers 2  # M-RoPE, on a CPU
+
+``--target`` is a conf/target/*.yaml name (tiny, llava15_7b, qwen2vl_7b, ...), a model folder
+or a Hub id. ``--random-shape`` builds a randomly initialised model of that target's shape
+offline instead of loading weights (shapes below; ``--num-layers`` shrinks the depth so
+that 7B widths fit a CPU). The head is ``--draft PATH`` (export folder or released head),
+by default runs/tiny/stage2/final when it exists for the tiny target, else a random head
+(then tau says nothing about a trained head; the time split still holds). Prompts are the
+first turns of the tiny held-out benchmark. Results go to benchmarks/decode/<name>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from msd_train.decoding import DecodeConfig  # noqa: E402
+from msd_train.evaluation import evaluate, load_bench, summarize  # noqa: E402
+from msd_train.evaluation.run import describe_device  # noqa: E402
+
+# Published shapes, for timing random models of the real size without downloading them.
+SHAPES = {
+    "llava15_7b": dict(family="llava", hidden=4096, inter=11008, layers=32, heads=32, kv=32, vocab=32064),
+    "llava15_13b": dict(family="llava", hidden=5120, inter=13824, layers=40, heads=40, kv=40, vocab=32064),
+    "qwen2vl_7b": dict(family="qwen2_vl", hidden=3584, inter=18944, layers=28, heads=28, kv=4, vocab=152064),
+    "qwen25vl_7b": dict(family="qwen2_vl", hidden=3584, inter=18944, layers=28, heads=28, kv=4, vocab=152064),
+}
+
+
+def target_name_or_path(name: str) -> str:
+    conf = ROOT / "conf" / "target" / f"{name}.yaml"
+    if conf.is_file():
+        import yaml
+
+        value = yaml.safe_load(conf.read_text())["name_or_path"]
+        return value.replace("${msd_root:}", str(ROOT))
+    return name
+
+
+def random_target(name: str, num_layers: int | None, device, dtype):
+    """A randomly initialised target of a published shape, with a small offline tokenizer
+    (ids beyond it decode to nothing; timings do not depend on the text)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from builders import _tokenizer  # the tests' character tokenizer: offline, exact round trip
+
+    from msd_train.targets import wrap_target
+    from msd_train.targets.chat import CHATML_QWEN, VICUNA_V1
+
+    s = dict(SHAPES[name])
+    layers = num_layers or s["layers"]
+    torch.manual_seed(0)
+    if s["family"] == "llava":
+        from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                                  LlavaForConditionalGeneration, LlavaProcessor)
+
+        tok = _tokenizer(["<unk>", "<s>", "</s>", "<image>"], "<s>", "</s>", VICUNA_V1)
+        text = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"],
+                           num_hidden_layers=layers, num_attention_heads=s["heads"], num_key_value_heads=s["kv"],
+                           max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+        vision = CLIPVisionConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=min(24, 4 * layers),
+                                  num_attention_heads=16, image_size=336, patch_size=14, projection_dim=768)
+        cfg = LlavaConfig(text_config=text, vision_config=vision, image_token_id=tok.convert_tokens_to_ids("<image>"),
+                          vision_feature_layer=-2, vision_feature_select_strategy="default")
+        with torch.device(device):
+            model = LlavaForConditionalGeneration(cfg).to(dtype).eval()
+        improc = CLIPImageProcessor(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336})
+        proc = LlavaProcessor(image_processor=improc, tokenizer=tok, patch_size=14,
+                              vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                              chat_template=VICUNA_V1)
+    else:
+        from types import SimpleNamespace
+
+        from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        specials = ["<unk>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                    "<|video_pad|>"]
+        tok = _tokenizer(specials, None, "<|im_end|>", CHATML_QWEN)
+        ids = {x: tok.convert_tokens_to_ids(x) for x in specials}
+        text = dict(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"],
+                    num_hidden_layers=layers, num_attention_heads=s["heads"], num_key_value_heads=s["kv"],
+                    max_position_embeddings=32768, rms_norm_eps=1e-6,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
+                    eos_token_id=ids["<|im_end|>"], bos_token_id=None)
+        vision = dict(depth=min(32, 4 * layers), embed_dim=1280, hidden_size=s["hidden"], num_heads=16, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+        cfg = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                            video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                            vision_end_token_id=ids["<|vision_end|>"])
+        with torch.device(device):
+            model = Qwen2VLForConditionalGeneration(cfg).to(dtype).eval()
+        improc = Qwen2VLImageProcessorPil(min_pixels=336 * 336, max_pixels=336 * 336, patch_size=14,
+                                          temporal_patch_size=2, merge_size=2)
+        proc = SimpleNamespace(image_processor=improc, tokenizer=tok, image_token="<|image_pad|>")
+    return wrap_target(model, proc, f"random-{name}" + (f"-{layers}L" if num_layers else ""))
+
+
+def parse_settings(values: list[str], n: int) -> list[tuple[int, ...]]:
+    out = []
+    for v in values:
+        parts = tuple(int(x) for x in v.split(","))
+        if len(parts) != n:
+            raise SystemExit(f"expected {n} comma-separated integers, got {v!r}")
+        out.append(parts)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="tiny", help="conf/target name, model folder or Hub id")
+    ap.add_argument("--random-shape", action="store_true", help="a random model of the target's published shape")
+    ap.add_argument("--num-layers", type=int, default=None, help="random shapes: language-model layers")
+    ap.add_argument("--draft", default=None, help="head folder / Hub id; 'random' for a random head")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads (default 1 on CPU: small matmuls gain nothing from more, and shared "
+                         "machines make multi-threaded timings erratic)")
+    ap.add_argument("--tree", action="append", default=None, help="depth,top_k,total_tokens (repeatable)")
+    ap.add_argument("--chain", action="append", default=None, help="k (repeatable)")
+    ap.add_argument("--prompts", type=int, default=3, help="first turns per category of the tiny benchmark")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", default=None, help="JSON file (default benchmarks/decode/<target>-<device>.json)")
+    args = ap.parse_args(argv)
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if args.threads or device.type == "cpu":
+        torch.set_num_threads(args.threads or 1)
+    from msd_train.targets import load_target, resolve_dtype
+
+    dtype = resolve_dtype(args.dtype, device)
+    if args.random_shape:
+        if args.target not in SHAPES:
+            raise SystemExit(f"--random-shape knows {sorted(SHAPES)}, not {args.target!r}")
+        target = random_target(args.target, args.num_layers, device, dtype)
+    else:
+        target = load_target(target_name_or_path(args.target), dtype, device)
+
+    from msd_train.draft import MSDDraftConfig, MSDDraftModel
+
+    draft_path = args.draft
+    if draft_path is None and args.target == "tiny" and (ROOT / "runs/tiny/stage2/final/config.json").is_file():
+        draft_path = str(ROOT / "runs/tiny/stage2/final")
+    if draft_path in (None, "random"):
+        torch.manual_seed(0)
+        draft = MSDDraftModel(MSDDraftConfig.from_target_config(target.config, target.name)).to(device, dtype).eval()
+        draft_note = "random head: tau is that of an untrained head; the time split is what the method costs"
+        draft_path = "random"
+    else:
+        from msd_train.hub.load import load_head
+
+        draft = load_head(draft_path, target)
+        draft_note = "trained head"
+
+    items = load_bench({"kind": "conversations", "max_per_category": args.prompts, "max_turns": 1, "sources": [
+        {"path": str(ROOT / "data/tiny/sharegpt_heldout.json")},
+        {"path": str(ROOT / "data/tiny/llava_heldout.json"), "image_root": str(ROOT / "data/tiny/images")}]})
+
+    trees = parse_settings(args.tree or ["5,10,60", "3,8,24", "2,4,8"], 3)
+    chains = parse_settings(args.chain or ["5", "3"], 1)
+    configs = [DecodeConfig(method="tree", depth=d, top_k=k, total_tokens=n, max_new_tokens=args.max_new_tokens)
+               for d, k, n in trees]
+    configs += [DecodeConfig(method="chain", k=k, max_new_tokens=args.max_new_tokens) for (k,) in chains]
+
+    runs = []
+    t0 = time.time()
+    for c in configs:
+        recs = evaluate(target, draft, items, c, warmup=args.warmup, progress=True)
+        m = summarize(recs, greedy=True)
+        cycle = {k: m[f"{k}_ms_per_cycle"] for k in ("draft", "verify", "accept")}
+        total = sum(cycle.values())
+        runs.append({
+            "method": c.method, **({"depth": c.depth, "top_k": c.top_k, "total_tokens": c.total_tokens}
+                                   if c.method == "tree" else {"k": c.k}),
+            "tau": m["tau"], "accept_at_pos": m["accept_at_pos"],
+            "ms_per_cycle": cycle, "share_of_cycle": {k: v / total for k, v in cycle.items()},
+            "ms_per_token_in_cycles": total / m["tau"],
+            "tokens_per_s": m["tokens_per_s"], "ar_tokens_per_s": m["ar_tokens_per_s"], "speedup": m["speedup"],
+            "ar_ms_per_token": m["ar_ms_per_token"], "outputs_match_ar": m["outputs_match_ar"],
+            "cycles": m["cycles"], "new_tokens": m["new_tokens"],
+        })
+        r = runs[-1]
+        print(f"{c.method:5s} {json.dumps({k: r[k] for k in ('depth', 'top_k', 'total_tokens', 'k') if k in r})}: "
+              f"tau {r['tau']:.2f}  draft {cycle['draft']:.2f} / verify {cycle['verify']:.2f} / accept "
+              f"{cycle['accept']:.2f} ms per cycle  speedup {r['speedup']:.2f}x  (AR {r['ar_ms_per_token']:.2f} ms/token)")
+
+    tc = target.text_config
+    result = {
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python scripts/bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "device": describe_device(device), "dtype": str(dtype).replace("torch.", ""),
+        "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+        "target": {"name": target.name, "family": target.family, "random": args.random_shape,
+                   "hidden_size": tc.hidden_size, "num_layers": tc.num_hidden_layers, "vocab_size": tc.vocab_size,
+                   "params_m": round(sum(p.numel() for p in target.model.parameters()) / 1e6, 2)},
+        "draft": {"path": draft_path, "note": draft_note,
+                  "params_m": round(sum(p.numel() for p in draft.parameters()) / 1e6, 2)},
+        "prompts": len(items), "max_new_tokens": args.max_new_tokens, "warmup_items": args.warmup,
+        "notes": "ms_per_cycle: mean wall time of each phase per verification cycle (device synchronised); "
+                 "accept = acceptance + KV-cache bookkeeping + stop check. tau: tokens per verification "
+                 "(bonus included). speedup: ratio of total tokens/s over plain decoding, prefill included.",
+        "runs": runs,
+        "seconds": round(time.time() - t0, 1),
+    }
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "decode" / (
+        f"{target.name.split('/')[-1]}-{device.type}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
