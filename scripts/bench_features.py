@@ -47,7 +47,8 @@ TARGETS_7B = {
 
 
 def compose(name, overrides):
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
     with initialize_config_dir(str(CONF_DIR), version_base=None):
         return hydra_compose(name, overrides=overrides)
@@ -109,8 +110,8 @@ def extrapolate() -> dict:
     for name, t in TARGETS_7B.items():
         H, ids = t["H"], (2 if t["vocab"] <= 1 << 16 else 4)
         shapes = {"text 256": (256, 0), "text 1024": (1024, 0), "text 2048 (max_length)": (2048, 0),
-                  f"1 image + 128 text": (t["visual"] + 128, t["visual"]),
-                  f"1 image, 2048 in all": (2048, t["visual"])}
+                  "1 image + 128 text": (t["visual"] + 128, t["visual"]),
+                  "1 image, 2048 in all": (2048, t["visual"])}
         rows = {}
         for label, (n, v) in shapes.items():
             budget = 2 * H * (n - v) + 4 * H * v
@@ -197,15 +198,15 @@ def markdown(r: dict) -> str:
             lines.append(f"| {name} (H={t['hidden_size']}, P={t['shared_prefix']}) | {label} | {s['tokens']} "
                          f"({s['visual_tokens']}) | {s['bytes'] / 1e6:.2f} MB | {s['bytes_per_token']:,.0f} | "
                          f"{s['of_budget']:.2%} | {s['of_budget_p1']:.2%} |")
-    g, T, O = r["generation"], r["trainer_offline"], r.get("trainer_online")
+    g, T, online = r["generation"], r["trainer_offline"], r.get("trainer_online")
     lines += ["", "## Throughput", "",
               f"- loader (collate without pixels + OfflineFeatures, micro-batch {L['micro_batch_size']}, half "
               f"multimodal): **{L['samples_per_s']:.0f} samples/s** ({L['s_per_batch'] * 1e3:.1f} ms per batch)",
               f"- trainer consumption from the store (scripts/bench_train.py, stage 2 at multimodal share 0.5, "
               f"loader included): {T['samples_per_s']:.1f} samples/s ({T['s_per_step'] * 1e3:.0f} ms per step)",
               f"- loader / trainer: **{L['samples_per_s'] / T['samples_per_s']:.1f}x** (budget: at least 5x)"]
-    if O:
-        lines.append(f"- for reference, online training (target forward in the step): {O['samples_per_s']:.1f} samples/s")
+    if online:
+        lines.append(f"- for reference, online training (target forward in the step): {online['samples_per_s']:.1f} samples/s")
     lines.append(f"- generation: {g['samples_per_s']:.1f} samples/s ({g['seconds']:.1f} s for {g['samples']} samples)")
     return "\n".join(lines) + "\n"
 

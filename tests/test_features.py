@@ -20,7 +20,8 @@ ENV = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONUN
 
 
 def compose(name: str, overrides: list[str]):
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
     with initialize_config_dir(str(CONF_DIR), version_base=None):
         return hydra_compose(name, overrides=overrides)

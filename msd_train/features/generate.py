@@ -24,9 +24,23 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from msd_train.features.store import (DTYPES, FORMAT, MANIFEST, VERSION, FeatureStoreError, SampleFeatures,
-                                      dtype_name, human_bytes, ids_dtype, needed_rows, sample_bytes, sha256_file,
-                                      prefix_plan, write_shard, _bytes)
+from msd_train.features.store import (
+    DTYPES,
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    FeatureStoreError,
+    SampleFeatures,
+    as_bytes,
+    dtype_name,
+    human_bytes,
+    ids_dtype,
+    needed_rows,
+    prefix_plan,
+    sample_bytes,
+    sha256_file,
+    write_shard,
+)
 
 log = logging.getLogger("msd_train.features")
 
@@ -59,7 +73,7 @@ def target_identity(target, adapter: str | None = None, weights: bool = True) ->
     if weights and target.embed_tokens.weight.device.type != "meta":
         h = hashlib.sha256()
         for w in (target.embed_tokens.weight, target.lm_head.weight):
-            h.update(_bytes(w.detach().to("cpu", torch.bfloat16)))
+            h.update(as_bytes(w.detach().to("cpu", torch.bfloat16)))
         digest = h.hexdigest()
     return {
         "name": target.name, "family": target.family, "hidden_size": target.hidden_size,

@@ -32,8 +32,8 @@ class OfflineFeatures:
         if diffs:
             raise FeatureStoreError(
                 f"the feature store {fc.path} does not match this configuration:\n  " + "\n  ".join(diffs)
-                + f"\nregenerate it (python scripts/generate_features.py features.path=NEW_DIR with the same "
-                  f"target and data overrides) or point features.path at a matching store")
+                + "\nregenerate it (python scripts/generate_features.py features.path=NEW_DIR with the same "
+                  "target and data overrides) or point features.path at a matching store")
         if self.store.manifest["target"]["name"] != target.name:
             log.info("feature store %s was made from %s; same weights as %s", fc.path,
                      self.store.manifest["target"]["name"], target.name)

@@ -90,12 +90,12 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def _bytes(t: torch.Tensor) -> np.ndarray:
+def as_bytes(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
 
 
 def sample_crc(rows: torch.Tensor, visual: torch.Tensor, ids: torch.Tensor) -> int:
-    return zlib.crc32(_bytes(ids), zlib.crc32(_bytes(visual), zlib.crc32(_bytes(rows))))
+    return zlib.crc32(as_bytes(ids), zlib.crc32(as_bytes(visual), zlib.crc32(as_bytes(rows))))
 
 
 # ----------------------------------------------------------------------------- layout
