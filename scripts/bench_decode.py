@@ -66,8 +66,14 @@ def random_target(name: str, num_layers: int | None, device, dtype):
     layers = num_layers or s["layers"]
     torch.manual_seed(0)
     if s["family"] == "llava":
-        from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
-                                  LlavaForConditionalGeneration, LlavaProcessor)
+        from transformers import (
+            CLIPImageProcessor,
+            CLIPVisionConfig,
+            LlamaConfig,
+            LlavaConfig,
+            LlavaForConditionalGeneration,
+            LlavaProcessor,
+        )
 
         tok = _tokenizer(["<unk>", "<s>", "</s>", "<image>"], "<s>", "</s>", VICUNA_V1)
         text = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"],

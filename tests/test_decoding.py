@@ -15,8 +15,20 @@ import pytest
 import torch
 from builders import random_image
 
-from msd_train.decoding import (DecodeConfig, Tree, accept_greedy, commit, decode, draft_chain, draft_tree,
-                                generate, keep_cache_entries, prefill, tree_attention_bias, verify)
+from msd_train.decoding import (
+    DecodeConfig,
+    Tree,
+    accept_greedy,
+    commit,
+    decode,
+    draft_chain,
+    draft_tree,
+    generate,
+    keep_cache_entries,
+    prefill,
+    tree_attention_bias,
+    verify,
+)
 from msd_train.decoding.stopping import StopCriteria, find_stop
 from msd_train.draft import MSDDraftConfig, MSDDraftModel
 from msd_train.targets import Encoded
@@ -213,13 +225,13 @@ def _head_logits_after(target, head, prompt, first: int, path: list[int]) -> tor
     replace = torch.cat([replace, torch.zeros(1, 1, dtype=torch.bool)], 1)
     raw = torch.cat([raw, e[:, -1:]], 1)
     p = torch.cat([pos[..., :-1], target.continue_positions(L - 1, 1, deltas)], -1)
-    for i, tok in enumerate([None] + path):
-        if tok is not None:
-            e = torch.cat([e, target.embed_tokens(torch.tensor([[tok]]))], 1)
-            h = torch.cat([h, out[:, -1:]], 1)
-            replace = torch.cat([replace, torch.zeros(1, 1, dtype=torch.bool)], 1)
-            raw = torch.cat([raw, e[:, -1:]], 1)
-            p = torch.cat([p, target.continue_positions(L - 1 + i, 1, deltas)], -1)
+    out = head(e, h, replace, raw, position_ids=p).last_hidden_state
+    for i, tok in enumerate(path, start=1):
+        e = torch.cat([e, target.embed_tokens(torch.tensor([[tok]]))], 1)
+        h = torch.cat([h, out[:, -1:]], 1)
+        replace = torch.cat([replace, torch.zeros(1, 1, dtype=torch.bool)], 1)
+        raw = torch.cat([raw, e[:, -1:]], 1)
+        p = torch.cat([p, target.continue_positions(L - 1 + i, 1, deltas)], -1)
         out = head(e, h, replace, raw, position_ids=p).last_hidden_state
     return target.lm_head(out[0, -1])
 

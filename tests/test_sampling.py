@@ -21,8 +21,17 @@ from scipy.stats import chisquare
 from torch import nn
 from transformers import DynamicCache
 
-from msd_train.decoding import (DecodeConfig, SamplingParams, Tree, accept_sampling, chain, decode,
-                                logits_to_probs, prefill, sample)
+from msd_train.decoding import (
+    DecodeConfig,
+    SamplingParams,
+    Tree,
+    accept_sampling,
+    chain,
+    decode,
+    logits_to_probs,
+    prefill,
+    sample,
+)
 from msd_train.targets import Encoded
 
 V, H = 8, 16
