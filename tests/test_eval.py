@@ -141,3 +141,15 @@ def test_metrics_definitions():
     assert m["accept_at_pos"] == [3 / 4, 2 / 3, 1 / 2]
     assert m["speedup"] == pytest.approx((18 / 2.0) / (18 / 10.0))  # ratio of totals, not mean of ratios (2.5)
     assert m["n_samples"] == 2 and m["outputs_match_ar"] is True
+
+
+def test_ar_only_and_default_out(target_dir, tmp_path, monkeypatch):
+    """decoding=ar needs no head; without out= the report lands in ./eval/<bench>-<method>."""
+    monkeypatch.chdir(tmp_path)
+    bench = {"name": "mmspec", "kind": "jsonl", "path": str(_mmspec(tmp_path)), "image_root": str(tmp_path / "img")}
+    cfg = {"target": {"name_or_path": target_dir, "device": "cpu"}, "draft": None, "bench": bench,
+           "decoding": {"method": "ar", "max_new_tokens": 4}, "warmup": 0, "progress": False}
+    report = run_eval(cfg)
+    assert report["draft"] is None and report["overall"]["tau"] == 1.0
+    assert report["overall"]["accept_at_pos"] == [] and report["overall"]["outputs_match_ar"] is True
+    assert (tmp_path / "eval" / "mmspec-ar" / "report.json").is_file()

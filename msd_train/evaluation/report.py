@@ -90,7 +90,10 @@ def plot(report: dict, path: Path) -> bool:
     ax1.set(xlabel="draft position", ylabel="conditional acceptance", ylim=(0, 1.02),
             title="acceptance per draft position")
     ax1.xaxis.get_major_locator().set_params(integer=True)
-    ax1.legend(fontsize=8)
+    if ax1.lines:
+        ax1.legend(fontsize=8)
+    else:
+        ax1.text(0.5, 0.5, "no draft positions (plain decoding)", ha="center", transform=ax1.transAxes)
     names = list(groups)
     taus = [groups[n].get("tau") or 0 for n in names]
     bars = ax2.bar(names, taus, color=["tab:gray"] + ["tab:blue"] * (len(names) - 1))
