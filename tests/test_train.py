@@ -74,3 +74,35 @@ def test_stage2_refuses_without_stage1(mini_run, tmp_path):
     out = train(["stage=2", *mini_run, f"run_dir={tmp_path}"], check=False)
     assert out.returncode != 0
     assert "holds no exported head; run stage=1 with the same run_dir first" in out.stderr + out.stdout
+
+
+
+def test_deepspeed_launcher_two_stages_on_the_embedded_default(tmp_path):
+    """The README journey, shortened: `deepspeed train.py stage=1`, then `stage=2`."""
+    from msd_train.data.curriculum import mm_share
+    from msd_train.draft import MSDDraftModel
+
+    ds = ["deepspeed", "--num_gpus", "1", "--master_port", "29541"]
+    common = [f"run_dir={tmp_path}", "logging.wandb.mode=disabled", "logging.progress=false",
+              f"data.cache_dir={tmp_path / 'cache'}", "data.max_heldout=16", "eval.every=1000"]
+    train(["stage=1", *common, "train.max_steps=30"], launcher=ds)
+    ramp = ["stage.curriculum.start=0.25", "stage.curriculum.end=0.75", "stage.curriculum.ramp_steps=10"]
+    train(["stage=2", *common, "train.max_steps=12", *ramp], launcher=ds)
+    for stage in (1, 2):
+        head = MSDDraftModel.from_pretrained(tmp_path / f"stage{stage}" / "final")
+        assert head.config.decouple_visual
+    rows = [json.loads(x) for x in (tmp_path / "stage2" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "mm_share" in r]
+    assert len(steps) == 12
+    global_batch = 4
+    for r in steps:
+        sched = mm_share(r["step"] - 1, 0.25, 0.75, 10)
+        assert r["mm_share_scheduled"] == pytest.approx(sched)
+        assert abs(r["mm_share"] - sched) <= 1 / global_batch + 1e-9
+    # held-out agreement rises over stage 1 (validation runs at step 0 and at the end)
+    val1 = [json.loads(x) for x in (tmp_path / "stage1" / "metrics.jsonl").read_text().splitlines()
+            if "val/text/top1" in x]
+    assert val1[-1]["val/text/top1"] > val1[0]["val/text/top1"] + 0.05
+    # stage 2 validates on both held-out sets
+    val2 = [json.loads(x) for x in (tmp_path / "stage2" / "metrics.jsonl").read_text().splitlines() if "val/" in x]
+    assert "val/mm/sim_tau" in val2[-1] and "val/text/sim_tau" in val2[-1]
