@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import signal
 import socket
 import sys
 import time
@@ -89,6 +90,7 @@ class TrainRecipe:
         self.bad_total = 0
         self.best_tau = -1.0
         self.wandb = None
+        self.stop_requested = False
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -353,6 +355,9 @@ class TrainRecipe:
                        file=sys.stdout)
         if self.step == 0:
             self._validate_and_log()
+        # SIGTERM (preemption, the launcher) and Ctrl-C finish the current step, save a
+        # checkpoint and exit; relaunching the same command resumes from it.
+        previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
         t0, tokens = time.perf_counter(), 0.0
         while self.step < tc.max_steps:
             try:
@@ -375,9 +380,29 @@ class TrainRecipe:
                 self._validate_and_log()
             if self.step % self.cfg.checkpoint.every == 0 or last:
                 self.save_checkpoint()
+            elif self._stop_agreed():
+                self.save_checkpoint()
+                if bar is not None:
+                    bar.close()
+                raise TrainingError(f"interrupted at step {self.step}; checkpoint saved in {self.ckpt_root}. "
+                                    "Launch the same command again to resume.")
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if bar is not None:
             bar.close()
         self.export("final")
+
+    def _request_stop(self, signum, frame) -> None:
+        if self.stop_requested:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.stop_requested = True
+        log.warning("received signal %d: saving a checkpoint after this step", signum)
+
+    def _stop_agreed(self) -> bool:
+        """True on every rank if any rank was asked to stop (ranks must save together)."""
+        flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.device)
+        self.dist.all_reduce(flag)
+        return flag.item() > 0
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, object]:
