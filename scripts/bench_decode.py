@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import sys
 import time
@@ -35,9 +36,16 @@ from msd_train.evaluation import evaluate, load_bench, summarize  # noqa: E402
 from msd_train.evaluation.run import describe_device  # noqa: E402
 
 # Published shapes, for timing random models of the real size without downloading them.
+CLIP_L_336 = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                  image_size=336, patch_size=14, projection_dim=768)
 SHAPES = {
-    "llava15_7b": dict(family="llava", hidden=4096, inter=11008, layers=32, heads=32, kv=32, vocab=32064),
-    "llava15_13b": dict(family="llava", hidden=5120, inter=13824, layers=40, heads=40, kv=40, vocab=32064),
+    "tiny": dict(family="llava", hidden=256, inter=704, layers=4, heads=4, kv=4, vocab=2048,  # data/tiny-llava
+                 vision=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                             image_size=48, patch_size=8, projection_dim=64)),
+    "llava15_7b": dict(family="llava", hidden=4096, inter=11008, layers=32, heads=32, kv=32, vocab=32064,
+                       vision=CLIP_L_336),
+    "llava15_13b": dict(family="llava", hidden=5120, inter=13824, layers=40, heads=40, kv=40, vocab=32064,
+                        vision=CLIP_L_336),
     "qwen2vl_7b": dict(family="qwen2_vl", hidden=3584, inter=18944, layers=28, heads=28, kv=4, vocab=152064),
     "qwen25vl_7b": dict(family="qwen2_vl", hidden=3584, inter=18944, layers=28, heads=28, kv=4, vocab=152064),
 }
@@ -79,14 +87,17 @@ def random_target(name: str, num_layers: int | None, device, dtype):
         text = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"],
                            num_hidden_layers=layers, num_attention_heads=s["heads"], num_key_value_heads=s["kv"],
                            max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
-        vision = CLIPVisionConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=min(24, 4 * layers),
-                                  num_attention_heads=16, image_size=336, patch_size=14, projection_dim=768)
+        vc = dict(s["vision"])
+        if num_layers:  # keep the vision tower in proportion when the language model is cut
+            vc["num_hidden_layers"] = min(vc["num_hidden_layers"], 4 * num_layers)
+        vision = CLIPVisionConfig(**vc)
         cfg = LlavaConfig(text_config=text, vision_config=vision, image_token_id=tok.convert_tokens_to_ids("<image>"),
                           vision_feature_layer=-2, vision_feature_select_strategy="default")
         with torch.device(device):
             model = LlavaForConditionalGeneration(cfg).to(dtype).eval()
-        improc = CLIPImageProcessor(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336})
-        proc = LlavaProcessor(image_processor=improc, tokenizer=tok, patch_size=14,
+        side = vc["image_size"]
+        improc = CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+        proc = LlavaProcessor(image_processor=improc, tokenizer=tok, patch_size=vc["patch_size"],
                               vision_feature_select_strategy="default", num_additional_image_tokens=1,
                               chat_template=VICUNA_V1)
     else:
@@ -143,6 +154,7 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=3, help="first turns per category of the tiny benchmark")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--note", default=None, help="free text stored in the JSON (e.g. what the machine was doing)")
     ap.add_argument("--out", default=None, help="JSON file (default benchmarks/decode/<target>-<device>.json)")
     args = ap.parse_args(argv)
 
@@ -225,6 +237,9 @@ def main(argv=None):
                  "(bonus included). speedup: ratio of total tokens/s over plain decoding, prefill included.",
         "runs": runs,
         "seconds": round(time.time() - t0, 1),
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+        "cpu_count": os.cpu_count(),
+        "note": args.note,
     }
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "decode" / (
         f"{target.name.split('/')[-1]}-{device.type}.json")

@@ -63,6 +63,19 @@ def default_out(draft: str | None, bench: str, method: str) -> Path:
     return Path("eval") / f"{bench}-{method}"
 
 
+def _check_draft(draft: str | None) -> None:
+    """Fail before loading a large target when the head cannot be found."""
+    if not draft:
+        raise ValueError("decoding=tree|chain needs a head: draft=PATH (an export folder, e.g. "
+                         "runs/tiny/stage2/final, a released MSD head or a Hub repo id)")
+    path = str(draft)
+    if not Path(path).exists() and (path.count("/") != 1 or path.startswith((".", "/", "~"))):
+        raise FileNotFoundError(
+            f"draft={path}: no such folder (nor a Hub repo id OWNER/NAME). Train the embedded default with "
+            "`python train.py stage=1` then `python train.py stage=2`, or pass draft=PATH to an export folder"
+        )
+
+
 def _distributed() -> tuple[int, int, int]:
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
@@ -93,6 +106,16 @@ def run_eval(cfg: dict, command: str | None = None) -> dict | None:
     bench_name = cfg["bench"].get("name", "bench")
     out = Path(cfg["out"]) if cfg.get("out") else default_out(cfg.get("draft"), bench_name, config.method)
 
+    if config.method != "ar":
+        _check_draft(cfg.get("draft"))
+    items = load_bench(cfg["bench"])  # before the target: a wrong path fails in seconds
+    if not items:
+        raise ValueError(f"bench={bench_name}: no items (check bench paths and max_* limits)")
+    for item in items:
+        for img in item.images:
+            if isinstance(img, (str, Path)) and not Path(img).is_file():
+                raise FileNotFoundError(f"{item.source}, sample {item.id}: image {img} not found; set "
+                                        "bench.image_root to the folder the image paths are relative to")
     from msd_train.targets import load_target
 
     tc = cfg["target"]
@@ -101,16 +124,10 @@ def run_eval(cfg: dict, command: str | None = None) -> dict | None:
                          tc.get("attn_implementation", "sdpa"))
     draft = None
     if config.method != "ar":
-        if not cfg.get("draft"):
-            raise ValueError("decoding=tree|chain needs a head: draft=PATH (an export folder, e.g. "
-                             "runs/tiny/stage2/final, a released MSD head or a Hub repo id)")
         from msd_train.hub.load import load_head
 
-        draft = load_head(cfg["draft"], target)
+        draft = load_head(str(cfg["draft"]), target)
 
-    items = load_bench(cfg["bench"])
-    if not items:
-        raise ValueError(f"bench={bench_name}: no items (check bench paths and max_* limits)")
     shard = items[rank::world]
     torch.manual_seed(int(cfg.get("seed", 0)))
     progress = bool(cfg.get("progress", True)) and rank == 0
