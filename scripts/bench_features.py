@@ -173,6 +173,8 @@ def markdown(r: dict) -> str:
     H = d["hidden_size"]
     lines = [
         f"# Feature store budgets ({r['target']}, {r['device']}, {r['date']})", "",
+        f"Machine load average at the end (1, 5, 15 min): {', '.join(f'{x:.2f}' for x in r['load_average'])}; "
+        "loader and trainer were timed one after the other on the same machine.", "",
         f"Reproduce: `{r['command']}`", "",
         f"## Disk, tiny data, {d['dtype']} (H = {H}, ids {d['ids_dtype']})", "",
         "| split | samples | tokens (visual) | bytes | per sample | per token | of budget |", "|---|---|---|---|---|---|---|"]
@@ -257,7 +259,8 @@ def main() -> None:
         if not args.no_online:
             result["trainer_online"] = time_trainer(args.overrides, mb, args.steps, head)
         result["loader_over_trainer"] = result["loader"]["samples_per_s"] / result["trainer_offline"]["samples_per_s"]
-        result.update(device=f"cpu ({torch.get_num_threads()} threads)", torch=torch.__version__,
+        result.update(device=f"cpu ({torch.get_num_threads()} threads)", load_average=os.getloadavg(),
+                      torch=torch.__version__,
                       python=platform.python_version(), date=time.strftime("%Y-%m-%d"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
