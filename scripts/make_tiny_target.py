@@ -759,6 +759,70 @@ def image_swap_rate(model, processor, data_dir: Path, max_new_tokens: int = 16):
 # --------------------------------------------------------------------------------------
 
 
+COLOUR_INDEX = {c: i for i, c in enumerate(COLOURS)}
+KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
+
+
+def image_labels(meta: dict) -> tuple[list[int], int, int]:
+    """Ground truth of one image for vision pretraining: per grid cell 0 (empty) or
+    1 + colour * len(KINDS) + kind, -100 everywhere for digits; digit class and ink colour
+    (-100 for shapes)."""
+    if meta["type"] == "digit":
+        return [-100] * 9, meta["digit"], COLOUR_INDEX[meta["colour"]]
+    cells = [0] * 9
+    for s in meta["shapes"]:
+        cells[s["cell"]] = 1 + COLOUR_INDEX[s["colour"]] * len(KINDS) + KIND_INDEX[s["kind"]]
+    return cells, -100, -100
+
+
+def pretrain_vision(model, pixels: dict[str, torch.Tensor], meta: dict, steps: int,
+                    batch_size: int, lr: float, seed: int) -> None:
+    """Give the vision tower a head start, as LLaVA starts from a pretrained CLIP: train it
+    (with throw-away linear probes) to say what is drawn in each cell of the 3x3 grid, and
+    which digit in which ink, from the features the projector will read
+    (``vision_feature_layer``). Only the vision tower's weights are kept."""
+    from tqdm import tqdm
+
+    tower = model.model.vision_tower
+    layer = model.config.vision_feature_layer
+    h = model.config.vision_config.hidden_size
+    paths = sorted(p for p in pixels if p in meta)
+    labels = [image_labels(meta[p]) for p in paths]
+    cells = torch.tensor([lab[0] for lab in labels])
+    digit = torch.tensor([lab[1] for lab in labels])
+    ink = torch.tensor([lab[2] for lab in labels])
+    pv_all = torch.stack([pixels[p] for p in paths])
+    gen = torch.Generator().manual_seed(seed)
+    probes = torch.nn.ModuleDict({
+        "cell": torch.nn.Linear(h, 1 + len(COLOURS) * len(KINDS)),
+        "digit": torch.nn.Linear(h, 10),
+        "ink": torch.nn.Linear(h, len(COLOURS)),
+    })
+    params = list(tower.parameters()) + list(probes.parameters())
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 20) * (0.5 * (1 + math.cos(math.pi * s / steps))))
+    ce = torch.nn.CrossEntropyLoss(ignore_index=-100)
+    tower.train()
+    bar = tqdm(range(steps), desc="vision pretraining", mininterval=2.0)
+    for _ in bar:
+        idx = torch.randint(len(paths), (batch_size,), generator=gen)
+        feats = tower(pixel_values=pv_all[idx], output_hidden_states=True).hidden_states[layer][:, 1:]
+        grid = int(math.isqrt(feats.shape[1]))
+        f = feats.reshape(len(idx), grid, grid, h)
+        # mean over the patches of each of the 3x3 cells
+        k = grid // 3
+        cell_f = f.reshape(len(idx), 3, k, 3, k, h).mean(dim=(2, 4)).reshape(len(idx), 9, h)
+        mean_f = feats.mean(dim=1)
+        loss = (ce(probes["cell"](cell_f).flatten(0, 1), cells[idx].flatten())
+                + ce(probes["digit"](mean_f), digit[idx]) + ce(probes["ink"](mean_f), ink[idx]))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        bar.set_postfix(loss=f"{float(loss):.3f}")
+
+
 def batches_for_epoch(n: int, batch_size: int, lengths: list[int], g: torch.Generator):
     """A seeded epoch order: shuffle, sort by length within chunks of 16 batches (less
     padding), then shuffle the batches."""
@@ -807,11 +871,24 @@ def train(args) -> None:
     print(f"{len(encoded)} training conversations, {sum(lengths)} tokens, "
           f"max length {max(lengths)}")
 
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
+    if args.vision_steps:
+        meta = json.loads((data_dir / "images" / "meta.json").read_text())
+        train_paths = sorted({p for e in encoded for p in e["images"]})
+        pretrain_vision(model, {p: pixels[p] for p in train_paths}, meta, args.vision_steps,
+                        64, 3e-3, args.seed)
+
+    # The LM learns fast; a lower rate for the vision side keeps it from being turned
+    # into a constant "memory" the LM reads instead of the image.
+    groups = []
+    for vision in (False, True):
+        named = [(n, p) for n, p in model.named_parameters()
+                 if ("vision_tower" in n or "multi_modal_projector" in n) == vision]
+        lr = args.lr * (args.vision_lr_mult if vision else 1.0)
+        groups.append({"params": [p for n, p in named if p.dim() >= 2 and "embed" not in n],
+                       "weight_decay": 0.05, "lr": lr})
+        groups.append({"params": [p for n, p in named if not (p.dim() >= 2 and "embed" not in n)],
+                       "weight_decay": 0.0, "lr": lr})
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
     warmup = min(100, args.steps // 10)
 
     def lr_at(step):
@@ -883,14 +960,20 @@ def main(argv=None) -> None:
     p.add_argument("--remake-data", action="store_true", help="regenerate the datasets")
     p.add_argument("--data-only", action="store_true", help="only (re)make the datasets")
     p.add_argument("--eval-only", action="store_true", help="only evaluate --out")
-    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=24)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate of the LM")
+    p.add_argument("--vision-lr-mult", type=float, default=0.1,
+                   help="vision tower and projector learning rate, relative to --lr")
+    p.add_argument("--vision-steps", type=int, default=400,
+                   help="vision tower pretraining steps before the LLaVA training")
     p.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
     p.add_argument("--n-text", type=int, default=3200, help="training text conversations")
     p.add_argument("--n-image", type=int, default=3600, help="training image conversations")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads; 1 is faster than 2 on a shared 2-core machine and "
+                        "the committed weights were made with 1")
     args = p.parse_args(argv)
 
     data_dir, out = Path(args.data_dir), Path(args.out)
