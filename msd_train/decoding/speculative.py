@@ -49,6 +49,11 @@ class DecodeConfig:
     #: None: the target's own EOS ids (generation config, else tokenizer); () never stops on EOS
     eos_token_ids: tuple[int, ...] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # --- ensemble drafting (msd_train/decoding/ensemble.py) ---
+    ensemble: str | None = None  # None: the head alone (variant M) | ibed | tabed
+    variants: tuple[str, ...] = ("M",)  # the head's input variants, one batch row each
+    tabed_window: int = 32  # tabed: verified positions the weight search looks back over
+    # --- end ensemble drafting ---
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -61,6 +66,13 @@ class DecodeConfig:
         if self.method == "chain" and self.k < 1:
             raise ValueError(f"chain decoding needs k >= 1, got k={self.k}")
         self.stop_strings = tuple(self.stop_strings or ())
+        # --- ensemble drafting ---
+        self.variants = tuple(self.variants or ("M",))
+        if self.ensemble is not None:
+            from msd_train.decoding.ensemble import check_ensemble
+
+            check_ensemble(self)
+        # --- end ensemble drafting ---
 
 
 @dataclass
@@ -76,6 +88,7 @@ class DecodeState:
     draft_cache: object | None = None  # the head's cache over draft positions 0 .. draft_len-1
     draft_len: int = 0
     tokens: list[int] = field(default_factory=list)  # new tokens; tokens[-1] is the root x_m
+    ensemble: object | None = None  # EnsembleState when drafting with input variants
 
     def clone(self) -> DecodeState:
         """An independent copy (caches included), e.g. to decode one prompt many times."""
@@ -83,6 +96,7 @@ class DecodeState:
         out.target_cache = _clone_cache(self.target_cache)
         out.draft_cache = _clone_cache(self.draft_cache)
         out.tokens = list(self.tokens)
+        out.ensemble = self.ensemble.clone() if self.ensemble is not None else None
         return out
 
 
@@ -433,7 +447,12 @@ def decode(target, draft, state: DecodeState, config: DecodeConfig,
         if config.method == "tree":
             tree = draft_tree(draft, target, state, config.depth, config.top_k, config.total_tokens, sampling)
         elif config.method == "chain":
-            tree = draft_chain(draft, target, state, config.k, sampling, generator)
+            if state.ensemble is not None:  # ensemble drafting
+                from msd_train.decoding.ensemble import draft_chain_ensemble
+
+                tree = draft_chain_ensemble(draft, target, state, config.k, sampling, generator)
+            else:
+                tree = draft_chain(draft, target, state, config.k, sampling, generator)
         else:
             tree = chain(torch.as_tensor([state.tokens[-1]], device=device))
         t1 = _now(device)
@@ -443,6 +462,10 @@ def decode(target, draft, state: DecodeState, config: DecodeConfig,
             path, bonus = accept_greedy(tree, logits)
         else:
             path, bonus = accept_sampling(tree, logits_to_probs(logits, sampling), generator)
+        if state.ensemble is not None:  # ensemble drafting: TABED's verified history
+            from msd_train.decoding.ensemble import record_verified
+
+            record_verified(state, tree, path, logits)
         tried = len(path) - 1 + int(bool((tree.parents == path[-1]).any()))
         before = len(state.tokens)
         commit(state, tree, path, bonus, hidden)
@@ -462,7 +485,12 @@ def generate(target, draft, prompt, config: DecodeConfig, generator: torch.Gener
     """
     device = target.device
     t0 = _now(device)
-    state = prefill(target, draft if config.method != "ar" else None, prompt)
+    if config.ensemble is not None and config.method != "ar":  # ensemble drafting
+        from msd_train.decoding.ensemble import prefill_ensemble
+
+        state = prefill_ensemble(target, draft, prompt, config.variants, config.ensemble, config.tabed_window)
+    else:
+        state = prefill(target, draft if config.method != "ar" else None, prompt)
     t1 = _now(device)
     out = decode(target, draft, state, config, generator)
     t2 = _now(device)
