@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from builders import random_image, tiny_llava_target
-from test_sampling import PROMPT, TinyHead, TinyTarget, assert_same_distribution, bad_head, exact_continuations
+from test_sampling import TinyHead, TinyTarget, assert_same_distribution, bad_head, exact_continuations
 
 from msd_train.decoding import DecodeConfig, SamplingParams, decode, generate
 from msd_train.decoding.ensemble import prefill_ensemble, simplex_grid, tabed_weights, variant_inputs
@@ -176,14 +176,23 @@ class ImageTokenTarget(TinyTarget):
     image_token_id = 5
 
 
-@pytest.mark.parametrize("ensemble", ["ibed", "tabed"])
-def test_sampling_with_an_ensemble_is_lossless(ensemble):
+@pytest.mark.parametrize("ensemble, head, prompt", [
+    ("ibed", "bad", [1, 5, 5, 5, 5, 2, 7, 3]),
+    ("tabed", "good", [5, 5, 5, 5, 1, 3]),
+])
+def test_sampling_with_an_ensemble_is_lossless(ensemble, head, prompt, monkeypatch):
+    """Prompts chosen so that the M and T rows disagree (L1 distance 0.4-0.8): drafting
+    from the mixture but testing against one row would fail here."""
+    import test_sampling
+
+    prompt = torch.tensor(prompt)
+    monkeypatch.setattr(test_sampling, "PROMPT", prompt)  # exact_continuations reads it
     target = ImageTokenTarget(seed=0)
-    draft = bad_head(seed=1) if ensemble == "ibed" else TinyHead(target.lm)
+    draft = bad_head(seed=1) if head == "bad" else TinyHead(target.lm)
     sampling = SamplingParams(temperature=1.0)
     config = DecodeConfig(method="chain", k=2, max_new_tokens=2, eos_token_ids=(), sampling=sampling,
                           ensemble=ensemble, variants=("M", "T"), tabed_window=4)
-    state0 = prefill_ensemble(target, draft, Encoded(PROMPT, torch.zeros_like(PROMPT)), config.variants, ensemble, 4)
+    state0 = prefill_ensemble(target, draft, Encoded(prompt, torch.zeros_like(prompt)), config.variants, ensemble, 4)
     gen = torch.Generator().manual_seed(0)
     draws = 2500  # two new tokens (64 cells): enough power at a few seconds a test
     counts: dict[tuple, int] = {}
