@@ -33,6 +33,9 @@ def decode_config(d: dict) -> DecodeConfig:
         total_tokens=int(d.get("total_tokens", 60)), k=int(d.get("k", 5)),
         max_new_tokens=int(d.get("max_new_tokens", 64)), stop_strings=tuple(d.get("stop_strings") or ()),
         sampling=SamplingParams(float(s.get("temperature", 0.0)), float(s.get("top_p", 1.0)), int(s.get("top_k", 0))),
+        # ensemble drafting (msd_train/decoding/ensemble.py)
+        ensemble=d.get("ensemble"), variants=tuple(d.get("variants") or ("M",)),
+        tabed_window=int(d.get("tabed_window", 32)),
     )
 
 
@@ -46,6 +49,8 @@ def decoding_settings(c: DecodeConfig) -> dict:
                sampling_top_k=c.sampling.top_k, greedy=c.sampling.greedy)
     if c.stop_strings:
         out["stop_strings"] = list(c.stop_strings)
+    if c.ensemble is not None:  # ensemble drafting
+        out.update(ensemble=c.ensemble, variants=list(c.variants), tabed_window=c.tabed_window)
     return out
 
 
@@ -172,6 +177,11 @@ def run_eval(cfg: dict, command: str | None = None) -> dict | None:
         "overall": summarize(records, greedy),
         "per_category": summarize_by_category(records, greedy),
     }
+    if config.ensemble is not None and config.method != "ar":  # ensemble drafting: each variant alone too
+        from msd_train.evaluation.ensemble import ensemble_report
+
+        report["ensemble"] = ensemble_report(target, draft, items if world > 1 else shard, config,
+                                             warmup=int(cfg.get("warmup", 1)), progress=progress)
     paths = write_report(out, report, records)
     log.info("wrote %s", ", ".join(str(p) for p in paths.values()))
     _log_wandb(cfg.get("wandb") or {}, report, paths)
