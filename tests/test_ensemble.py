@@ -200,3 +200,23 @@ def test_sampling_with_an_ensemble_is_lossless(ensemble, head, prompt, monkeypat
         out = decode(target, draft, state0.clone(), config, gen)
         counts[tuple(out.tokens)] = counts.get(tuple(out.tokens), 0) + 1
     assert_same_distribution(counts, exact_continuations(target, sampling, n=2), draws)
+
+
+# ----- reporting ----------------------------------------------------------------------
+
+
+def test_ensemble_report_has_every_variant(llava):
+    from msd_train.evaluation.bench import BenchItem
+    from msd_train.evaluation.ensemble import ensemble_report
+
+    target, draft, _ = llava
+    items = [BenchItem("a", "image_question", ["<image>\nwhat colour is the circle?"], [random_image(1)]),
+             BenchItem("b", "text", ["python function returns value", "and the value"])]
+    config = DecodeConfig(method="chain", k=3, max_new_tokens=8, eos_token_ids=(), ensemble="tabed",
+                          variants=("M", "T", "P"))
+    rep = ensemble_report(target, draft, items, config, warmup=0)
+    assert list(rep["tau"]) == ["M", "T", "P", "tabed-MTP"]
+    assert set(rep["tau_per_category"]["T"]) == {"image_question", "text"}
+    assert rep["outputs_identical"] is True  # greedy: every drafting gives the target's output
+    assert rep["draft_overhead_vs_M"]["M"] == 0
+    assert all(t >= 1 for t in rep["tau"].values())
