@@ -51,10 +51,11 @@ class EnsembleState:
     history_rows: list[torch.Tensor] = field(default_factory=list)
     history_target: list[torch.Tensor] = field(default_factory=list)
     block_rows: torch.Tensor | None = None  # (k, B, V) the last draft block's row probabilities
+    padded: bool | None = None  # whether any row has left padding (None: not known yet)
 
     def clone(self) -> EnsembleState:
         return EnsembleState(self.variants, self.mode, self.window, self.valid.clone(), self.weights.clone(),
-                             list(self.history_rows), list(self.history_target), self.block_rows)
+                             list(self.history_rows), list(self.history_target), self.block_rows, self.padded)
 
 
 # ----- input variants -------------------------------------------------------------------
@@ -125,6 +126,9 @@ def _bias(valid: torch.Tensor, query: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive mask (B, 1, query, keys): causal, no padded keys; a padded query sees
     itself (so no softmax row is empty)."""
     b, keys = valid.shape
+    if query == 1:  # one new (valid) position per row: only the padding is masked
+        bias = torch.zeros(b, 1, 1, keys, dtype=dtype, device=valid.device)
+        return bias.masked_fill(~valid[:, None, None, :], torch.finfo(dtype).min)
     past = keys - query
     k = torch.arange(keys, device=valid.device)
     q = past + torch.arange(query, device=valid.device)
@@ -138,7 +142,9 @@ def _rows_forward(draft, state, e, h, pos, replace=None, raw=None) -> torch.Tens
     """Run the head over T new positions of every row; returns (B, T, H)."""
     ens = state.ensemble
     ens.valid = torch.cat([ens.valid, torch.ones(e.shape[0], e.shape[1], dtype=torch.bool, device=e.device)], 1)
-    out = draft(e, h, replace, raw, position_ids=pos, attention_mask=_bias(ens.valid, e.shape[1], draft.dtype),
+    # no padding and one query: the head's own (unmasked) fast path is exact
+    mask = None if e.shape[1] == 1 and ens.padded is False else _bias(ens.valid, e.shape[1], draft.dtype)
+    out = draft(e, h, replace, raw, position_ids=pos, attention_mask=mask,
                 past_key_values=state.draft_cache, use_cache=True).last_hidden_state
     return out
 
@@ -148,6 +154,7 @@ def _prefill_rows(draft, state, cols, pos, valid) -> None:
     draft(e, h, replace, raw, position_ids=pos, attention_mask=_bias(valid, e.shape[1], draft.dtype),
           past_key_values=state.draft_cache, use_cache=True)
     state.ensemble.valid = valid
+    state.ensemble.padded = not bool(valid.all())
 
 
 def _left_pad(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
@@ -261,17 +268,18 @@ def draft_chain_ensemble(draft, target, state, k: int, sampling: SamplingParams,
     if ens.mode == "tabed" and ens.history_rows:
         ens.weights = tabed_weights(torch.stack(ens.history_rows), torch.stack(ens.history_target))
     w = ens.weights
+    embed, lm_head = target.embed_tokens, target.lm_head  # (module look-ups cost per call)
     n = state.pending_hidden.shape[0]
     tokens_in = torch.as_tensor(state.tokens[-n:], device=target.device)
     pos = target.continue_positions(state.draft_len, n, state.rope_deltas)
     expand = lambda x: x.expand(*x.shape[:-2], b, x.shape[-1])  # noqa: E731  batch-1 positions -> B rows
-    out = _rows_forward(draft, state, target.embed_tokens(tokens_in)[None].expand(b, -1, -1),
+    out = _rows_forward(draft, state, embed(tokens_in)[None].expand(b, -1, -1),
                         state.pending_hidden[None].expand(b, -1, -1), expand(pos))
     state.draft_len += n
     h = out[:, -1]  # (B, H)
     tokens, probs, rows = [], [], []
     for i in range(k):
-        logits = target.lm_head(h.to(target.dtype)).float()  # (B, V)
+        logits = lm_head(h.to(target.dtype)).float()  # (B, V)
         p_rows = logits.softmax(-1) if sampling.greedy else logits_to_probs(logits, sampling)
         q = w @ p_rows
         x = q.argmax(-1) if sampling.greedy else sample(q, generator)
@@ -282,7 +290,7 @@ def draft_chain_ensemble(draft, target, state, k: int, sampling: SamplingParams,
         tokens.append(x)
         if i + 1 < k:  # every row continues from the chosen token and its own feature
             step_pos = target.continue_positions(state.cache_len + i, 1, state.rope_deltas)
-            h = _rows_forward(draft, state, target.embed_tokens(x.view(1, 1)).expand(b, -1, -1),
+            h = _rows_forward(draft, state, embed(x.view(1, 1)).expand(b, -1, -1),
                               h[:, None], expand(step_pos))[:, -1]
     crop_cache(state.draft_cache, state.draft_len)
     ens.valid = ens.valid[:, : state.draft_len]
