@@ -298,7 +298,10 @@ class FeatureStore:
                     bad.append(f"{f}: SHA-256 differs from the manifest (corrupt)")
                     continue
             with safe_open(str(f), "pt") as h:
-                keys = shard_metadata(h)["keys"]
+                meta = shard_metadata(h)
+                if tuple(meta.get("index_columns", ())) != INDEX_COLUMNS:
+                    raise FeatureStoreError(f"{f}: written by another version of the store layout; regenerate the store")
+                keys = meta["keys"]
                 self._tables.append(h.get_tensor("index"))
             for j, key in enumerate(keys):
                 self.index[key] = (s, j)
