@@ -156,15 +156,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(reports, indent=1))
         print(f"report written to {args.json}")
-    usable = sum(r.get("kept", 0) for r in reports.values() if not r.get("error"))
-    train_usable = sum(reports[n].get("kept", 0) for n in ("text", "multimodal") if n in reports)
     if any("error" in r for r in reports.values()):
         print("error: a data file cannot be read (see above)")
         return 2
-    if usable == 0 or train_usable == 0:
-        print("error: no usable training samples remain")
+    # the training splits decide, unless only held-out splits were asked for
+    names = [n for n in ("text", "multimodal") if n in reports] or list(reports)
+    usable = sum(reports[n]["kept"] for n in names)
+    if usable == 0:
+        print(f"error: no usable samples remain in {', '.join(f'data.{n}' for n in names) or 'any split'}")
         return 1
-    print(f"ok: {train_usable} usable training samples")
+    print(f"ok: {usable} usable samples in {', '.join(f'data.{n}' for n in names)}")
     return 0
 
 

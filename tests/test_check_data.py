@@ -80,7 +80,7 @@ def test_nothing_usable_exits_nonzero(check_data, target_path, tmp_path, capsys)
     over = [f"target.name_or_path={target_path}", f"data.text.0.path={bad}", "data.multimodal=[]",
             "data.heldout_text=[]", "data.heldout_multimodal=[]", f"data.cache_dir={tmp_path / 'cache'}"]
     assert check_data.main(over) == 1
-    assert "no usable training samples" in capsys.readouterr().out
+    assert "no usable samples remain in data.text" in capsys.readouterr().out
     missing = [o.replace(str(bad), str(tmp_path / "nope.json")) for o in over]
     assert check_data.main(missing) == 2
     assert "data file not found" in capsys.readouterr().out
