@@ -175,7 +175,7 @@ def markdown(r: dict) -> str:
         f"# Feature store budgets ({r['target']}, {r['device']}, {r['date']})", "",
         f"Machine load average at the end (1, 5, 15 min): {', '.join(f'{x:.2f}' for x in r['load_average'])}; "
         "loader and trainer were timed one after the other on the same machine.", "",
-        f"Reproduce: `{r['command']}`", "",
+        f"Reproduce: `{r['command']}`", "", *([r["note"], ""] if r.get("note") else []),
         f"## Disk, tiny data, {d['dtype']} (H = {H}, ids {d['ids_dtype']})", "",
         "| split | samples | tokens (visual) | bytes | per sample | per token | of budget |", "|---|---|---|---|---|---|---|"]
     for n, s in d["splits"].items():
@@ -220,6 +220,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "features"))
     ap.add_argument("--name", default="tiny_cpu")
     ap.add_argument("--no-online", action="store_true", help="skip the online trainer reference")
+    ap.add_argument("--note", default="", help="a remark stored with the results")
     ap.add_argument("overrides", nargs="*", help="target.* / data.* overrides")
     args = ap.parse_args()
 
@@ -245,7 +246,7 @@ def main() -> None:
         MSDDraftModel(MSDDraftConfig.from_target_config(target.config, target.name)).save_pretrained(head)
         result = {
             "target": str(gcfg.target.name_or_path).replace(str(REPO_ROOT) + "/", ""),
-            "command": " ".join(["python scripts/bench_features.py", *sys.argv[1:]]),
+            "command": " ".join(["python scripts/bench_features.py", *sys.argv[1:]]), "note": args.note,
             "disk": disk_report(manifest, target.hidden_size), "tensor_bytes": tensor_bytes(store, manifest),
             "dry_run_estimate_bytes": estimate["bytes"],
             "extrapolated": extrapolate(),
