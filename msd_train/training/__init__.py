@@ -8,6 +8,7 @@ import sys
 
 def run(cfg) -> None:
     """Set up, train and export one stage; user-facing failures exit with their message."""
+    from msd_train.features.store import FeatureStoreError
     from msd_train.training.recipe import TrainingError, TrainRecipe
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
@@ -17,7 +18,7 @@ def run(cfg) -> None:
     try:
         recipe.setup()
         recipe.train()
-    except TrainingError as e:
+    except (TrainingError, FeatureStoreError) as e:
         logging.getLogger("msd_train").error("%s", e)
         sys.exit(1)
     finally:
