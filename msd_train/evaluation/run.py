@@ -57,7 +57,8 @@ def decoding_settings(c: DecodeConfig) -> dict:
 def describe_device(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)} (cuda)"
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    n = torch.get_num_threads()
+    return f"cpu ({platform.processor() or platform.machine()}, {n} thread{'s' if n != 1 else ''})"
 
 
 def default_out(draft: str | None, bench: str, method: str) -> Path:
