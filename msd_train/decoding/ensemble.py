@@ -170,23 +170,14 @@ def prefill_ensemble(target, draft, prompt, variants, mode: str, window: int):
     """``prefill`` with the head's prefix built once per variant, as one left-padded batch."""
     from transformers import DynamicCache
 
-    from msd_train.decoding.speculative import DecodeState
+    from msd_train.decoding.speculative import prefill_target
 
     device = target.device
-    ids = prompt.input_ids.to(device)[None]
-    pixel = {k: v.to(device) for k, v in (prompt.pixel or {}).items()}
-    embeds = target.embed(ids, pixel)
-    pos, deltas = target.position_ids(ids, None, pixel)
-    hidden, cache = target.run_language_model(embeds, pos, None, None, use_cache=True)
-    length = ids.shape[1]
+    state, ids, embeds, hidden, pos = prefill_target(target, prompt)
     visual = ids == target.image_token_id
     if bool(visual[0, -1]):
         raise ValueError("ensemble drafting needs a prompt that ends in text, not in image tokens")
     b = len(variants)
-    state = DecodeState(
-        target_cache=cache, cache_len=length, prompt_len=length, rope_deltas=deltas,
-        next_logits=target.lm_head(hidden[0, -1]), pending_hidden=hidden[0, -1:],
-    )
     state.draft_cache = DynamicCache()
     rows = [variant_inputs(target, draft, v, embeds, hidden, pos, visual) for v in variants]
     n = max(r[0].shape[1] for r in rows)

@@ -155,12 +155,12 @@ def _now(device: torch.device) -> float:
 # ----- prefill --------------------------------------------------------------------------
 
 
-@torch.inference_mode()
-def prefill(target, draft, prompt) -> DecodeState:
-    """Target forward over the prompt (images included) and the head's prefill.
+def prefill_target(target, prompt):
+    """The target's forward over the prompt (images included).
 
-    The head reads the prompt through ``draft.align_inputs``, exactly as in training, so
-    decoupled visual slots match the head's ``visual_offset``.
+    Returns a ``DecodeState`` holding the target cache and its first next-token logits,
+    plus the prompt's ``ids``, ``embeds``, ``hidden`` states and ``pos`` ids that a head's
+    prefill reads (single head here, a batch of input variants in ``ensemble``).
     """
     device = target.device
     ids = prompt.input_ids.to(device)[None]
@@ -173,6 +173,18 @@ def prefill(target, draft, prompt) -> DecodeState:
         target_cache=cache, cache_len=length, prompt_len=length, rope_deltas=deltas,
         next_logits=target.lm_head(hidden[0, -1]), pending_hidden=hidden[0, -1:],
     )
+    return state, ids, embeds, hidden, pos
+
+
+@torch.inference_mode()
+def prefill(target, draft, prompt) -> DecodeState:
+    """Target forward over the prompt (images included) and the head's prefill.
+
+    The head reads the prompt through ``draft.align_inputs``, exactly as in training, so
+    decoupled visual slots match the head's ``visual_offset``.
+    """
+    state, ids, embeds, hidden, pos = prefill_target(target, prompt)
+    length = ids.shape[1]
     if draft is not None:
         from transformers import DynamicCache
 
