@@ -57,3 +57,14 @@ def mini_run(tmp_path_factory):
             f"data.multimodal.0.path={root / 'm.json'}", f"data.multimodal.0.image_root={img}",
             f"data.heldout_multimodal.0.path={root / 'mh.json'}", f"data.heldout_multimodal.0.image_root={img}",
             f"data.cache_dir={root / 'cache'}", "logging.wandb.mode=disabled", "logging.progress=false"]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny-model tests: one torch thread (thread hand-offs cost more than tiny matmuls save)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -37,12 +37,7 @@ TREE = dict(method="tree", depth=3, top_k=4, total_tokens=16)
 CHAIN = dict(method="chain", k=4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: threads cost more than they save
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def conversations(target) -> dict[str, Encoded]:

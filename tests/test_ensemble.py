@@ -13,13 +13,7 @@ from msd_train.decoding.ensemble import prefill_ensemble, simplex_grid, tabed_we
 from msd_train.draft import MSDDraftConfig, MSDDraftModel
 from msd_train.targets import Encoded
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: threads cost more than they save
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -38,13 +38,7 @@ V, H = 8, 16
 DRAWS = 20_000
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matmuls: thread hand-offs cost more than they save (and other tests may share the cores).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class TinyLM:
