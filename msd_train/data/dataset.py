@@ -43,10 +43,11 @@ def load_images(paths: list[str]):
     return images
 
 
-def _file_digest(path: str) -> str:
-    h = hashlib.sha1()
+def file_digest(path: str | Path, algorithm: str = "sha1") -> str:
+    """Hex digest of a file, read in 4 MiB chunks (data files and shards can be GBs)."""
+    h = hashlib.new(algorithm)
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
+        for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
 
@@ -113,7 +114,7 @@ def build_split(
         return Split(datasets.Dataset.from_dict({}), skipped)
 
     key = json.dumps({
-        "v": CACHE_VERSION, "files": [(s["path"], _file_digest(s["path"]), str(s.get("image_root"))) for s in sources],
+        "v": CACHE_VERSION, "files": [(s["path"], file_digest(s["path"]), str(s.get("image_root"))) for s in sources],
         "target": target.name, "template": target.chat_template, "max_length": max_length,
         "vocab": len(target.tokenizer), "limit": limit,
     }, sort_keys=True)

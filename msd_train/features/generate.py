@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from msd_train.data.dataset import file_digest
 from msd_train.features.store import (
     DTYPES,
     FORMAT,
@@ -49,12 +50,6 @@ STAGE_SPLITS = {1: ("text", "heldout_text"), 2: SPLITS}
 
 
 # ----------------------------------------------------------------------------- identity
-def _sha1_file(path: str | Path) -> str:
-    h = hashlib.sha1()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _adapter_identity(adapter: str | None) -> dict | None:
@@ -100,7 +95,7 @@ def data_fingerprint(cfg, names) -> dict:
         if not sources:
             continue
         splits[name] = {
-            "files": [{"name": Path(s["path"]).name, "path": str(s["path"]), "sha1": _sha1_file(s["path"]),
+            "files": [{"name": Path(s["path"]).name, "path": str(s["path"]), "sha1": file_digest(s["path"]),
                        "format": s.get("format", "auto"), "image_root": str(s.get("image_root"))} for s in sources],
             "limit": split_limit(cfg, name),
         }

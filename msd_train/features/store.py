@@ -31,7 +31,6 @@ rows and ids as stored) is checked on every read; a SHA-256 per shard is in the 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -44,6 +43,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from msd_train.data.dataset import file_digest
 
 FORMAT = "msd-train-features"
 VERSION = 1
@@ -83,11 +84,7 @@ def ids_dtype(vocab: int) -> torch.dtype:
 
 
 def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return file_digest(path, "sha256")
 
 
 def as_bytes(t: torch.Tensor) -> np.ndarray:
