@@ -19,15 +19,16 @@ def write_samples(path: Path, records: list[dict]) -> None:
     _atomic_write(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
-def _fmt(v, digits=3) -> str:
+def fmt(v, digits: int = 3) -> str:
+    """A metric for a Markdown table: '-' for missing, yes/no, fixed decimals, short lists."""
     if v is None:
         return "-"
     if isinstance(v, bool):
         return "yes" if v else "no"
     if isinstance(v, float):
         return f"{v:.{digits}f}"
-    if isinstance(v, list):
-        return "[" + ", ".join(_fmt(x, 2) for x in v) + "]"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(fmt(x, 2) for x in v) + "]"
     return str(v)
 
 
@@ -44,7 +45,7 @@ def markdown(report: dict) -> str:
         f"- target: `{report['target']}`" + (f" (adapter `{report['adapter']}`)" if report.get("adapter") else ""),
         f"- draft: `{report['draft']}`",
         f"- device: {report['device']}, dtype {report['dtype']}",
-        "- decoding: " + ", ".join(f"{k}={_fmt(v)}" for k, v in d.items()),
+        "- decoding: " + ", ".join(f"{k}={fmt(v)}" for k, v in d.items()),
         f"- warm-up items: {report['warmup']}; date {report['date']}",
         f"- command: `{report['command']}`",
         "",
@@ -53,16 +54,16 @@ def markdown(report: dict) -> str:
     ]
     groups = [("**overall**", report["overall"])] + list(report["per_category"].items())
     for name, m in groups:
-        lines.append("| " + " | ".join([name] + [_fmt(m.get(k), n) for k, _, n in COLUMNS]) + " |")
+        lines.append("| " + " | ".join([name] + [fmt(m.get(k), n) for k, _, n in COLUMNS]) + " |")
     lines += ["", "Acceptance per draft position (conditional: position i accepted given positions < i were):", ""]
-    lines += [f"- {name.strip('*')}: {_fmt(m.get('accept_at_pos'))}" for name, m in groups]
+    lines += [f"- {name.strip('*')}: {fmt(m.get('accept_at_pos'))}" for name, m in groups]
     o = report["overall"]
     lines += [
         "",
         "Time per verification cycle (ms): "
-        f"draft {_fmt(o.get('draft_ms_per_cycle'), 2)}, verify {_fmt(o.get('verify_ms_per_cycle'), 2)}, "
-        f"accept + cache bookkeeping {_fmt(o.get('accept_ms_per_cycle'), 2)}; "
-        f"plain decoding {_fmt(o.get('ar_ms_per_token'), 2)} ms per token.",
+        f"draft {fmt(o.get('draft_ms_per_cycle'), 2)}, verify {fmt(o.get('verify_ms_per_cycle'), 2)}, "
+        f"accept + cache bookkeeping {fmt(o.get('accept_ms_per_cycle'), 2)}; "
+        f"plain decoding {fmt(o.get('ar_ms_per_token'), 2)} ms per token.",
         "",
         "Definitions:",
         "",

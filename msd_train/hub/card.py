@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 from msd_train.draft import MSDDraftConfig
+from msd_train.evaluation.report import fmt
 
 log = logging.getLogger(__name__)
 
@@ -118,16 +119,6 @@ def datasets_of(training: list[dict]) -> list[str]:
 # --- rendering ---------------------------------------------------------------------------------
 
 
-def _fmt(value, digits: int = 3) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_fmt(v, 2) for v in value) + "]"
-    return str(value)
 
 
 METRICS = [
@@ -142,7 +133,7 @@ METRICS = [
 
 
 def _metrics_row(name: str, m: dict) -> str:
-    return "| " + " | ".join([name] + [_fmt(m.get(k), d) for k, _, d in METRICS]) + " |"
+    return "| " + " | ".join([name] + [fmt(m.get(k), d) for k, _, d in METRICS]) + " |"
 
 
 def _groups(report: dict) -> dict[str, dict]:
@@ -180,12 +171,12 @@ def _evaluation_section(report: dict | None, report_name: str | None, repo_id: s
     if report.get("device") or overall.get("device"):
         facts.append(f"- device: {report.get('device') or overall.get('device')}")
     if isinstance(settings, dict):
-        facts.append("- decoding: " + ", ".join(f"{k}={_fmt(v)}" for k, v in settings.items()))
+        facts.append("- decoding: " + ", ".join(f"{k}={fmt(v)}" for k, v in settings.items()))
     elif settings:
         facts.append(f"- decoding: {settings}")
     for key in ("bench", "benchmark", "dtype", "date"):
         if report.get(key) is not None:
-            facts.append(f"- {key}: {_fmt(report[key])}")
+            facts.append(f"- {key}: {fmt(report[key])}")
     if facts:
         lines += [""] + facts
     header = "| | " + " | ".join(label for _, label, _ in METRICS) + " |"
@@ -196,7 +187,7 @@ def _evaluation_section(report: dict | None, report_name: str | None, repo_id: s
     accept = [(n, a) for n, a in accept if a]
     if accept:
         lines += ["", "Acceptance per draft position (conditional: position i accepted given positions < i were):", ""]
-        lines += [f"- {n}: {_fmt(a)}" for n, a in accept]
+        lines += [f"- {n}: {fmt(a)}" for n, a in accept]
     lines += [
         "",
         "tau: tokens committed per target verification forward, the bonus token included (plain decoding: 1). "
@@ -307,7 +298,7 @@ def model_card(
         ("parameters", f"{num_parameters:,}" if num_parameters else None),
         ("dtype", dtype),
     ]
-    lines += [f"| {k} | {_fmt(v)} |" for k, v in rows if v is not None]
+    lines += [f"| {k} | {fmt(v)} |" for k, v in rows if v is not None]
     if imported_from:
         lines += ["", f"Imported from the released head `{imported_from}` (weights unchanged)."]
     lines += ["", "## Target", "", f"- base model: `{target}`"]
@@ -315,7 +306,7 @@ def model_card(
         lines.append(f"- vocabulary: {config.target_vocab_size} tokens")
     if adapter:
         lines.append(f"- LoRA adapter merged into the target: `{adapter['adapter']}`")
-        lines += [f"  - {k}: {_fmt(v)}" for k, v in adapter.items() if k != "adapter"]
+        lines += [f"  - {k}: {fmt(v)}" for k, v in adapter.items() if k != "adapter"]
         lines.append("  - load the target with this adapter (`target.adapter=...`): the head was trained on its features")
     else:
         lines.append("- adapter: none")
