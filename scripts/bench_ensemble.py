@@ -2,6 +2,7 @@
 per category and overall, and the drafting-time overhead of the ensembles over M alone.
 
     python scripts/bench_ensemble.py                              # runs/tiny/stage2/final, chain k=5, M,T,P
+    python scripts/bench_ensemble.py --method tree --variants M,T,P,C
     python scripts/bench_ensemble.py --draft PATH --k 4 --variants M,T --max-per-category 4
 
 Greedy decoding (outputs of every configuration must be identical: checked). Writes
@@ -26,7 +27,12 @@ import yaml  # noqa: E402
 
 from msd_train.decoding import DecodeConfig  # noqa: E402
 from msd_train.evaluation import load_bench  # noqa: E402
-from msd_train.evaluation.ensemble import run_variants, summarize_variants, variant_configs  # noqa: E402
+from msd_train.evaluation.ensemble import (  # noqa: E402
+    ensemble_table,
+    run_variants,
+    summarize_variants,
+    variant_configs,
+)
 from msd_train.evaluation.run import describe_device  # noqa: E402
 
 
@@ -38,7 +44,9 @@ def _conf(name: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", default=str(ROOT / "runs/tiny/stage2/final"))
-    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--method", choices=["chain", "tree"], default="chain")
+    ap.add_argument("--k", type=int, default=5, help="chain: draft tokens per cycle")
+    ap.add_argument("--tree", default="5,10,60", help="tree: depth,top_k,total_tokens (conf/decoding/tree.yaml's)")
     ap.add_argument("--variants", default="M,T,P")
     ap.add_argument("--max-per-category", type=int, default=None, help="default: conf/bench/tiny.yaml's")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -65,8 +73,10 @@ def main() -> None:
     draft = load_head(args.draft, target)
 
     variants = tuple(args.variants.split(","))
-    base = DecodeConfig(method="chain", k=args.k, max_new_tokens=args.max_new_tokens, tabed_window=args.tabed_window,
-                        ensemble="ibed", variants=variants)
+    depth, top_k, total = (int(x) for x in args.tree.split(","))
+    shape = dict(k=args.k) if args.method == "chain" else dict(depth=depth, top_k=top_k, total_tokens=total)
+    base = DecodeConfig(method=args.method, max_new_tokens=args.max_new_tokens, tabed_window=args.tabed_window,
+                        ensemble="ibed", variants=variants, **shape)
     configs = variant_configs(base)  # M, T, P alone, then ibed
     configs.update({k: v for k, v in variant_configs(dataclasses.replace(base, ensemble="tabed")).items()
                     if k not in configs})
@@ -78,7 +88,7 @@ def main() -> None:
         "command": command, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "draft": os.path.relpath(args.draft, ROOT), "target": tc["name_or_path"].replace(str(ROOT) + "/", ""),
         "device": describe_device(torch.device("cpu")), "load_average": os.getloadavg(),
-        "decoding": {"method": "chain", "k": args.k, "greedy": True, "max_new_tokens": args.max_new_tokens,
+        "decoding": {"method": args.method, **shape, "greedy": True, "max_new_tokens": args.max_new_tokens,
                      "tabed_window": args.tabed_window},
         "items": len(items), "turns": len(rows["M" if "M" in rows else next(iter(rows))]),
         **summary,
@@ -91,24 +101,19 @@ def main() -> None:
 
 
 def table(r: dict) -> str:
-    cats = sorted(next(iter(r["tau_per_category"].values())))
-    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    d = r["decoding"]
+    shape = f"chain k={d['k']}" if d["method"] == "chain" else \
+        f"tree depth={d['depth']} top_k={d['top_k']} total_tokens={d['total_tokens']}"
     lines = [
         f"# Ensemble drafting, tiny benchmark ({r['date']})", "",
         f"`{r['command']}`", "",
-        f"draft {r['draft']}, target {r['target']}, chain k={r['decoding']['k']}, greedy, "
-        f"{r['items']} items / {r['turns']} turns, {r['device']}, load average {r['load_average'][0]:.1f}. "
-        f"tau: committed tokens per verification (ratio of totals). Drafting time: ms per draft block, "
-        f"overhead relative to M alone (noisy on a shared CPU). Outputs identical across rows: "
+        f"draft {r['draft']}, target {r['target']}, {shape}, greedy, {r['items']} items / {r['turns']} turns, "
+        f"{r['device']}, load average {r['load_average'][0]:.1f}. tau: committed tokens per verification (ratio "
+        f"of totals). Drafting time: ms per draft block (cycle), overhead relative to M alone. Prefill: target and "
+        f"head prefill per turn (C adds a text-only target pass). Outputs identical across rows: "
         f"{r['outputs_identical']}.", "",
-        "| drafting | " + " | ".join(cats) + " | overall | draft ms/cycle | draft overhead vs M |",
-        "|---" * (len(cats) + 4) + "|",
+        *ensemble_table(r),
     ]
-    for name in r["tau"]:
-        per = r["tau_per_category"][name]
-        over = r["draft_overhead_vs_M"].get(name)
-        lines.append(f"| {name} | " + " | ".join(fmt(per[c]) for c in cats) + f" | {fmt(r['tau'][name])} | "
-                     f"{fmt(r['draft_ms_per_cycle'][name])} | {'-' if over is None else f'{100 * over:+.0f}%'} |")
     return "\n".join(lines) + "\n"
 
 

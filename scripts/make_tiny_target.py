@@ -537,6 +537,7 @@ def make_data(data_dir: Path, seed: int, n_text: int, n_image: int) -> None:
     with open(data_dir / "images" / "meta.json", "w") as f:
         json.dump(meta, f, separators=(",", ":"), sort_keys=True)
         f.write("\n")
+    write_captions(data_dir)
     dump(text_train, "sharegpt_train.json")
     dump(text_held, "sharegpt_heldout.json")
     dump(llava_train, "llava_train.json")
@@ -544,6 +545,24 @@ def make_data(data_dir: Path, seed: int, n_text: int, n_image: int) -> None:
     print(f"data: {len(text_train)} + {len(text_held)} text, {len(llava_train)} + "
           f"{len(llava_held)} image conversations, "
           f"{len(train_imgs) + len(held_imgs)} images -> {data_dir}")
+
+
+def caption(meta: dict) -> str:
+    """What a captioning model would say about an image: its ground truth in one sentence."""
+    if meta["type"] == "digit":
+        return f"The digit {meta['digit']}, written in {meta['colour']}."
+    text = _join([_shape_phrase(s, True) for s in meta["shapes"]])
+    return text[0].upper() + text[1:] + "."
+
+
+def write_captions(data_dir: Path) -> Path:
+    """data/tiny/captions_heldout.json: {image path: caption} for the held-out images, the
+    captions that the ensemble variant C splices in place of the image (benchmark only)."""
+    meta = json.loads((data_dir / "images" / "meta.json").read_text())
+    caps = {path: caption(m) for path, m in sorted(meta.items()) if "heldout" in path}
+    out = data_dir / "captions_heldout.json"
+    out.write_text(json.dumps(caps, indent=1) + "\n")
+    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -961,6 +980,8 @@ def main(argv=None) -> None:
     p.add_argument("--remake-data", action="store_true", help="regenerate the datasets")
     p.add_argument("--data-only", action="store_true", help="only (re)make the datasets")
     p.add_argument("--eval-only", action="store_true", help="only evaluate --out")
+    p.add_argument("--captions-only", action="store_true",
+                   help="only (re)write the held-out image captions from images/meta.json")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation after training")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=24)
@@ -983,6 +1004,9 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     data_dir, out = Path(args.data_dir), Path(args.out)
+    if args.captions_only:
+        print(f"wrote {write_captions(data_dir)}")
+        return
     if args.eval_only:
         torch.set_num_threads(args.threads)
         evaluate(out, data_dir)

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 from PIL import Image
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from msd_train.targets import wrap_target
@@ -47,8 +47,14 @@ def random_image(seed: int, size: int = 32) -> Image.Image:
 
 def tiny_llava(seed: int = 0):
     """A random tiny LlavaForConditionalGeneration with a real processor (16 visual tokens)."""
-    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
-                              LlavaForConditionalGeneration, LlavaProcessor)
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
 
     tok = _tokenizer(["<unk>", "<s>", "</s>", "<image>"], "<s>", "</s>", VICUNA_V1)
     image_token_id = tok.convert_tokens_to_ids("<image>")

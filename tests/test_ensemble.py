@@ -1,5 +1,5 @@
-"""Ensemble drafting over input variants (M, T, P): exactness, losslessness, TABED weights,
-and that batching the variants changes nothing per row."""
+"""Ensemble drafting over input variants (M, T, P, C): exactness (chain and tree),
+losslessness, TABED weights, and that batching the variants changes nothing per row."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from builders import random_image, tiny_llava_target
 from test_sampling import TinyHead, TinyTarget, assert_same_distribution, bad_head, exact_continuations
 
 from msd_train.decoding import DecodeConfig, SamplingParams, decode, generate
-from msd_train.decoding.ensemble import prefill_ensemble, simplex_grid, tabed_weights, variant_inputs
+from msd_train.decoding.ensemble import PromptPass, prefill_ensemble, simplex_grid, tabed_weights, variant_inputs
+from msd_train.decoding.speculative import _head
 from msd_train.draft import MSDDraftConfig, MSDDraftModel
 from msd_train.targets import Encoded
 
@@ -30,61 +31,128 @@ def llava():
     return target, draft, prompts
 
 
+CAPTIONS = [["a red circle on white"], ["a red circle", "two blue squares"], []]
+METHODS = {"chain": dict(method="chain", k=4), "tree": dict(method="tree", depth=3, top_k=3, total_tokens=10)}
+
+
+@pytest.mark.parametrize("method", ["chain", "tree"])
 @pytest.mark.parametrize("ensemble", ["ibed", "tabed"])
-def test_greedy_ensemble_equals_plain_decoding(llava, ensemble):
+def test_greedy_ensemble_equals_plain_decoding(llava, ensemble, method):
     target, draft, prompts = llava
-    for prompt in prompts:
+    for prompt, captions in zip(prompts, CAPTIONS):
         ar = generate(target, None, prompt, DecodeConfig(method="ar", max_new_tokens=24, eos_token_ids=()))
-        config = DecodeConfig(method="chain", k=4, max_new_tokens=24, eos_token_ids=(), ensemble=ensemble,
-                              variants=("M", "T", "P"), tabed_window=8)
-        out = generate(target, draft, prompt, config)
+        config = DecodeConfig(max_new_tokens=24, eos_token_ids=(), ensemble=ensemble,
+                              variants=("M", "T", "P", "C"), tabed_window=8, **METHODS[method])
+        out = generate(target, draft, prompt, config, captions=captions)
         assert out.tokens == ar.tokens
         assert len(out.cycles) >= 1
 
 
-def test_single_m_row_is_the_plain_chain(llava):
-    """A one-row ensemble of M drafts what the plain chain decoder drafts."""
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_single_m_row_is_the_plain_decoder(llava, method):
+    """A one-row ensemble of M drafts what the plain decoder drafts."""
     target, draft, prompts = llava
     for prompt in prompts:
-        plain = generate(target, draft, prompt, DecodeConfig(method="chain", k=4, max_new_tokens=16, eos_token_ids=()))
-        one = generate(target, draft, prompt, DecodeConfig(method="chain", k=4, max_new_tokens=16, eos_token_ids=(),
-                                                           ensemble="ibed", variants=("M",)))
+        config = DecodeConfig(max_new_tokens=16, eos_token_ids=(), **METHODS[method])
+        plain = generate(target, draft, prompt, config)
+        one = generate(target, draft, prompt, DecodeConfig(max_new_tokens=16, eos_token_ids=(), ensemble="ibed",
+                                                           variants=("M",), **METHODS[method]))
         assert [c.accepted for c in one.cycles] == [c.accepted for c in plain.cycles]
+        assert [c.tree_size for c in one.cycles] == [c.tree_size for c in plain.cycles]
 
 
-def test_batched_rows_match_each_variant_alone(llava):
-    """Per-row next-token distributions of the left-padded batch equal each variant's own
-    (one-row) run, for the prefill and for a draft step after it."""
-    target, draft, prompts = llava
-    variants = ("M", "T", "P")
-    for prompt in prompts[:2]:
-        batch = prefill_ensemble(target, draft, prompt, variants, "ibed", 8)
-        assert bool((~batch.ensemble.valid).any())  # T and P are shorter: padding is exercised
-        singles = [prefill_ensemble(target, draft, prompt, (v,), "ibed", 8) for v in variants]
-        x = torch.tensor([[5]])
-        pos = target.continue_positions(batch.draft_len, 1, None)
-        from msd_train.decoding.ensemble import _rows_forward
-
-        e, h = target.embed_tokens(x), batch.pending_hidden[None]
-        got = _rows_forward(draft, batch, e.expand(3, -1, -1), h.expand(3, -1, -1), pos.expand(3, -1))[:, -1]
-        for i, s in enumerate(singles):
-            want = _rows_forward(draft, s, e, h, target.continue_positions(s.draft_len, 1, None))[0, -1]
-            torch.testing.assert_close(target.lm_head(got[i]).softmax(-1), target.lm_head(want).softmax(-1),
-                                       atol=1e-5, rtol=1e-4)
-        # the variants really differ (T drops 16 image positions, P keeps 4 per image)
-        pooled = variant_inputs(target, draft, "P", *_target_pass(target, prompt))
-        text = variant_inputs(target, draft, "T", *_target_pass(target, prompt))
-        n_img = int((prompt.input_ids == target.image_token_id).sum())
-        assert pooled[0].shape[1] == prompt.input_ids.shape[0] - 1 - n_img + n_img // 4
-        assert text[0].shape[1] == prompt.input_ids.shape[0] - 1 - n_img
-
-
-def _target_pass(target, prompt):
+def _target_pass(target, prompt) -> PromptPass:
     ids = prompt.input_ids[None]
     embeds = target.embed(ids, prompt.pixel)
     pos, _ = target.position_ids(ids, None, prompt.pixel)
     hidden, _ = target.run_language_model(embeds, pos)
-    return embeds, hidden, pos, ids == target.image_token_id
+    return PromptPass(ids, embeds, hidden, pos, ids == target.image_token_id, prompt.pixel)
+
+
+@torch.inference_mode()
+def test_batched_rows_match_each_variant_alone(llava):
+    """Per-row next-token distributions of the left-padded batch equal each variant's own
+    (one-row) run: one draft step after the prefill, and a tree step over 3 frontier nodes."""
+    target, draft, prompts = llava
+    variants = ("M", "T", "P", "C")
+    for prompt, captions in zip(prompts[:2], CAPTIONS):
+        batch = prefill_ensemble(target, draft, prompt, variants, "ibed", 8, captions)
+        assert batch.ensemble.key_bias is not None  # the rows differ in length: padding is exercised
+        singles = [prefill_ensemble(target, draft, prompt, (v,), "ibed", 8, captions) for v in variants]
+        x = torch.tensor([[5]])
+        e, h = target.embed_tokens(x), batch.pending_hidden[None]
+        pos = target.continue_positions(batch.draft_len, 1, None)
+        got = _head(draft, batch, e, h.expand(4, -1, -1), pos)[:, -1]
+        # a tree step: 3 nodes that see the step above and themselves
+        nodes = torch.tensor([[7, 8, 9]])
+        anc = torch.cat([torch.ones(3, 1, dtype=torch.bool), torch.eye(3, dtype=torch.bool)], 1)
+        tree_pos = target.continue_positions(batch.draft_len + 1, 1, None).expand(1, 3)
+        got_tree = _head(draft, batch, target.embed_tokens(nodes), got[:, None].expand(-1, 3, -1), tree_pos, anc)
+        for i, s in enumerate(singles):
+            want = _head(draft, s, e, h, target.continue_positions(s.draft_len, 1, None))[:, -1]
+            torch.testing.assert_close(target.lm_head(got[i]).softmax(-1), target.lm_head(want[0]).softmax(-1),
+                                       atol=1e-5, rtol=1e-4)
+            want_tree = _head(draft, s, target.embed_tokens(nodes), want[:, None].expand(-1, 3, -1),
+                              target.continue_positions(s.draft_len, 1, None).expand(1, 3), anc)
+            torch.testing.assert_close(target.lm_head(got_tree[i]).softmax(-1),
+                                       target.lm_head(want_tree[0]).softmax(-1), atol=1e-5, rtol=1e-4)
+        # the variants really differ: T drops the image positions, P keeps a quarter, C the caption's tokens
+        p = _target_pass(target, prompt)
+        n_img = int(p.visual.sum())
+        n_cap = sum(len(target.tokenizer(c, add_special_tokens=False)["input_ids"]) for c in captions)
+        length = prompt.input_ids.shape[0] - 1
+        assert variant_inputs(target, draft, "P", p)[0].shape[1] == length - n_img + n_img // 4
+        assert variant_inputs(target, draft, "T", p)[0].shape[1] == length - n_img
+        assert variant_inputs(target, draft, "C", p, captions)[0].shape[1] == length - n_img + n_cap
+
+
+@torch.inference_mode()
+def test_caption_row_reads_the_captioned_prompt(llava):
+    """The C row's prefill equals a plain head prefill over the prompt with the caption
+    written in place of the image (same features, positions shifted to end together)."""
+    target, draft, _ = llava
+    user = lambda text: {"role": "user", "content": text}  # noqa: E731
+    captioned = target.encode_prompt([user("a red circle on white\nwhat colour is the circle?")], [])
+    with_image = target.encode_prompt([user("<image>\nwhat colour is the circle?")], [random_image(1)])
+    c = variant_inputs(target, draft, "C", _target_pass(target, with_image), ["a red circle on white"])
+    plain = _target_pass(target, captioned)
+    e, h, _, _ = draft.align_inputs(plain.embeds, plain.hidden, plain.visual)
+    torch.testing.assert_close(c[0], e)
+    torch.testing.assert_close(c[1], h)
+    shift = with_image.input_ids.shape[0] - captioned.input_ids.shape[0]
+    assert torch.equal(c[4], plain.pos[..., :-1] + shift)
+
+
+def test_caption_variant_needs_captions(llava):
+    target, draft, prompts = llava
+    config = DecodeConfig(method="chain", k=2, max_new_tokens=4, ensemble="ibed", variants=("M", "C"))
+    with pytest.raises(ValueError, match="caption"):
+        generate(target, draft, prompts[0], config)
+    # a text-only prompt needs none: its C row is its M row
+    out = generate(target, draft, prompts[2], config)
+    assert len(out.tokens) == 4
+
+
+@torch.inference_mode()
+def test_pooled_variant_on_qwen2vl(qwen_target):
+    """P derives each image's grid from Qwen2-VL's image_grid_thw (merged patches) and
+    keeps M-RoPE positions; greedy decoding with the ensemble stays exact."""
+    target = qwen_target
+    torch.manual_seed(0)
+    draft = MSDDraftModel(MSDDraftConfig.from_target_config(target.config, "x")).eval()
+    prompt = target.encode_prompt([{"role": "user", "content": "<image>\nwhat is it?"}], [random_image(4)])
+    grids = target.image_grids(prompt.pixel)
+    p = _target_pass(target, prompt)
+    assert sum(h * w for h, w in grids) == int(p.visual.sum())
+    pooled = variant_inputs(target, draft, "P", p)
+    kept = sum(-(-h // 2) * -(-w // 2) for h, w in grids)
+    assert pooled[0].shape[1] == prompt.input_ids.shape[0] - 1 - int(p.visual.sum()) + kept
+    assert pooled[4].shape[0] == 3  # M-RoPE ids
+    ar = generate(target, None, prompt, DecodeConfig(method="ar", max_new_tokens=12, eos_token_ids=()))
+    for method in ("chain", "tree"):
+        config = DecodeConfig(max_new_tokens=12, eos_token_ids=(), ensemble="tabed", variants=("M", "T", "P"),
+                              **METHODS[method])
+        assert generate(target, draft, prompt, config).tokens == ar.tokens
 
 
 # ----- TABED's weight rule ------------------------------------------------------------
@@ -139,25 +207,38 @@ def test_tabed_kl_breaks_ties():
     assert torch.allclose(w, torch.tensor([0.5, 0.5]))
 
 
-def test_tabed_window_bounds_history(llava):
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_tabed_history_follows_the_rule(llava, method):
+    """The history is bounded by the window, and the weights drafted with are the rule's
+    choice over the rows' and target's distributions at the verified positions."""
     target, draft, prompts = llava
-    config = DecodeConfig(method="chain", k=4, max_new_tokens=40, eos_token_ids=(), ensemble="tabed",
-                          variants=("M", "T"), tabed_window=5)
-    from msd_train.decoding.ensemble import prefill_ensemble as pe
-
-    state = pe(target, draft, prompts[0], config.variants, "tabed", 5)
+    config = DecodeConfig(max_new_tokens=40, eos_token_ids=(), ensemble="tabed", variants=("M", "T"),
+                          tabed_window=5, **METHODS[method])
+    state = prefill_ensemble(target, draft, prompts[0], config.variants, "tabed", 5)
     decode(target, draft, state, config)
-    assert 0 < len(state.ensemble.history_rows) <= 5
-    assert torch.isclose(state.ensemble.weights.sum(), torch.tensor(1.0))
+    ens = state.ensemble
+    assert 0 < ens.history_match.shape[0] <= 5
+    assert torch.isclose(ens.weights.sum(), torch.tensor(1.0))
+    # recompute one block's scores from scratch through tabed_weights
+    rows = torch.rand(3, 2, 11).softmax(-1)
+    logits = torch.randn(4, 11)
+    ens.history_match = ens.history_kl = None
+    ens.block_rows, ens.block_index = [rows.transpose(0, 1)], torch.tensor([0, 1, 2, -1])
+    ens.record_verified([0, 1, 3], logits)  # nodes 0 and 1 were expanded, 3 was not
+    ens.begin_block()
+    want = tabed_weights(rows[:2], logits[[0, 1]].softmax(-1))
+    assert torch.equal(ens.weights, want)
 
 
 def test_bad_configs():
     with pytest.raises(ValueError, match="ensemble"):
         DecodeConfig(method="chain", ensemble="vote")
     with pytest.raises(ValueError, match="variants"):
-        DecodeConfig(method="chain", ensemble="ibed", variants=("M", "C"))
-    with pytest.raises(ValueError, match="chain"):
-        DecodeConfig(method="tree", ensemble="tabed")
+        DecodeConfig(method="chain", ensemble="ibed", variants=("M", "X"))
+    with pytest.raises(ValueError, match="variants"):
+        DecodeConfig(method="tree", ensemble="ibed", variants=("M", "M"))
+    with pytest.raises(ValueError, match="tabed_window"):
+        DecodeConfig(method="tree", ensemble="tabed", tabed_window=0)
 
 
 # ----- sampling stays lossless ----------------------------------------------------------
@@ -170,13 +251,15 @@ class ImageTokenTarget(TinyTarget):
     image_token_id = 5
 
 
-@pytest.mark.parametrize("ensemble, head, prompt", [
-    ("ibed", "bad", [1, 5, 5, 5, 5, 2, 7, 3]),
-    ("tabed", "good", [5, 5, 5, 5, 1, 3]),
+@pytest.mark.parametrize("ensemble, head, prompt, method", [
+    ("ibed", "bad", [1, 5, 5, 5, 5, 2, 7, 3], "chain"),
+    ("tabed", "good", [5, 5, 5, 5, 1, 3], "chain"),
+    ("tabed", "good", [5, 5, 5, 5, 1, 3], "tree"),
 ])
-def test_sampling_with_an_ensemble_is_lossless(ensemble, head, prompt, monkeypatch):
+def test_sampling_with_an_ensemble_is_lossless(ensemble, head, prompt, method, monkeypatch):
     """Prompts chosen so that the M and T rows disagree (L1 distance 0.4-0.8): drafting
-    from the mixture but testing against one row would fail here."""
+    from the mixture but testing against one row would fail here (chain). The tree's
+    proposals are the mixture's top-k, tested as point masses."""
     import test_sampling
 
     prompt = torch.tensor(prompt)
@@ -184,8 +267,9 @@ def test_sampling_with_an_ensemble_is_lossless(ensemble, head, prompt, monkeypat
     target = ImageTokenTarget(seed=0)
     draft = bad_head(seed=1) if head == "bad" else TinyHead(target.lm)
     sampling = SamplingParams(temperature=1.0)
-    config = DecodeConfig(method="chain", k=2, max_new_tokens=2, eos_token_ids=(), sampling=sampling,
-                          ensemble=ensemble, variants=("M", "T"), tabed_window=4)
+    shape = dict(k=2) if method == "chain" else dict(depth=1, top_k=2, total_tokens=5)
+    config = DecodeConfig(method=method, max_new_tokens=2, eos_token_ids=(), sampling=sampling,
+                          ensemble=ensemble, variants=("M", "T"), tabed_window=4, **shape)
     state0 = prefill_ensemble(target, draft, Encoded(prompt, torch.zeros_like(prompt)), config.variants, ensemble, 4)
     gen = torch.Generator().manual_seed(0)
     draws = 2500  # two new tokens (64 cells): enough power at a few seconds a test

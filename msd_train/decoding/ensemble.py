@@ -4,157 +4,226 @@ The variants of one prompt are drafted as one batch of rows through the same hea
 
     M   the prompt as the head was trained on it (the visual block included)
     T   the visual block left out of the head's prefix (its prefill skips image positions)
-    P   each image's visual block average-pooled 2x2 over the patch grid (a quarter of the
-        positions), embeddings and target features alike
+    P   each image's visual block average-pooled 2x2 over its patch grid (a quarter of
+        the positions), embeddings and target features alike; the grid comes from the
+        target (LLaVA: the vision tower's patch grid; Qwen2-VL: ``image_grid_thw``)
+    C   each image's tokens replaced by a caption supplied with the prompt. The head needs
+        target features for the caption tokens, which the target never read with the
+        image: one extra, text-only target forward over the captioned prompt gives them
+        (at prefill, counted in its time).
 
-Every row keeps the target's position ids of the tokens it keeps (a pooled token takes
-the position of its window's top-left patch), so after the prompt all rows share the
-same positions; rows are left-padded to a common length and masked per row.
+Every row keeps the target's position ids of the tokens it keeps (a pooled token takes the
+position of its window's top-left patch; the captioned prompt's positions are shifted so
+it ends where the target's prompt ends: RoPE only sees distances, so the row's own
+attention is unchanged), so after the prompt all rows share the same positions. Rows are
+left-padded to a common length; the padding is masked by an additive per-row key bias.
 
-At each draft step the rows' next-token probabilities are mixed, ``q = sum_r w_r p_r``,
-and every row continues from the same token: the argmax of q (greedy) or a draw from q
-(sampling, where q is also what the acceptance test divides by, so decoding stays
-lossless). ``ibed`` uses equal weights; ``tabed`` picks, before each draft block, the
-weights on the 0.1-step simplex that make q's argmax agree with the target's argmax at
-the most recently verified positions, ties broken by the smallest KL(target || q).
-
-Only chain drafting is implemented (``decoding.method=chain``). A caption variant (C)
-is not: it needs target features for caption tokens the target never read.
+At each draft step (chain or tree, see ``speculative.draft_chain`` / ``draft_tree``) the
+rows' next-token probabilities are mixed, ``q = sum_r w_r p_r``, and every row continues
+from the same tokens: the argmax of q or a draw from it (chain), or q's top-k (tree).
+Under sampling q is also what the acceptance test divides by, so decoding stays lossless.
+``ibed`` uses equal weights; ``tabed`` picks, before each draft block, the weights on the
+0.1-step simplex that make q's argmax agree with the target's argmax at the most recently
+verified positions, ties broken by the smallest KL(target || q). Each verified position's
+score for every grid point is computed once, when it is verified, and the window's
+scores are summed per block (the search costs a sum, not a pass over the window).
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from msd_train.decoding.sampling import SamplingParams, logits_to_probs, sample
-from msd_train.decoding.tree import Tree, chain
-from msd_train.draft import crop_cache
+from msd_train.decoding.sampling import SamplingParams, logits_to_probs
 
-VARIANTS = ("M", "T", "P")
+VARIANTS = ("M", "T", "P", "C")
 ENSEMBLES = ("ibed", "tabed")
 
 
 @dataclass
 class EnsembleState:
-    """The ensemble's part of a ``DecodeState`` (the batched head cache is ``state.draft_cache``)."""
+    """The ensemble's part of a ``DecodeState`` (the rows' head cache is ``state.draft_cache``)."""
 
     variants: tuple[str, ...]
     mode: str  # ibed | tabed
     window: int  # tabed: verified positions the weight search looks back over
-    valid: torch.Tensor  # (B, draft_len) bool: False at each row's left padding
-    weights: torch.Tensor  # (B,) the mixture weights of the current draft block
-    #: tabed history, oldest first: per verified position the rows' (B, V) and the
-    #: target's (V,) unwarped next-token probabilities
-    history_rows: list[torch.Tensor] = field(default_factory=list)
-    history_target: list[torch.Tensor] = field(default_factory=list)
-    block_rows: torch.Tensor | None = None  # (k, B, V) the last draft block's row probabilities
-    padded: bool | None = None  # whether any row has left padding (None: not known yet)
+    weights: torch.Tensor  # (R,) the mixture weights of the current draft block
+    #: (R, capacity) additive key bias: dtype-min at each row's left padding, 0 elsewhere
+    #: (preallocated so that a one-query draft step's mask is a view, not a new tensor)
+    key_bias: torch.Tensor | None = None
+    grid: torch.Tensor | None = None  # tabed: (G, R) the candidate weights
+    #: tabed history, oldest first, one row per verified position: whether each grid
+    #: point's mixture argmax matched the target's (N, G), and KL(target || mixture) (N, G)
+    history_match: torch.Tensor | None = None
+    history_kl: torch.Tensor | None = None
+    #: tabed, the current block: the rows' (unwarped) next-token probabilities of every
+    #: mixing call, in call order ((R, T, V) each), and for each tree node the index of its
+    #: children's distribution in their concatenation along T (-1: the node was not expanded)
+    block_rows: list[torch.Tensor] = field(default_factory=list)
+    block_index: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return len(self.variants)
 
     def clone(self) -> EnsembleState:
-        return EnsembleState(self.variants, self.mode, self.window, self.valid.clone(), self.weights.clone(),
-                             list(self.history_rows), list(self.history_target), self.block_rows, self.padded)
+        return replace(self, weights=self.weights.clone(), block_rows=list(self.block_rows))
+
+    def head_bias(self, keys: int) -> torch.Tensor | None:
+        """(R, 1, 1, keys) key bias of a one-query step, or None when no row is padded."""
+        if self.key_bias is None:
+            return None
+        if keys > self.key_bias.shape[1]:  # grow (doubling): steps keep returning views
+            grown = torch.zeros(self.rows, 2 * keys, dtype=self.key_bias.dtype, device=self.key_bias.device)
+            grown[:, : self.key_bias.shape[1]] = self.key_bias
+            self.key_bias = grown
+        return self.key_bias[:, None, None, :keys]
+
+    # ----- mixing -----------------------------------------------------------------------
+
+    def mix(self, logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+        """The rows' mixture q (T, V) from their logits (R, T, V): warped probabilities
+        when sampling, plain softmax when greedy (the argmax and top-k of a mixture need
+        the rows' full distributions, not their one-hot argmaxes)."""
+        logits = logits.float()
+        rows = logits.softmax(-1)
+        if self.mode == "tabed":
+            self.block_rows.append(rows)
+        if not sampling.greedy:
+            rows = logits_to_probs(logits, sampling)
+        return torch.einsum("r,rtv->tv", self.weights, rows)
+
+    def begin_block(self) -> None:
+        """TABED: the weights for the next draft block, from the verified history."""
+        self.block_rows, self.block_index = [], None
+        if self.mode == "tabed" and self.history_match is not None:
+            self.weights = choose_weights(self.grid, self.history_match, self.history_kl)
+
+    def record_verified(self, path: list[int], logits: torch.Tensor) -> None:
+        """TABED history: the path's nodes whose children the head proposed (their prefix
+        was verified: the accepted nodes and the one whose child was rejected), each with
+        the target's distribution there. ``logits`` (N, V) are the verification's."""
+        if self.mode != "tabed" or not self.block_rows or self.block_index is None:
+            return
+        index = self.block_index[path]
+        nodes = torch.as_tensor(path, device=index.device)[index >= 0]
+        if nodes.numel() == 0:
+            return
+        rows = torch.cat(self.block_rows, dim=1)[:, index[index >= 0]].transpose(0, 1)  # (n, R, V)
+        match, kl = position_scores(rows, logits[nodes].float().softmax(-1), self.grid)
+        if self.history_match is not None:
+            match, kl = torch.cat([self.history_match, match]), torch.cat([self.history_kl, kl])
+        self.history_match, self.history_kl = match[-self.window :], kl[-self.window :]
+        self.block_rows = []
 
 
 # ----- input variants -------------------------------------------------------------------
 
 
-def _pool_blocks(target, embeds, hidden, pos, visual):
-    """Average-pool every image's visual block 2x2 over the patch grid (batch 1).
+@dataclass
+class PromptPass:
+    """One target pass over a prompt (batch 1), as ``speculative.prefill_target`` makes it."""
 
-    Returns the shortened (embeds, hidden, pos, visual). Blocks are the runs of image
-    tokens, cut into images of ``gh * gw`` tokens each.
-    """
-    idx = visual[0].nonzero().flatten().tolist()
+    ids: torch.Tensor  # (1, L)
+    embeds: torch.Tensor  # (1, L, H)
+    hidden: torch.Tensor  # (1, L, H)
+    pos: torch.Tensor  # (1, L) or (3, 1, L)
+    visual: torch.Tensor  # (1, L) bool: image tokens
+    pixel: dict  # the processor's image tensors, on the target's device
+
+
+def image_blocks(target, prompt: PromptPass) -> list[tuple[int, int, int]]:
+    """(start, grid height, grid width) of every image's token block, in order."""
+    idx = prompt.visual[0].nonzero().flatten().tolist()
     if not idx:
-        return embeds, hidden, pos, visual
-    grid = getattr(target, "patch_grid", None)
-    if grid is None:
-        raise ValueError(f"decoding.variants: P needs a target with a fixed patch grid; {target.family} has none")
-    gh, gw = grid
-    per_image = gh * gw
-    if len(idx) % per_image:
-        raise ValueError(f"decoding.variants: P pools a {gh}x{gw} patch grid but the prompt has {len(idx)} "
-                         f"image tokens (not a multiple of {per_image}; e.g. a kept CLS token)")
-    keep_e, keep_h, keep_p, keep_v = [], [], [], []
+        return []
+    grids = target.image_grids(prompt.pixel)
+    if sum(h * w for h, w in grids) != len(idx):
+        raise ValueError(f"the prompt has {len(idx)} image tokens but the images' patch grids {grids} give "
+                         f"{sum(h * w for h, w in grids)} (e.g. a kept CLS token: P and C need one token per patch)")
+    blocks, i = [], 0
+    for gh, gw in grids:
+        start = idx[i]
+        if idx[i + gh * gw - 1] != start + gh * gw - 1:
+            raise ValueError("ensemble variants P and C expect each image's tokens to be contiguous")
+        blocks.append((start, gh, gw))
+        i += gh * gw
+    return blocks
+
+
+def _pool_block(x: torch.Tensor, first: int, gh: int, gw: int) -> torch.Tensor:
+    """(1, L, H), a gh x gw block at ``first`` -> (1, ceil(gh/2) * ceil(gw/2), H), 2x2 means."""
+    grid = x[0, first : first + gh * gw].T.reshape(1, -1, gh, gw).float()
+    return torch.nn.functional.avg_pool2d(grid, 2, ceil_mode=True).flatten(2)[0].T[None].to(x.dtype)
+
+
+def _pooled(target, p: PromptPass):
+    """Variant P: each image's block average-pooled 2x2 over its grid (ceil at odd edges)."""
+    blocks = image_blocks(target, p)
+    embeds, hidden, pos, visual = p.embeds, p.hidden, p.pos, p.visual
+    parts: list[tuple] = []
     start = 0
-    for b in range(0, len(idx), per_image):
-        block = idx[b : b + per_image]
-        if block != list(range(block[0], block[0] + per_image)):
-            raise ValueError("decoding.variants: P expects each image's tokens to be contiguous")
-        text = slice(start, block[0])
-        keep_e.append(embeds[:, text]); keep_h.append(hidden[:, text])
-        keep_p.append(pos[..., text]); keep_v.append(visual[:, text])
-        pool = lambda x: torch.nn.functional.avg_pool2d(  # noqa: E731  (1, n, H) -> (1, n/4, H)
-            x[0, block[0] : block[0] + per_image].T.reshape(1, -1, gh, gw).float(), 2, ceil_mode=True
-        ).flatten(2)[0].T[None].to(x.dtype)
-        keep_e.append(pool(embeds)); keep_h.append(pool(hidden))
-        corner = torch.arange(per_image, device=pos.device).view(gh, gw)[::2, ::2].flatten() + block[0]
-        keep_p.append(pos[..., corner])
-        keep_v.append(torch.ones(1, corner.numel(), dtype=torch.bool, device=visual.device))
-        start = block[0] + per_image
+    for first, gh, gw in blocks:
+        n = gh * gw
+        text = slice(start, first)
+        parts.append((embeds[:, text], hidden[:, text], pos[..., text], visual[:, text]))
+
+        corner = torch.arange(n, device=pos.device).view(gh, gw)[::2, ::2].flatten() + first
+        parts.append((_pool_block(embeds, first, gh, gw), _pool_block(hidden, first, gh, gw), pos[..., corner],
+                      torch.ones(1, corner.numel(), dtype=torch.bool, device=visual.device)))
+        start = first + n
     tail = slice(start, embeds.shape[1])
-    keep_e.append(embeds[:, tail]); keep_h.append(hidden[:, tail])
-    keep_p.append(pos[..., tail]); keep_v.append(visual[:, tail])
-    return torch.cat(keep_e, 1), torch.cat(keep_h, 1), torch.cat(keep_p, -1), torch.cat(keep_v, 1)
+    parts.append((embeds[:, tail], hidden[:, tail], pos[..., tail], visual[:, tail]))
+    e, h, ps, v = zip(*parts)
+    return torch.cat(e, 1), torch.cat(h, 1), torch.cat(ps, -1), torch.cat(v, 1)
 
 
-def variant_inputs(target, draft, variant: str, embeds, hidden, pos, visual):
+@torch.inference_mode()
+def _captioned(target, p: PromptPass, captions: list[str] | None):
+    """Variant C: the prompt with each image's tokens replaced by its caption's, read by
+    the target (text only) for its features; positions shifted to end where ``p`` ends."""
+    blocks = image_blocks(target, p)
+    if not blocks:
+        return p.embeds, p.hidden, p.pos, p.visual
+    if not captions or len(captions) != len(blocks) or not all(isinstance(c, str) and c for c in captions):
+        raise ValueError(f"decoding.variants has C (caption) but the prompt's {len(blocks)} image(s) came with "
+                         f"{len(captions or [])} caption(s); give every image a caption (bench `captions` file or "
+                         "a `caption` field per sample) or drop C from decoding.variants")
+    ids = p.ids[0].tolist()
+    out, start = [], 0
+    for (first, gh, gw), caption in zip(blocks, captions):
+        out += ids[start:first] + target.tokenizer(caption, add_special_tokens=False)["input_ids"]
+        start = first + gh * gw
+    ids_c = torch.tensor([out + ids[start:]], device=p.ids.device)
+    embeds = target.embed(ids_c)
+    pos, _ = target.position_ids(ids_c, None, {})
+    hidden, _ = target.run_language_model(embeds, pos)
+    pos = pos + (p.pos[..., -1:] - pos[..., -1:])  # end where the target's prompt ends
+    return embeds, hidden, pos, torch.zeros_like(ids_c, dtype=torch.bool)
+
+
+def variant_inputs(target, draft, variant: str, prompt: PromptPass, captions: list[str] | None = None):
     """The head's prefill inputs for one variant of a prompt: (embeds, hidden,
-    replace_mask, raw, position_ids), each over the variant's draft positions.
-
-    ``embeds``/``hidden`` (1, L, H), ``pos`` (1, L) or (3, 1, L), ``visual`` (1, L) bool:
-    one target pass over the prompt, as ``prefill`` makes it.
-    """
-    if variant == "T":
-        keep = ~visual[0]
-        embeds, hidden, pos, visual = embeds[:, keep], hidden[:, keep], pos[..., keep], visual[:, keep]
+    replace_mask, raw, position_ids), each over the variant's draft positions."""
+    if variant == "M":
+        embeds, hidden, pos, visual = prompt.embeds, prompt.hidden, prompt.pos, prompt.visual
+    elif variant == "T":
+        keep = ~prompt.visual[0]
+        embeds, hidden, pos, visual = prompt.embeds[:, keep], prompt.hidden[:, keep], prompt.pos[..., keep], \
+            prompt.visual[:, keep]
     elif variant == "P":
-        embeds, hidden, pos, visual = _pool_blocks(target, embeds, hidden, pos, visual)
-    elif variant != "M":
+        embeds, hidden, pos, visual = _pooled(target, prompt)
+    elif variant == "C":
+        embeds, hidden, pos, visual = _captioned(target, prompt, captions)
+    else:
         raise ValueError(f"decoding.variants: unknown variant {variant!r}; choose from {VARIANTS}")
-    e, h, replace, raw = draft.align_inputs(embeds, hidden, visual)
-    return e, h, replace, raw, pos[..., :-1]
+    e, h, replace_mask, raw = draft.align_inputs(embeds, hidden, visual)
+    return e, h, replace_mask, raw, pos[..., :-1]
 
 
-# ----- the batched head -----------------------------------------------------------------
-
-
-def _bias(valid: torch.Tensor, query: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask (B, 1, query, keys): causal, no padded keys; a padded query sees
-    itself (so no softmax row is empty)."""
-    b, keys = valid.shape
-    if query == 1:  # one new (valid) position per row: only the padding is masked
-        bias = torch.zeros(b, 1, 1, keys, dtype=dtype, device=valid.device)
-        return bias.masked_fill(~valid[:, None, None, :], torch.finfo(dtype).min)
-    past = keys - query
-    k = torch.arange(keys, device=valid.device)
-    q = past + torch.arange(query, device=valid.device)
-    causal = k[None, :] <= q[:, None]
-    allowed = causal[None] & (valid[:, None, :] | (k[None, :] == q[:, None])[None])
-    bias = torch.zeros(b, 1, query, keys, dtype=dtype, device=valid.device)
-    return bias.masked_fill(~allowed[:, None], torch.finfo(dtype).min)
-
-
-def _rows_forward(draft, state, e, h, pos, replace=None, raw=None) -> torch.Tensor:
-    """Run the head over T new positions of every row; returns (B, T, H)."""
-    ens = state.ensemble
-    ens.valid = torch.cat([ens.valid, torch.ones(e.shape[0], e.shape[1], dtype=torch.bool, device=e.device)], 1)
-    # no padding and one query: the head's own (unmasked) fast path is exact
-    mask = None if e.shape[1] == 1 and ens.padded is False else _bias(ens.valid, e.shape[1], draft.dtype)
-    out = draft(e, h, replace, raw, position_ids=pos, attention_mask=mask,
-                past_key_values=state.draft_cache, use_cache=True).last_hidden_state
-    return out
-
-
-def _prefill_rows(draft, state, cols, pos, valid) -> None:
-    e, h, replace, raw = cols
-    draft(e, h, replace, raw, position_ids=pos, attention_mask=_bias(valid, e.shape[1], draft.dtype),
-          past_key_values=state.draft_cache, use_cache=True)
-    state.ensemble.valid = valid
-    state.ensemble.padded = not bool(valid.all())
+# ----- the rows' prefill ----------------------------------------------------------------
 
 
 def _left_pad(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
@@ -165,31 +234,52 @@ def _left_pad(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     return torch.cat([torch.zeros(shape, dtype=x.dtype, device=x.device), x], dim)
 
 
+def _prefill_bias(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(R, 1, n, n): causal, no padded keys; a padded query sees itself (no empty softmax row)."""
+    n = valid.shape[1]
+    k = torch.arange(n, device=valid.device)
+    causal = k[None, :] <= k[:, None]
+    allowed = causal[None] & (valid[:, None, :] | torch.eye(n, dtype=torch.bool, device=valid.device)[None])
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=valid.device)
+    return bias.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+
+
 @torch.inference_mode()
-def prefill_ensemble(target, draft, prompt, variants, mode: str, window: int):
-    """``prefill`` with the head's prefix built once per variant, as one left-padded batch."""
+def prefill_ensemble(target, draft, prompt, variants, mode: str, window: int, captions: list[str] | None = None):
+    """``prefill`` with the head's prefix built once per variant, as one left-padded batch.
+
+    ``captions``: one per image of the prompt, for variant C.
+    """
     from transformers import DynamicCache
 
     from msd_train.decoding.speculative import prefill_target
 
     device = target.device
     state, ids, embeds, hidden, pos = prefill_target(target, prompt)
-    visual = ids == target.image_token_id
-    if bool(visual[0, -1]):
+    if bool(ids[0, -1] == target.image_token_id):
         raise ValueError("ensemble drafting needs a prompt that ends in text, not in image tokens")
-    b = len(variants)
-    state.draft_cache = DynamicCache()
-    rows = [variant_inputs(target, draft, v, embeds, hidden, pos, visual) for v in variants]
+    pixel = {k: v.to(device) for k, v in (prompt.pixel or {}).items()}
+    p = PromptPass(ids, embeds, hidden, pos, ids == target.image_token_id, pixel)
+    rows = [variant_inputs(target, draft, v, p, captions) for v in variants]
     n = max(r[0].shape[1] for r in rows)
-    valid = torch.zeros(b, n, dtype=torch.bool, device=device)
+    valid = torch.zeros(len(variants), n, dtype=torch.bool, device=device)
     for i, r in enumerate(rows):
         valid[i, n - r[0].shape[1]:] = True
-    state.ensemble = EnsembleState(tuple(variants), mode, window, valid[:, :0],
-                                   torch.full((b,), 1.0 / b, device=device))
+    ens = EnsembleState(tuple(variants), mode, window, torch.full((len(variants),), 1.0 / len(variants), device=device))
+    if mode == "tabed":
+        ens.grid = simplex_grid(len(variants), device=device)
+    if not bool(valid.all()):
+        ens.key_bias = torch.zeros(len(variants), 2 * n + 64, dtype=draft.dtype, device=device)
+        ens.key_bias[:, :n].masked_fill_(~valid, torch.finfo(draft.dtype).min)
+    state.ensemble = ens
+    state.draft_cache = DynamicCache()
     if n > 0:
-        cols = [torch.cat([_left_pad(t, n - t.shape[1], 1) for t in part]) for part in zip(*[r[:4] for r in rows])]
+        e, h, replace_mask, raw = (torch.cat([_left_pad(t, n - t.shape[1], 1) for t in part])
+                                   for part in zip(*[r[:4] for r in rows]))
         pos_rows = torch.cat([_left_pad(r[4], n - r[4].shape[-1], -1) for r in rows], dim=-2)
-        _prefill_rows(draft, state, cols, pos_rows, valid)
+        mask = _prefill_bias(valid, draft.dtype) if ens.key_bias is not None else None
+        draft(e, h, replace_mask, raw, position_ids=pos_rows, attention_mask=mask,
+              past_key_values=state.draft_cache, use_cache=True)
     state.draft_len = n
     return state
 
@@ -204,90 +294,38 @@ def simplex_grid(n: int, step: float = 0.1, device=None) -> torch.Tensor:
     return torch.tensor(points, dtype=torch.float32, device=device) / units
 
 
-def tabed_weights(rows: torch.Tensor, target: torch.Tensor, step: float = 0.1) -> torch.Tensor:
-    """TABED's weight choice from a verified history.
-
-    ``rows`` (N, B, V): each variant's next-token probabilities at N verified positions;
-    ``target`` (N, V): the target's. Over the grid ``simplex_grid(B, step)`` maximise the
-    number of positions where argmax(sum_r w_r rows_r) == argmax(target), then minimise
-    sum_n KL(target_n || mixture_n); remaining ties go to the earlier grid point.
-    Uniform weights when the history is empty.
-    """
-    n, b, _ = rows.shape
-    if n == 0:
-        return torch.full((b,), 1.0 / b, device=rows.device)
-    grid = simplex_grid(b, step, rows.device)
+def position_scores(rows: torch.Tensor, target: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For N verified positions and every grid point g: whether argmax(sum_r g_r rows_r)
+    equals the target's argmax, and KL(target || that mixture). ``rows`` (N, R, V),
+    ``target`` (N, V), ``grid`` (G, R); returns (N, G) bool and (N, G) float64."""
     rows, target = rows.float(), target.float()
-    want = target.argmax(-1)  # (N,)
-    plogp = torch.xlogy(target, target).sum()
-    match, kl = [], []
+    want = target.argmax(-1)[:, None]  # (N, 1)
+    plogp = torch.xlogy(target, target).sum(-1, dtype=torch.float64)[:, None]
+    match, cross = [], []
     for part in grid.split(16):  # bounds memory at 16 * N * V
-        mix = torch.einsum("gb,nbv->gnv", part, rows)
-        match.append((mix.argmax(-1) == want).sum(-1))
-        kl.append(plogp - (target * mix.clamp_min(1e-30).log()).sum((-1, -2)))
-    match, kl = torch.cat(match), torch.cat(kl)
-    best = match == match.max()
-    kl = kl.masked_fill(~best, float("inf"))
-    return grid[int(kl.argmin())]  # argmin returns the first of equal minima
+        mix = torch.einsum("gr,nrv->ngv", part, rows)
+        match.append(mix.argmax(-1) == want)
+        cross.append(torch.einsum("nv,ngv->ng", target, mix.clamp_min(1e-30).log()).double())
+    return torch.cat(match, 1), plogp - torch.cat(cross, 1)
 
 
-def record_verified(state, tree: Tree, path: list[int], logits: torch.Tensor) -> None:
-    """TABED history: the draft steps whose prefix the target verified (the accepted
-    path and the first rejected position), with the target's distribution there."""
-    ens = state.ensemble
-    if ens is None or ens.mode != "tabed" or ens.block_rows is None:
-        return
-    steps = min(len(path), ens.block_rows.shape[0])  # chain: node i is path[i]
-    target = logits[:steps].float().softmax(-1)
-    for i in range(steps):
-        ens.history_rows.append(ens.block_rows[i])
-        ens.history_target.append(target[i])
-    del ens.history_rows[: -ens.window or None], ens.history_target[: -ens.window or None]
-    ens.block_rows = None
+def choose_weights(grid: torch.Tensor, match: torch.Tensor, kl: torch.Tensor) -> torch.Tensor:
+    """TABED's rule over a history's per-position scores (N, G): the most argmax matches,
+    then the smallest summed KL; remaining ties go to the earlier grid point."""
+    count = match.sum(0)
+    total = kl.sum(0).masked_fill(count != count.max(), float("inf"))
+    return grid[int(total.argmin())]  # argmin returns the first of equal minima
 
 
-# ----- drafting -------------------------------------------------------------------------
-
-
-@torch.inference_mode()
-def draft_chain_ensemble(draft, target, state, k: int, sampling: SamplingParams,
-                         generator: torch.Generator | None = None) -> Tree:
-    """k draft tokens from the rows' mixture q: its argmax (greedy) or a draw from it,
-    kept as the draft distribution for the acceptance test."""
-    ens = state.ensemble
-    b = len(ens.variants)
-    if ens.mode == "tabed" and ens.history_rows:
-        ens.weights = tabed_weights(torch.stack(ens.history_rows), torch.stack(ens.history_target))
-    w = ens.weights
-    embed, lm_head = target.embed_tokens, target.lm_head  # (module look-ups cost per call)
-    n = state.pending_hidden.shape[0]
-    tokens_in = torch.as_tensor(state.tokens[-n:], device=target.device)
-    pos = target.continue_positions(state.draft_len, n, state.rope_deltas)
-    expand = lambda x: x.expand(*x.shape[:-2], b, x.shape[-1])  # noqa: E731  batch-1 positions -> B rows
-    out = _rows_forward(draft, state, embed(tokens_in)[None].expand(b, -1, -1),
-                        state.pending_hidden[None].expand(b, -1, -1), expand(pos))
-    state.draft_len += n
-    h = out[:, -1]  # (B, H)
-    tokens, probs, rows = [], [], []
-    for i in range(k):
-        logits = lm_head(h.to(target.dtype)).float()  # (B, V)
-        p_rows = logits.softmax(-1) if sampling.greedy else logits_to_probs(logits, sampling)
-        q = w @ p_rows
-        x = q.argmax(-1) if sampling.greedy else sample(q, generator)
-        if not sampling.greedy:
-            probs.append(q)
-        if ens.mode == "tabed":
-            rows.append(p_rows if sampling.greedy else logits.softmax(-1))
-        tokens.append(x)
-        if i + 1 < k:  # every row continues from the chosen token and its own feature
-            step_pos = target.continue_positions(state.cache_len + i, 1, state.rope_deltas)
-            h = _rows_forward(draft, state, embed(x.view(1, 1)).expand(b, -1, -1),
-                              h[:, None], expand(step_pos))[:, -1]
-    crop_cache(state.draft_cache, state.draft_len)
-    ens.valid = ens.valid[:, : state.draft_len]
-    ens.block_rows = torch.stack(rows) if rows else None
-    root = torch.as_tensor([state.tokens[-1]], device=target.device)
-    return chain(root, torch.stack(tokens), torch.stack(probs) if probs else None)
+def tabed_weights(rows: torch.Tensor, target: torch.Tensor, step: float = 0.1) -> torch.Tensor:
+    """TABED's weight choice from a verified history: ``rows`` (N, R, V) each variant's
+    next-token probabilities at N verified positions, ``target`` (N, V) the target's.
+    Uniform weights when the history is empty."""
+    n, r, _ = rows.shape
+    if n == 0:
+        return torch.full((r,), 1.0 / r, device=rows.device)
+    grid = simplex_grid(r, step, rows.device)
+    return choose_weights(grid, *position_scores(rows, target, grid))
 
 
 def check_ensemble(config) -> None:
@@ -296,10 +334,6 @@ def check_ensemble(config) -> None:
         raise ValueError(f"decoding.ensemble must be null or one of {ENSEMBLES}, got {config.ensemble!r}")
     bad = [v for v in config.variants if v not in VARIANTS]
     if bad or not config.variants or len(set(config.variants)) != len(config.variants):
-        raise ValueError(f"decoding.variants must be distinct entries of {VARIANTS} "
-                         f"(C, captions, is not implemented), got {list(config.variants)}")
-    if config.method not in ("chain", "ar"):
-        raise ValueError(f"decoding.ensemble={config.ensemble} drafts chains only: set decoding.method=chain "
-                         f"(got {config.method})")
+        raise ValueError(f"decoding.variants must be distinct entries of {VARIANTS}, got {list(config.variants)}")
     if config.tabed_window < 1:
         raise ValueError(f"decoding.tabed_window must be >= 1, got {config.tabed_window}")

@@ -197,27 +197,74 @@ def prefill(target, draft, prompt) -> DecodeState:
 
 
 # ----- drafting -------------------------------------------------------------------------
+#
+# The head runs over R rows: one for a single head, one per input variant when drafting
+# with an ensemble (msd_train/decoding/ensemble.py). Rows share the tokens drafted and the
+# positions; each keeps its own features and cache. Their next-token distributions are
+# mixed into the one distribution that drafting (and the acceptance test) uses.
+
+
+def _head(draft, state: DecodeState, embeds: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
+          tree: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the head over T new positions of every row; returns (R, T, H).
+
+    ``embeds`` (1, T, H) are shared by the rows, ``hidden`` (R, T, H) is each row's,
+    ``pos`` batch-1 position ids. ``tree`` (T, A) bool: which of the last A cache
+    entries (this block's tree nodes, the T queries last) each query sees; None: causal.
+    """
+    rows = hidden.shape[0]
+    if rows > 1:
+        embeds = embeds.expand(rows, -1, -1)
+        pos = pos.expand(*pos.shape[:-2], rows, pos.shape[-1])
+    ens = state.ensemble
+    pad = ens.head_bias if ens is not None and ens.key_bias is not None else None  # rows' left padding
+    past = state.draft_cache.get_seq_length()
+    n, keys = embeds.shape[1], past + embeds.shape[1]
+    if tree is None and n == 1:
+        mask = pad(keys) if pad is not None else None  # the one query sees every (real) key
+    elif tree is None and pad is None:
+        mask = None  # the head's own causal mask
+    else:
+        allowed = torch.ones(n, keys, dtype=torch.bool, device=embeds.device)
+        if tree is None:
+            allowed[:, past:] = torch.ones(n, n, dtype=torch.bool, device=embeds.device).tril()
+        else:
+            allowed[:, keys - tree.shape[1]:] = tree
+        mask = torch.zeros(1, 1, n, keys, dtype=draft.dtype, device=embeds.device)
+        mask = mask.masked_fill(~allowed, torch.finfo(draft.dtype).min)
+        if pad is not None:
+            mask = mask + pad(keys)
+    return draft(embeds, hidden, position_ids=pos, attention_mask=mask, past_key_values=state.draft_cache,
+                 use_cache=True).last_hidden_state
 
 
 def _draft_pending(draft, target, state: DecodeState) -> torch.Tensor:
     """Feed the head the pairs (h_t, e_{t+1}) the last verification produced.
 
-    Returns the head's output at the newest position: its prediction of the root's
-    feature, whose lm_head gives the distribution of the root's children.
+    Returns (R, H), the head's output at the newest position of each row: its prediction
+    of the root's feature, whose lm_head gives the distribution of the root's children.
     """
     n = state.pending_hidden.shape[0]
     tokens = torch.as_tensor(state.tokens[-n:], device=target.device)
     pos = target.continue_positions(state.draft_len, n, state.rope_deltas)
-    out = draft(
-        target.embed_tokens(tokens)[None], state.pending_hidden[None], position_ids=pos,
-        past_key_values=state.draft_cache, use_cache=True,
-    ).last_hidden_state
+    hidden = state.pending_hidden[None]
+    if state.ensemble is not None:
+        hidden = hidden.expand(state.ensemble.rows, -1, -1)
+    out = _head(draft, state, target.embed_tokens(tokens)[None], hidden, pos)
     state.draft_len += n
-    return out[0, -1]
+    return out[:, -1]
 
 
-def _logits(target, draft_out: torch.Tensor) -> torch.Tensor:
-    return target.lm_head(draft_out.to(target.dtype))
+def _distribution(target, state: DecodeState, out: torch.Tensor, sampling: SamplingParams,
+                  log: bool = False) -> torch.Tensor:
+    """The draft distribution (T, V) after the head's outputs ``out`` (R, T, H):
+    probabilities (sampling: warped; greedy: any distribution with the right argmax),
+    or log-probabilities with ``log``. An ensemble's is the mixture of its rows'."""
+    logits = target.lm_head(out.to(target.dtype))
+    if state.ensemble is not None:
+        q = state.ensemble.mix(logits, sampling)
+        return q.log() if log else q
+    return log_probs(logits[0], sampling) if log else logits_to_probs(logits[0], sampling)
 
 
 def _node_positions(target, state: DecodeState, depth: int, n: int) -> torch.Tensor:
@@ -229,26 +276,26 @@ def _node_positions(target, state: DecodeState, depth: int, n: int) -> torch.Ten
 @torch.inference_mode()
 def draft_chain(draft, target, state: DecodeState, k: int, sampling: SamplingParams,
                 generator: torch.Generator | None = None) -> Tree:
-    """k draft tokens, one after another: argmax when greedy, else sampled from the
-    head's warped distribution q (kept, for the acceptance test)."""
-    h = _draft_pending(draft, target, state)
+    """k draft tokens, one after another: the argmax of the draft distribution q when
+    greedy, else a draw from it (q kept, for the acceptance test)."""
+    ens = state.ensemble
+    if ens is not None:
+        ens.begin_block()
+    h = _draft_pending(draft, target, state)  # (R, H)
     tokens, probs = [], []
     for i in range(k):
-        logits = _logits(target, h)
-        if sampling.greedy:
-            x = logits.argmax(-1)
-        else:
-            q = logits_to_probs(logits, sampling)
-            x = sample(q, generator)
+        q = _distribution(target, state, h[:, None], sampling)[0]
+        x = q.argmax(-1) if sampling.greedy else sample(q, generator)
+        if not sampling.greedy:
             probs.append(q)
         tokens.append(x)
-        if i + 1 < k:  # the head's next input: (its own predicted feature, e(x))
-            h = draft(
-                target.embed_tokens(x.view(1, 1)), h.view(1, 1, -1),
-                position_ids=_node_positions(target, state, i + 1, 1),
-                past_key_values=state.draft_cache, use_cache=True,
-            ).last_hidden_state[0, -1]
+        if i + 1 < k:  # each row's next input: (its own predicted feature, e(x))
+            h = _head(draft, state, target.embed_tokens(x.view(1, 1)), h[:, None],
+                      _node_positions(target, state, i + 1, 1))[:, -1]
     crop_cache(state.draft_cache, state.draft_len)
+    if ens is not None:  # node i's children were drafted from the i-th distribution; the last node has none
+        ens.block_index = torch.arange(k + 1, device=target.device)
+        ens.block_index[k] = -1
     root = torch.as_tensor([state.tokens[-1]], device=target.device)
     return chain(root, torch.stack(tokens), torch.stack(probs) if probs else None)
 
@@ -265,11 +312,16 @@ def draft_tree(draft, target, state: DecodeState, depth: int, top_k: int, total_
     and the best ``total_tokens - 1`` are verified. A child's score never exceeds its
     parent's and ties go to the earlier (parent) node, so the kept set contains every
     kept node's ancestors. Children are deterministic proposals (``draft_probs`` None).
+    With an ensemble, scores are the log of the rows' mixture, and each row carries its
+    own frontier features.
     """
     device = target.device
-    out = _draft_pending(draft, target, state)
+    ens = state.ensemble
+    if ens is not None:
+        ens.begin_block()
+    out = _draft_pending(draft, target, state)  # (R, H)
     past = state.draft_len  # committed head cache; tree nodes are appended after it
-    lp = log_probs(_logits(target, out), sampling).clamp_max(0)
+    lp = _distribution(target, state, out[:, None], sampling, log=True)[0].clamp_max(0)
     k = min(top_k, lp.shape[-1])
     scores, tokens = lp.topk(k)
     pool_tokens, pool_scores = [tokens], [scores]
@@ -277,19 +329,15 @@ def draft_tree(draft, target, state: DecodeState, depth: int, top_k: int, total_
     pool_depths = [torch.ones(k, dtype=torch.long, device=device)]
     front_idx = torch.arange(k, device=device)  # pool indices of the frontier
     front_tokens, front_scores = tokens, scores
-    front_in = out.expand(k, -1)  # each frontier node's parent output (the head's hidden input)
+    front_in = out[:, None].expand(-1, k, -1)  # (R, k, H) each frontier node's parent output, per row
     front_anc = torch.zeros(k, 0, dtype=torch.bool, device=device)  # ancestor slots in the head's tree cache
-    neg = torch.finfo(draft.dtype).min
+    expanded = []  # pool indices of the frontier nodes, step by step (their children's distributions)
     for step in range(depth):
         anc = torch.cat([front_anc, torch.eye(k, dtype=torch.bool, device=device)], dim=1)
-        bias = torch.zeros(k, past + anc.shape[1], dtype=draft.dtype, device=device)
-        bias[:, past:].masked_fill_(~anc, neg)
-        out = draft(
-            target.embed_tokens(front_tokens)[None], front_in[None],
-            position_ids=_node_positions(target, state, step + 1, k), attention_mask=bias[None, None],
-            past_key_values=state.draft_cache, use_cache=True,
-        ).last_hidden_state[0]
-        lp = log_probs(_logits(target, out), sampling).clamp_max(0)
+        out = _head(draft, state, target.embed_tokens(front_tokens)[None], front_in,
+                    _node_positions(target, state, step + 1, k), tree=anc)
+        expanded.append(front_idx)
+        lp = _distribution(target, state, out, sampling, log=True).clamp_max(0)
         child_lp, child_tokens = lp.topk(k, dim=-1)  # (k, k)
         cand_scores = (front_scores[:, None] + child_lp).flatten()
         cand_tokens = child_tokens.flatten()
@@ -301,7 +349,7 @@ def draft_tree(draft, target, state: DecodeState, depth: int, top_k: int, total_
         best = cand_scores.topk(k).indices
         parent = best // k
         front_idx, front_tokens, front_scores = base + best, cand_tokens[best], cand_scores[best]
-        front_in, front_anc = out[parent], anc[parent]
+        front_in, front_anc = out[:, parent], anc[parent]
     crop_cache(state.draft_cache, past)
 
     scores, tokens = torch.cat(pool_scores), torch.cat(pool_tokens)
@@ -315,6 +363,11 @@ def draft_tree(draft, target, state: DecodeState, depth: int, top_k: int, total_
     tree_parents = new_index[parents[keep] + 1]
     if bool((tree_parents < 0).any()):  # cannot happen: scores are monotone along paths
         raise RuntimeError("draft tree selection dropped an ancestor of a kept node")
+    if ens is not None:  # where each kept node's children distribution sits (the root's: 0)
+        flat = torch.full((scores.shape[0],), -1, dtype=torch.long, device=device)
+        for step, idx in enumerate(expanded):
+            flat[idx] = 1 + step * k + torch.arange(k, device=device)
+        ens.block_index = torch.cat([torch.zeros(1, dtype=torch.long, device=device), flat[keep]])
     root = torch.as_tensor([state.tokens[-1]], device=device)
     zero = torch.zeros(1, dtype=torch.long, device=device)
     return Tree(
@@ -459,12 +512,7 @@ def decode(target, draft, state: DecodeState, config: DecodeConfig,
         if config.method == "tree":
             tree = draft_tree(draft, target, state, config.depth, config.top_k, config.total_tokens, sampling)
         elif config.method == "chain":
-            if state.ensemble is not None:  # ensemble drafting
-                from msd_train.decoding.ensemble import draft_chain_ensemble
-
-                tree = draft_chain_ensemble(draft, target, state, config.k, sampling, generator)
-            else:
-                tree = draft_chain(draft, target, state, config.k, sampling, generator)
+            tree = draft_chain(draft, target, state, config.k, sampling, generator)
         else:
             tree = chain(torch.as_tensor([state.tokens[-1]], device=device))
         t1 = _now(device)
@@ -475,9 +523,7 @@ def decode(target, draft, state: DecodeState, config: DecodeConfig,
         else:
             path, bonus = accept_sampling(tree, logits_to_probs(logits, sampling), generator)
         if state.ensemble is not None:  # ensemble drafting: TABED's verified history
-            from msd_train.decoding.ensemble import record_verified
-
-            record_verified(state, tree, path, logits)
+            state.ensemble.record_verified(path, logits)
         tried = len(path) - 1 + int(bool((tree.parents == path[-1]).any()))
         before = len(state.tokens)
         commit(state, tree, path, bonus, hidden)
@@ -490,17 +536,20 @@ def decode(target, draft, state: DecodeState, config: DecodeConfig,
     return Generation(list(state.tokens), text, stop[1], state.prompt_len, cycles=cycles)
 
 
-def generate(target, draft, prompt, config: DecodeConfig, generator: torch.Generator | None = None) -> Generation:
+def generate(target, draft, prompt, config: DecodeConfig, generator: torch.Generator | None = None,
+             captions: list[str] | None = None) -> Generation:
     """Prefill ``prompt`` (an ``Encoded`` from ``target.encode_prompt``) and decode.
 
     ``config.method = "ar"`` is plain decoding of the target (the head is ignored).
+    ``captions`` (one per image of the prompt) are read only by the ensemble variant C.
     """
     device = target.device
     t0 = _now(device)
     if config.ensemble is not None and config.method != "ar":  # ensemble drafting
         from msd_train.decoding.ensemble import prefill_ensemble
 
-        state = prefill_ensemble(target, draft, prompt, config.variants, config.ensemble, config.tabed_window)
+        state = prefill_ensemble(target, draft, prompt, config.variants, config.ensemble, config.tabed_window,
+                                 captions)
     else:
         state = prefill(target, draft if config.method != "ar" else None, prompt)
     t1 = _now(device)

@@ -9,6 +9,10 @@ Three sources, one item shape (:class:`BenchItem`):
   category}`` per line; images go before the first turn unless a turn has ``<image>``.
 * ``hf``: a Hugging Face dataset (``datasets`` is imported only here, only then).
 
+Image captions (read only by the ensemble variant C) come from a record's ``caption``
+field (a string, or a list with one per image) or from a source's ``captions`` file, a
+JSON object mapping each image path, as the records write it, to its caption.
+
 Each turn's answer is produced by the decoder being measured and fed into the next turn.
 """
 
@@ -28,6 +32,7 @@ class BenchItem:
     turns: list[str]  # user turns; "<image>" marks where each image goes
     images: list = field(default_factory=list)  # paths or PIL images, one per marker, in order
     source: str = ""
+    captions: list[str] = field(default_factory=list)  # one per image when supplied, else empty
 
     def load_images(self) -> list:
         from PIL import Image
@@ -62,11 +67,41 @@ def _read_records(path: Path) -> list:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def load_conversations(path: str, image_root: str | None = None, fmt: str = "auto") -> list[BenchItem]:
+def _captions(record, n_images: int, captions: dict | None) -> list[str]:
+    """A record's captions, one per image: its own ``caption`` field, else the source's
+    ``captions`` map keyed by the record's image paths; [] when any is missing."""
+    if not isinstance(record, dict) or n_images == 0:
+        return []
+    own = record.get("caption", record.get("captions"))
+    if own is None and captions:
+        paths = record.get("image") or record.get("images") or []
+        paths = [paths] if isinstance(paths, str) else list(paths)
+        own = [captions.get(str(p)) for p in paths]
+    own = [own] if isinstance(own, str) else list(own or [])
+    return own if len(own) == n_images and all(isinstance(c, str) and c for c in own) else []
+
+
+def _read_captions(path: str | None) -> dict | None:
+    if not path:
+        return None
+    try:
+        out = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"bench captions file {path} not found") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"bench captions file {path}: not valid JSON ({e})") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"bench captions file {path}: expected a JSON object {{image path: caption}}")
+    return out
+
+
+def load_conversations(path: str, image_root: str | None = None, fmt: str = "auto",
+                       captions: str | None = None) -> list[BenchItem]:
     """ShareGPT / LLaVA-Instruct / messages files through the training data readers."""
     from msd_train.data.formats import BadSample, read_conversations
 
     raw = _read_records(Path(path))
+    caption_map = _read_captions(captions)
     items = []
     for conv in read_conversations(path, fmt, image_root):
         if isinstance(conv, BadSample):
@@ -75,7 +110,8 @@ def load_conversations(path: str, image_root: str | None = None, fmt: str = "aut
         record = raw[conv["index"]] if conv["index"] < len(raw) else {}
         category = record.get("category") if isinstance(record, dict) else None
         category = category or ("image" if conv["images"] else "text")
-        items.append(BenchItem(conv["id"], str(category), turns, list(conv["images"]), str(path)))
+        items.append(BenchItem(conv["id"], str(category), turns, list(conv["images"]), str(path),
+                               _captions(record, len(conv["images"]), caption_map)))
     return items
 
 
@@ -100,13 +136,14 @@ def load_jsonl(path: str, image_root: str | None = None) -> list[BenchItem]:
             turns = _with_markers(turns, len(images))
         except ValueError as e:
             raise ValueError(f"{path}, sample {sid}: {e}; give one marker per image or none") from None
-        items.append(BenchItem(sid, str(rec.get("category") or "default"), turns, images, str(path)))
+        items.append(BenchItem(sid, str(rec.get("category") or "default"), turns, images, str(path),
+                               _captions(rec, len(images), None)))
     return items
 
 
 def load_hf(dataset: str, split: str = "test", subset: str | None = None, revision: str | None = None,
             id_field: str | None = "id", image_field: str | None = "image", turns_field: str = "question",
-            category_field: str | None = None, category: str | None = None,
+            category_field: str | None = None, category: str | None = None, caption_field: str | None = None,
             max_samples: int | None = None) -> list[BenchItem]:
     """A Hub dataset: ``turns_field`` holds one question (str) or several turns (list)."""
     try:
@@ -126,8 +163,9 @@ def load_hf(dataset: str, split: str = "test", subset: str | None = None, revisi
         images = [] if images is None else images if isinstance(images, list) else [images]
         sid = str(rec.get(id_field, i)) if id_field else str(i)
         cat = str(rec.get(category_field)) if category_field and rec.get(category_field) is not None else None
+        caps = _captions({"caption": rec.get(caption_field)}, len(images), None) if caption_field else []
         items.append(BenchItem(sid, cat or category or dataset.split("/")[-1], _with_markers(turns, len(images)),
-                               images, f"{dataset}[{split}]"))
+                               images, f"{dataset}[{split}]", caps))
     return items
 
 
@@ -137,7 +175,8 @@ def load_bench(cfg: dict) -> list[BenchItem]:
     if kind == "conversations":
         items = []
         for src in cfg["sources"]:
-            items += load_conversations(src["path"], src.get("image_root"), src.get("format", "auto"))
+            items += load_conversations(src["path"], src.get("image_root"), src.get("format", "auto"),
+                                        src.get("captions"))
     elif kind == "jsonl":
         if not cfg.get("path"):
             raise ValueError("bench=jsonl needs bench.path=FILE.jsonl (and bench.image_root=DIR for relative images)")
@@ -145,7 +184,8 @@ def load_bench(cfg: dict) -> list[BenchItem]:
     elif kind == "hf":
         if not cfg.get("dataset"):
             raise ValueError("bench=hf needs bench.dataset=OWNER/NAME (and bench.split, bench.turns_field, ...)")
-        keys = ("split", "subset", "revision", "id_field", "image_field", "turns_field", "category_field", "category")
+        keys = ("split", "subset", "revision", "id_field", "image_field", "turns_field", "category_field", "category",
+                "caption_field")
         items = load_hf(cfg["dataset"], max_samples=cfg.get("max_samples"),
                         **{k: cfg[k] for k in keys if cfg.get(k) is not None})
     else:
@@ -171,6 +211,6 @@ def select(items: list[BenchItem], max_per_category: int | None = None, max_samp
         for it in items:
             turns = it.turns[: int(max_turns)]
             n = sum(t.count(IMAGE_MARKER) for t in turns)
-            out.append(BenchItem(it.id, it.category, turns, it.images[:n], it.source))
+            out.append(BenchItem(it.id, it.category, turns, it.images[:n], it.source, it.captions[:n]))
         items = out
     return items

@@ -49,7 +49,8 @@ def run_variants(target, draft, items: list[BenchItem], configs: dict[str, Decod
         for name, cfg in configs.items():
             for _, gen in answer_turns(target, draft, item, cfg, images):
                 rows[name].append({"category": item.category, "accepted": [c.accepted for c in gen.cycles],
-                                   "draft_s": sum(c.t_draft for c in gen.cycles), "tokens": gen.tokens})
+                                   "draft_s": sum(c.t_draft for c in gen.cycles), "prefill_s": gen.t_prefill,
+                                   "tokens": gen.tokens})
     return rows
 
 
@@ -62,12 +63,14 @@ def summarize_variants(rows: dict[str, list[dict]], single: str = "M") -> dict:
     """tau overall and per category for each configuration, drafting ms per cycle, and
     each configuration's drafting-time overhead over ``single`` (a fraction)."""
     cats = sorted({r["category"] for rs in rows.values() for r in rs})
-    out = {"tau": {}, "tau_per_category": {}, "draft_ms_per_cycle": {}, "draft_overhead_vs_" + single: {}}
+    out = {"tau": {}, "tau_per_category": {}, "draft_ms_per_cycle": {}, "draft_overhead_vs_" + single: {},
+           "prefill_ms_per_turn": {}}
     for name, rs in rows.items():
         out["tau"][name] = _tau(rs)
         out["tau_per_category"][name] = {c: _tau([r for r in rs if r["category"] == c]) for c in cats}
         cycles = sum(len(r["accepted"]) for r in rs)
         out["draft_ms_per_cycle"][name] = 1000 * sum(r["draft_s"] for r in rs) / cycles if cycles else None
+        out["prefill_ms_per_turn"][name] = 1000 * sum(r["prefill_s"] for r in rs) / len(rs) if rs else None
     base = out["draft_ms_per_cycle"].get(single)
     for name, ms in out["draft_ms_per_cycle"].items():
         out["draft_overhead_vs_" + single][name] = (ms / base - 1) if base and ms is not None else None
@@ -87,6 +90,27 @@ def ensemble_report(target, draft, items: list[BenchItem], config: DecodeConfig,
     summary["ensemble"] = ensemble_name(config)
     summary["tau_is"] = "ratio of totals: committed tokens over verification forwards"
     summary["draft_time_is"] = "drafting seconds per draft block (cycle), TABED's weight search included"
+    summary["prefill_time_is"] = "target and head prefill per turn (variant C adds a text-only target pass)"
     if not config.sampling.greedy:
         summary.pop("outputs_identical")
     return summary
+
+
+def ensemble_table(summary: dict) -> list[str]:
+    """The ``ensemble`` section as Markdown table lines: tau per category and overall,
+    drafting ms per cycle, overhead over M alone, prefill ms per turn."""
+    from msd_train.evaluation.report import fmt
+
+    cats = sorted(next(iter(summary["tau_per_category"].values())))
+    base = next(k for k in summary if k.startswith("draft_overhead_vs_"))
+    lines = ["| drafting | " + " | ".join(cats) + f" | overall | draft ms/cycle | overhead vs "
+             f"{base.removeprefix('draft_overhead_vs_')} | prefill ms/turn |",
+             "|---" * (len(cats) + 5) + "|"]
+    for name, tau in summary["tau"].items():
+        per = summary["tau_per_category"][name]
+        over = summary[base].get(name)
+        lines.append(f"| {name} | " + " | ".join(fmt(per[c]) for c in cats) + f" | {fmt(tau)} | "
+                     f"{fmt(summary['draft_ms_per_cycle'][name], 2)} | "
+                     f"{'-' if over is None else f'{100 * over:+.0f}%'} | "
+                     f"{fmt(summary.get('prefill_ms_per_turn', {}).get(name), 2)} |")
+    return lines

@@ -65,6 +65,15 @@ def markdown(report: dict) -> str:
         f"accept + cache bookkeeping {fmt(o.get('accept_ms_per_cycle'), 2)}; "
         f"plain decoding {fmt(o.get('ar_ms_per_token'), 2)} ms per token.",
         "",
+    ]
+    if report.get("ensemble"):
+        from msd_train.evaluation.ensemble import ensemble_table
+
+        e = report["ensemble"]
+        lines += [f"Ensemble drafting ({e['ensemble']}): each input variant alone and the ensemble, every turn "
+                  f"decoded by each (tau: {e['tau_is']}; drafting time: {e['draft_time_is']}).", ""]
+        lines += ensemble_table(e) + [""]
+    lines += [
         "Definitions:",
         "",
     ]

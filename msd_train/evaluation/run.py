@@ -117,6 +117,13 @@ def run_eval(cfg: dict, command: str | None = None) -> dict | None:
     items = load_bench(cfg["bench"])  # before the target: a wrong path fails in seconds
     if not items:
         raise ValueError(f"bench={bench_name}: no items (check bench paths and max_* limits)")
+    if config.ensemble is not None and "C" in config.variants:
+        missing = [it for it in items if it.images and not it.captions]
+        if missing:
+            it = missing[0]
+            raise ValueError(f"{it.source}, sample {it.id}: decoding.variants has C but this sample's images have no "
+                             f"captions ({len(missing)} of {len(items)} samples lack them); give each image a caption "
+                             "(a `caption` field, or bench sources' `captions: FILE.json`) or drop C from decoding.variants")
     for item in items:
         for img in item.images:
             if isinstance(img, (str, Path)) and not Path(img).is_file():

@@ -25,7 +25,7 @@ def answer_turns(target, draft, item: BenchItem, config: DecodeConfig, images: l
         messages.append({"role": "user", "content": turn})
         n_images = sum(m["content"].count(IMAGE_MARKER) for m in messages)
         prompt = target.encode_prompt(messages, images[:n_images])
-        gen = generate(target, draft, prompt, config, generator)
+        gen = generate(target, draft, prompt, config, generator, captions=item.captions[:n_images])
         out.append((int(prompt.input_ids.shape[0]), gen))
         messages.append({"role": "assistant", "content": gen.text})
     return out

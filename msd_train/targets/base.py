@@ -73,7 +73,7 @@ class Target:
     def config(self):
         return self._config
 
-    def tokenizing_view(self) -> "Target":
+    def tokenizing_view(self) -> Target:
         """A copy without the model: enough to encode conversations, cheap to pickle
         into ``datasets.map`` worker processes."""
         import copy
@@ -186,6 +186,10 @@ class Target:
 
     def visual_embeddings(self, pixel: dict[str, torch.Tensor]) -> torch.Tensor:
         """All images' projector outputs, concatenated: (total visual tokens, H)."""
+        raise NotImplementedError
+
+    def image_grids(self, pixel: dict[str, torch.Tensor]) -> list[tuple[int, int]]:
+        """(rows, columns) of each image's visual tokens, in order (row-major in the ids)."""
         raise NotImplementedError
 
     def position_ids(

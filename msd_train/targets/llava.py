@@ -29,6 +29,9 @@ class LlavaTarget(Target):
         side = self.config.vision_config.image_size // self.config.vision_config.patch_size
         return side, side
 
+    def image_grids(self, pixel):
+        return [self.patch_grid] * (pixel["pixel_values"].shape[0] if pixel else 0)
+
     def image_inputs(self, images):
         pixel = self.processor.image_processor(images=images, return_tensors="pt")
         return {"pixel_values": pixel["pixel_values"]}, [self.tokens_per_image] * len(images)

@@ -34,6 +34,15 @@ class QwenVLTarget(Target):
         counts = (grid.prod(-1) // self.merge_size**2).tolist()
         return {"pixel_values": out["pixel_values"], "image_grid_thw": grid}, counts
 
+    def image_grids(self, pixel):
+        """From ``image_grid_thw``: (h, w) patches merged ``merge_size``-fold per axis."""
+        grids = []
+        for t, h, w in (pixel.get("image_grid_thw").tolist() if pixel else []):
+            if t != 1:
+                raise ValueError(f"an image grid with {t} frames (a video?): only still images have a 2-D grid")
+            grids.append((h // self.merge_size, w // self.merge_size))
+        return grids
+
     def visual_embeddings(self, pixel):
         out = self.model.model.get_image_features(
             pixel["pixel_values"].to(self.device, self.dtype),

@@ -32,7 +32,7 @@ from msd_train.data.curriculum import Curriculum, mm_share
 from msd_train.data.dataset import build_split, write_skipped
 from msd_train.draft import MSDDraftConfig, MSDDraftModel
 from msd_train.features import make_feature_source
-from msd_train.targets import load_target, resolve_dtype
+from msd_train.targets import load_target
 from msd_train.training import checkpoint as ckpt
 from msd_train.training.loss import draft_loss_mask, msd_loss
 from msd_train.training.validation import evaluate_split
@@ -153,7 +153,7 @@ class TrainRecipe:
         self._setup_logging()
 
     def _setup_data(self) -> None:
-        cfg, d = self.cfg, self.cfg.data
+        d = self.cfg.data
         if self.stage == 1:
             parts = {"text": list(d.text), "mm": []}
         else:
