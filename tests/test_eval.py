@@ -64,6 +64,53 @@ def test_eval_py_end_to_end(target_dir, head_dir, tmp_path):
     assert (out / "report.png").stat().st_size > 0 and "| **overall** |" in (out / "report.md").read_text()
 
 
+def test_eval_py_with_an_ensemble(target_dir, head_dir, tmp_path):
+    """The issue's command: tree drafting with TABED over M, T, P and C (captions from the
+    tiny bench's captions file); the report has tau per variant and for the ensemble."""
+    out = tmp_path / "eval"
+    cmd = [sys.executable, str(ROOT / "eval.py"), f"draft={head_dir}", f"out={out}", f"target.name_or_path={target_dir}",
+           "decoding.ensemble=tabed", "decoding.variants=[M,T,P,C]", "bench.max_per_category=1",
+           "decoding.max_new_tokens=6", "decoding.depth=2", "decoding.top_k=3", "decoding.total_tokens=8",
+           "warmup=0", "progress=false"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["decoding"]["ensemble"] == "tabed" and report["decoding"]["variants"] == ["M", "T", "P", "C"]
+    ens = report["ensemble"]
+    assert list(ens["tau"]) == ["M", "T", "P", "C", "tabed-MTPC"]
+    assert set(ens["tau_per_category"]["C"]) == {"text", "image_question", "image_followup", "multi_image"}
+    assert ens["outputs_identical"] is True and report["overall"]["outputs_match_ar"] is True
+    assert ens["prefill_ms_per_turn"]["C"] > 0 and "draft_overhead_vs_M" in ens
+    assert "| tabed-MTPC |" in (out / "report.md").read_text()
+
+
+def test_captions_are_read_and_required_for_c(target_dir, head_dir, tmp_path):
+    random_image(0, 24).save(tmp_path / "0.png")
+    random_image(1, 24).save(tmp_path / "1.png")
+    rows = [{"id": "own", "image": "0.png", "turns": ["what is it?"], "caption": "a red circle"},
+            {"id": "none", "image": ["0.png", "1.png"], "turns": ["which has more?"]},
+            {"id": "text", "image": None, "turns": ["hello"]}]
+    path = tmp_path / "bench.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    items = load_bench({"kind": "jsonl", "path": str(path)})
+    assert [i.captions for i in items] == [["a red circle"], [], []]
+    # a source's captions file, keyed by the image paths the records write
+    caps = tmp_path / "caps.json"
+    caps.write_text(json.dumps({"shapes/heldout_00017.png": "one shape", "shapes/heldout_00180.png": "two shapes"}))
+    tiny = load_bench({"kind": "conversations", "sources": [
+        {"path": str(ROOT / "data/tiny/llava_heldout.json"), "image_root": str(ROOT / "data/tiny/images"),
+         "captions": str(caps)}]})
+    assert next(i for i in tiny if i.id == "heldout000200").captions == ["one shape", "two shapes"]
+    assert next(i for i in tiny if i.id == "heldout000001").captions == []  # not in the file
+    # C without captions fails before the target loads, naming the sample and the fix
+    cfg = {"target": {"name_or_path": target_dir, "device": "cpu"}, "draft": head_dir,
+           "bench": {"name": "b", "kind": "jsonl", "path": str(path)}, "out": str(tmp_path / "out"),
+           "decoding": {"method": "chain", "k": 2, "ensemble": "ibed", "variants": ["M", "C"]}}
+    with pytest.raises(ValueError, match=r"bench.jsonl, sample none: .* no captions .*caption"):
+        run_eval(cfg)
+
+
 def _mmspec(tmp_path: Path) -> Path:
     (tmp_path / "img").mkdir()
     for i in range(3):
