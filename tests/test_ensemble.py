@@ -136,7 +136,7 @@ def test_caption_variant_needs_captions(llava):
 @torch.inference_mode()
 def test_pooled_variant_on_qwen2vl(qwen_target):
     """P derives each image's grid from Qwen2-VL's image_grid_thw (merged patches) and
-    keeps M-RoPE positions; greedy decoding with the ensemble stays exact."""
+    keeps M-RoPE positions; greedy decoding with the ensemble (C included) stays exact."""
     target = qwen_target
     torch.manual_seed(0)
     draft = MSDDraftModel(MSDDraftConfig.from_target_config(target.config, "x")).eval()
@@ -150,9 +150,9 @@ def test_pooled_variant_on_qwen2vl(qwen_target):
     assert pooled[4].shape[0] == 3  # M-RoPE ids
     ar = generate(target, None, prompt, DecodeConfig(method="ar", max_new_tokens=12, eos_token_ids=()))
     for method in ("chain", "tree"):
-        config = DecodeConfig(max_new_tokens=12, eos_token_ids=(), ensemble="tabed", variants=("M", "T", "P"),
+        config = DecodeConfig(max_new_tokens=12, eos_token_ids=(), ensemble="tabed", variants=("M", "T", "P", "C"),
                               **METHODS[method])
-        assert generate(target, draft, prompt, config).tokens == ar.tokens
+        assert generate(target, draft, prompt, config, captions=["a red circle"]).tokens == ar.tokens
 
 
 # ----- TABED's weight rule ------------------------------------------------------------
