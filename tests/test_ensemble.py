@@ -220,13 +220,15 @@ def test_tabed_history_follows_the_rule(llava, method):
     assert 0 < ens.history_match.shape[0] <= 5
     assert torch.isclose(ens.weights.sum(), torch.tensor(1.0))
     # recompute one block's scores from scratch through tabed_weights
-    rows = torch.rand(3, 2, 11).softmax(-1)
+    lm_head = torch.nn.Linear(6, 11)
+    out = torch.randn(2, 3, 6)  # (rows, mixing positions, H)
     logits = torch.randn(4, 11)
     ens.history_match = ens.history_kl = None
-    ens.block_rows, ens.block_index = [rows.transpose(0, 1)], torch.tensor([0, 1, 2, -1])
-    ens.record_verified([0, 1, 3], logits)  # nodes 0 and 1 were expanded, 3 was not
-    ens.begin_block()
-    want = tabed_weights(rows[:2], logits[[0, 1]].softmax(-1))
+    ens.block_out, ens.block_index = [out], torch.tensor([0, 1, 2, -1])
+    with torch.inference_mode():
+        ens.record_verified([0, 1, 3], logits, lm_head)  # nodes 0 and 1 were expanded, 3 was not
+        ens.begin_block()
+        want = tabed_weights(lm_head(out[:, :2]).softmax(-1).transpose(0, 1), logits[[0, 1]].softmax(-1))
     assert torch.equal(ens.weights, want)
 
 

@@ -58,10 +58,13 @@ class EnsembleState:
     #: point's mixture argmax matched the target's (N, G), and KL(target || mixture) (N, G)
     history_match: torch.Tensor | None = None
     history_kl: torch.Tensor | None = None
-    #: tabed, the current block: the rows' (unwarped) next-token probabilities of every
-    #: mixing call, in call order ((R, T, V) each), and for each tree node the index of its
-    #: children's distribution in their concatenation along T (-1: the node was not expanded)
-    block_rows: list[torch.Tensor] = field(default_factory=list)
+    #: the rows with a non-zero weight this block: only their logits enter the mixture
+    active: torch.Tensor | None = None
+    #: tabed, the current block: the rows' head outputs of every mixing call, in call order
+    #: ((R, T, H) each; their distributions are computed only for the verified nodes), and
+    #: for each tree node the index of its children's distribution in their concatenation
+    #: along T (-1: the node was not expanded)
+    block_out: list[torch.Tensor] = field(default_factory=list)
     block_index: torch.Tensor | None = None
 
     @property
@@ -69,7 +72,7 @@ class EnsembleState:
         return len(self.variants)
 
     def clone(self) -> EnsembleState:
-        return replace(self, weights=self.weights.clone(), block_rows=list(self.block_rows))
+        return replace(self, weights=self.weights.clone(), block_out=list(self.block_out))
 
     def head_bias(self, keys: int) -> torch.Tensor | None:
         """(R, 1, 1, keys) key bias of a one-query step, or None when no row is padded."""
@@ -83,40 +86,44 @@ class EnsembleState:
 
     # ----- mixing -----------------------------------------------------------------------
 
-    def mix(self, logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-        """The rows' mixture q (T, V) from their logits (R, T, V): warped probabilities
-        when sampling, plain softmax when greedy (the argmax and top-k of a mixture need
-        the rows' full distributions, not their one-hot argmaxes)."""
-        logits = logits.float()
-        rows = logits.softmax(-1)
+    def mix(self, out: torch.Tensor, lm_head, sampling: SamplingParams) -> torch.Tensor:
+        """The rows' mixture q (T, V) after their head outputs ``out`` (R, T, H): warped
+        probabilities when sampling, plain softmax when greedy (the argmax and top-k of a
+        mixture need the rows' full distributions, not their one-hot argmaxes). Rows whose
+        weight is zero (TABED often picks a vertex of the simplex) cost no lm_head."""
         if self.mode == "tabed":
-            self.block_rows.append(rows)
-        if not sampling.greedy:
-            rows = logits_to_probs(logits, sampling)
-        return torch.einsum("r,rtv->tv", self.weights, rows)
+            self.block_out.append(out)
+        if self.active is None:
+            self.active = self.weights.nonzero().flatten()
+        active = None if self.active.numel() == self.rows else self.active
+        logits = lm_head(out if active is None else out[active]).float()
+        rows = logits.softmax(-1) if sampling.greedy else logits_to_probs(logits, sampling)
+        return torch.einsum("r,rtv->tv", self.weights if active is None else self.weights[active], rows)
 
     def begin_block(self) -> None:
         """TABED: the weights for the next draft block, from the verified history."""
-        self.block_rows, self.block_index = [], None
+        self.block_out, self.block_index = [], None
         if self.mode == "tabed" and self.history_match is not None:
             self.weights = choose_weights(self.grid, self.history_match, self.history_kl)
+            self.active = None
 
-    def record_verified(self, path: list[int], logits: torch.Tensor) -> None:
+    def record_verified(self, path: list[int], logits: torch.Tensor, lm_head) -> None:
         """TABED history: the path's nodes whose children the head proposed (their prefix
         was verified: the accepted nodes and the one whose child was rejected), each with
         the target's distribution there. ``logits`` (N, V) are the verification's."""
-        if self.mode != "tabed" or not self.block_rows or self.block_index is None:
+        if self.mode != "tabed" or not self.block_out or self.block_index is None:
             return
         index = self.block_index[path]
         nodes = torch.as_tensor(path, device=index.device)[index >= 0]
         if nodes.numel() == 0:
             return
-        rows = torch.cat(self.block_rows, dim=1)[:, index[index >= 0]].transpose(0, 1)  # (n, R, V)
+        out = torch.cat(self.block_out, dim=1)[:, index[index >= 0]]  # (R, n, H)
+        rows = lm_head(out).float().softmax(-1).transpose(0, 1)  # (n, R, V), unwarped
         match, kl = position_scores(rows, logits[nodes].float().softmax(-1), self.grid)
         if self.history_match is not None:
             match, kl = torch.cat([self.history_match, match]), torch.cat([self.history_kl, kl])
         self.history_match, self.history_kl = match[-self.window :], kl[-self.window :]
-        self.block_rows = []
+        self.block_out = []
 
 
 # ----- input variants -------------------------------------------------------------------

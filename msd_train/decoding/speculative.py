@@ -260,11 +260,12 @@ def _distribution(target, state: DecodeState, out: torch.Tensor, sampling: Sampl
     """The draft distribution (T, V) after the head's outputs ``out`` (R, T, H):
     probabilities (sampling: warped; greedy: any distribution with the right argmax),
     or log-probabilities with ``log``. An ensemble's is the mixture of its rows'."""
-    logits = target.lm_head(out.to(target.dtype))
+    out = out.to(target.dtype)
     if state.ensemble is not None:
-        q = state.ensemble.mix(logits, sampling)
+        q = state.ensemble.mix(out, target.lm_head, sampling)
         return q.log() if log else q
-    return log_probs(logits[0], sampling) if log else logits_to_probs(logits[0], sampling)
+    logits = target.lm_head(out[0])
+    return log_probs(logits, sampling) if log else logits_to_probs(logits, sampling)
 
 
 def _node_positions(target, state: DecodeState, depth: int, n: int) -> torch.Tensor:
@@ -523,7 +524,7 @@ def decode(target, draft, state: DecodeState, config: DecodeConfig,
         else:
             path, bonus = accept_sampling(tree, logits_to_probs(logits, sampling), generator)
         if state.ensemble is not None:  # ensemble drafting: TABED's verified history
-            state.ensemble.record_verified(path, logits)
+            state.ensemble.record_verified(path, logits, lambda x: target.lm_head(x.to(target.dtype)))
         tried = len(path) - 1 + int(bool((tree.parents == path[-1]).any()))
         before = len(state.tokens)
         commit(state, tree, path, bonus, hidden)
