@@ -20,6 +20,8 @@ Measured (medians over ``--repeats`` after ``--warmup`` runs, device synchronise
    head, and for a forced 4-node path, which exercises the KV-cache gather);
 5. cycle / step ratio at the default tree and the implied speedup tau * step / cycle
    for tau = 2, 3, 4; the cycle is also timed inside ``decode(method="tree")``;
+5b. ensemble drafting: one draft block (default tree, and a chain of 5) with the head alone
+   (M) and with the variants M, T, P as three batch rows (IbED), and the overhead;
 6. online-feature stage-2 training step with DeepSpeed ZeRO-2 on one device: target
    tokens/s and peak memory at micro-batch sizes 1, 2, 4 (skipped, with a note, when
    deepspeed is not installed).
@@ -53,7 +55,8 @@ DEFAULT_TREE = dict(depth=5, top_k=10, total_tokens=60)
 TAUS = (2, 3, 4)
 N_IMAGE = 576  # LLaVA-1.5 at 336 px: (336 / 14) ** 2
 N_TEXT = 64  # BOS + 63 text tokens
-GOALS = {"cycle_over_step_max": 1.15, "project_ar_vs_hf_generate_min": 1.0, "train_target_tokens_per_s_min": 15000}
+GOALS = {"cycle_over_step_max": 1.15, "project_ar_vs_hf_generate_min": 1.0, "train_target_tokens_per_s_min": 15000,
+         "ensemble_draft_overhead_max": 0.30}
 
 # Hand-written configurations. llava15_7b is llava-hf/llava-1.5-7b-hf's config.json.
 CONFIGS = {
@@ -353,6 +356,33 @@ def bench_cycle(target, draft, prompt, args, device, step_s: float) -> dict:
     }
 
 
+def bench_ensemble(target, draft, prompt, args, device) -> dict:
+    """5b. One draft block with M alone and with M, T, P as batch rows (IbED weights)."""
+    from msd_train.decoding import SamplingParams, prefill
+    from msd_train.decoding.ensemble import prefill_ensemble
+    from msd_train.decoding.speculative import draft_chain, draft_tree
+
+    greedy, d = SamplingParams(), DEFAULT_TREE
+    states = {"M": prefill(target, draft, prompt),
+              "ibed-MTP": prefill_ensemble(target, draft, prompt, ("M", "T", "P"), "ibed", 32)}
+    for state in states.values():
+        state.tokens.append(int(state.next_logits.argmax(-1)))
+    blocks = {"tree": lambda s: draft_tree(draft, target, s, d["depth"], d["top_k"], d["total_tokens"], greedy),
+              "chain_k5": lambda s: draft_chain(draft, target, s, 5, greedy)}
+    out = {}
+    for method, block in blocks.items():
+        row = {}
+        for name, state in states.items():
+            snap = Snapshot(state)
+            row[name] = ms(timed(lambda b=block, s=state: b(s), device, args.repeats, args.warmup, after=snap.restore))
+        row["overhead"] = round(row["ibed-MTP"]["median"] / row["M"]["median"] - 1, 4)
+        out[method] = row
+    out["rows"] = {"M": states["M"].draft_len, "ibed-MTP (padded)": states["ibed-MTP"].draft_len}
+    out["goal_overhead_max"] = GOALS["ensemble_draft_overhead_max"]
+    out["goal_met"] = all(out[m]["overhead"] <= GOALS["ensemble_draft_overhead_max"] for m in blocks)
+    return out
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -503,6 +533,12 @@ def markdown(r: dict) -> str:
               "| tau | speedup (components) | speedup (in loop) |", "|---|---|---|"]
     lines += [f"| {t} | {c['speedup_at_tau'][t]:.2f} | {c['in_decode_loop_speedup_at_tau'][t]:.2f} |"
               for t in c["speedup_at_tau"]]
+    en = r["ensemble"]
+    lines += ["", "## 5b. Ensemble drafting (M alone vs M, T, P as batch rows, IbED)", "",
+              "| draft block | M ms | ibed-MTP ms | overhead |", "|---|---|---|---|"]
+    lines += [f"| {m} | {en[m]['M']['median']:.3f} | {en[m]['ibed-MTP']['median']:.3f} | {100 * en[m]['overhead']:+.0f}% |"
+              for m in ("tree", "chain_k5")]
+    lines += ["", f"goal: overhead <= {100 * en['goal_overhead_max']:.0f}%"]
     t = r["training"]
     lines += ["", "## 6. Training (online features, stage 2, ZeRO-2, one device)", ""]
     if t.get("skipped"):
@@ -569,6 +605,9 @@ def main(argv=None) -> dict:
     cycle = bench_cycle(target, draft, prompt, args, device, plain["project_ar_ms_per_token"] / 1e3)
     print(f"2-5. cycle/step {cycle['cycle']['cycle_over_step']:.3f} (in loop "
           f"{cycle['cycle']['in_decode_loop_cycle_over_step']:.3f})", flush=True)
+    ensemble = bench_ensemble(target, draft, prompt, args, device)
+    print(f"5b. ensemble drafting overhead: tree {100 * ensemble['tree']['overhead']:+.0f}%, chain "
+          f"{100 * ensemble['chain_k5']['overhead']:+.0f}%", flush=True)
     if args.skip_train:
         train = {"skipped": True, "note": "--skip-train"}
     else:
@@ -579,7 +618,8 @@ def main(argv=None) -> dict:
 
     tc = target.text_config
     goals = {"cycle_over_step <= 1.15": cycle["cycle"]["goal_met"],
-             "project AR >= HF generate()": plain["project_over_hf_speed"] >= 1.0}
+             "project AR >= HF generate()": plain["project_over_hf_speed"] >= 1.0,
+             "ensemble (3 rows) drafting overhead <= 30%": ensemble["goal_met"]}
     if not train.get("skipped"):
         goals["train >= 15000 target tokens/s"] = train["goal_met"]
     result = {
@@ -600,7 +640,7 @@ def main(argv=None) -> dict:
         "draft": {"params_m": draft_params_m, "weights": "random"},
         "prompt_tokens": int(prompt.input_ids.shape[0]),
         "repeats": args.repeats, "warmup": args.warmup,
-        "plain_decoding": plain, "cycle": cycle, "training": train,
+        "plain_decoding": plain, "cycle": cycle, "ensemble": ensemble, "training": train,
         "goals": GOALS, "goals_met": goals,
         "seconds": round(time.time() - t0, 1), "note": args.note,
     }

@@ -40,7 +40,7 @@ def test_small_config_writes_every_field(tmp_path):
     assert out.with_suffix(".md").read_text().startswith("# MSD decoder")
     assert r["dry_run"] is True and "not a GPU measurement" in r["dry_run_note"]
     for key in ("config", "device", "dtype", "created", "command", "environment", "target", "draft",
-                "prompt_tokens", "plain_decoding", "cycle", "training", "goals", "goals_met"):
+                "prompt_tokens", "plain_decoding", "cycle", "ensemble", "training", "goals", "goals_met"):
         assert key in r, key
     assert r["prompt_tokens"] == 640
     for key in ("torch", "transformers", "python", "deepspeed", "gpu"):
@@ -56,6 +56,10 @@ def test_small_config_writes_every_field(tmp_path):
     for key in ("accept_greedy", "commit_as_accepted", "commit_forced_path"):
         assert b[key]["median"] >= 0, key
     assert b["forced_path"][0] == 0 and len(b["forced_path"]) >= 2
+    en = r["ensemble"]
+    assert en["tree"]["M"]["median"] > 0 and en["chain_k5"]["ibed-MTP"]["median"] > 0
+    assert en["rows"]["ibed-MTP (padded)"] == en["rows"]["M"]  # M is the longest row
+    assert "5b. Ensemble drafting" in out.with_suffix(".md").read_text()
     cy = c["cycle"]
     assert cy["cycle_over_step"] > 0 and set(cy["speedup_at_tau"]) == {"2", "3", "4"}
     for tau, s in cy["speedup_at_tau"].items():
