@@ -54,6 +54,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--name", default="tiny")
+    ap.add_argument("--per-turn", action="store_true",
+                    help="also write each configuration's accepted-token sequence per turn (cycle by cycle)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -93,6 +95,10 @@ def main() -> None:
         "items": len(items), "turns": len(rows["M" if "M" in rows else next(iter(rows))]),
         **summary,
     }
+    if args.per_turn:
+        result["accepted_per_turn"] = {name: [{"id": r["id"], "category": r["category"],
+                                               "accepted": "".join(str(a) for a in r["accepted"])} for r in rs]
+                                       for name, rs in rows.items()}
     out = ROOT / "benchmarks" / "ensemble"
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -48,7 +48,7 @@ def run_variants(target, draft, items: list[BenchItem], configs: dict[str, Decod
         images = item.load_images()
         for name, cfg in configs.items():
             for _, gen in answer_turns(target, draft, item, cfg, images):
-                rows[name].append({"category": item.category, "accepted": [c.accepted for c in gen.cycles],
+                rows[name].append({"id": item.id, "category": item.category, "accepted": [c.accepted for c in gen.cycles],
                                    "draft_s": sum(c.t_draft for c in gen.cycles), "prefill_s": gen.t_prefill,
                                    "tokens": gen.tokens})
     return rows
