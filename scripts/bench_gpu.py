@@ -268,7 +268,7 @@ def bench_cycle(target, draft, prompt, args, device, step_s: float) -> dict:
     verify_ms = {}
     for size in TREE_SIZES:
         tree = make_tree(size)
-        xs = timed(lambda: verify(target, state, tree), device, args.repeats, args.warmup, after=snap.restore)
+        xs = timed(lambda t=tree: verify(target, state, t), device, args.repeats, args.warmup, after=snap.restore)
         verify_ms[str(len(tree))] = ms(xs)
 
     # 3. drafting (the default tree)
@@ -434,7 +434,7 @@ def bench_train(target, args, device, dtype) -> dict:
         mask = draft_loss_mask(loss_mask)
         n_tok = float(mask.sum())
 
-        def step():
+        def step(engine=engine, ids=ids, pixel=pixel, mask=mask, n_tok=n_tok):
             feats = target.features(ids, None, pixel)  # the frozen target forward (online features)
             e, h, rep, raw = engine.module.align_inputs(feats.inputs_embeds, feats.hidden_states, feats.visual_mask)
             out = engine(e, h, rep, raw, position_ids=feats.position_ids[..., :-1])

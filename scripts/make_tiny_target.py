@@ -923,7 +923,7 @@ def train(args) -> None:
     t0 = time.time()
     ema = None
     bar = tqdm(range(args.steps), desc="train", mininterval=2.0)
-    for step in bar:
+    for _ in bar:
         if not queue:
             queue = batches_for_epoch(len(encoded), args.batch_size, lengths, g)
         batch = [encoded[j] for j in queue.pop()]
