@@ -107,3 +107,24 @@ def test_prompt_ends_with_generation_prompt(llava_target):
     text = llava_target.tokenizer.decode(enc.input_ids, skip_special_tokens=False)
     assert text.endswith("ASSISTANT:")
     assert int(enc.loss_mask.sum()) == 0
+
+
+def test_qwen2vl_folder_loads_without_torchvision(tmp_path, qwen_target):
+    """A saved Qwen2-VL folder loads through load_target; without torchvision (as here)
+    its processor is the tokenizer plus the PIL image processor, which encode exactly
+    what the full processor's pieces encode."""
+    from builders import tiny_qwen2vl
+
+    from msd_train.targets import load_target
+
+    model, proc = tiny_qwen2vl()
+    model.save_pretrained(tmp_path)
+    proc.tokenizer.save_pretrained(tmp_path)
+    proc.image_processor.save_pretrained(tmp_path)
+    target = load_target(str(tmp_path), "auto", "cpu", chat_template="chatml_qwen")
+    messages = [{"role": "user", "content": "<image>\nwhat is it?"}]
+    got = target.encode_prompt(messages, [random_image(4)])
+    want = qwen_target.encode_prompt(messages, [random_image(4)])
+    assert torch.equal(got.input_ids, want.input_ids)
+    assert torch.equal(got.pixel["pixel_values"], want.pixel["pixel_values"])
+    assert target.image_grids(got.pixel) == qwen_target.image_grids(want.pixel)
