@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from msd_train.decoding.sampling import SamplingParams, logits_to_probs
+from msd_train.draft import attention_bias
 
 VARIANTS = ("M", "T", "P", "C")
 ENSEMBLES = ("ibed", "tabed")
@@ -110,7 +111,8 @@ class EnsembleState:
     def record_verified(self, path: list[int], logits: torch.Tensor, lm_head) -> None:
         """TABED history: the path's nodes whose children the head proposed (their prefix
         was verified: the accepted nodes and the one whose child was rejected), each with
-        the target's distribution there. ``logits`` (N, V) are the verification's."""
+        the target's distribution there. ``logits`` (N, V) are the verification's; the
+        block's head outputs are already in the target's dtype (``mix`` got them so)."""
         if self.mode != "tabed" or not self.block_out or self.block_index is None:
             return
         index = self.block_index[path]
@@ -138,7 +140,7 @@ class PromptPass:
     hidden: torch.Tensor  # (1, L, H)
     pos: torch.Tensor  # (1, L) or (3, 1, L)
     visual: torch.Tensor  # (1, L) bool: image tokens
-    pixel: dict  # the processor's image tensors, on the target's device
+    pixel: dict  # the processor's image tensors (only their grid shapes are read)
 
 
 def image_blocks(target, prompt: PromptPass) -> list[tuple[int, int, int]]:
@@ -241,16 +243,6 @@ def _left_pad(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     return torch.cat([torch.zeros(shape, dtype=x.dtype, device=x.device), x], dim)
 
 
-def _prefill_bias(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(R, 1, n, n): causal, no padded keys; a padded query sees itself (no empty softmax row)."""
-    n = valid.shape[1]
-    k = torch.arange(n, device=valid.device)
-    causal = k[None, :] <= k[:, None]
-    allowed = causal[None] & (valid[:, None, :] | torch.eye(n, dtype=torch.bool, device=valid.device)[None])
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=valid.device)
-    return bias.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
-
-
 @torch.inference_mode()
 def prefill_ensemble(target, draft, prompt, variants, mode: str, window: int, captions: list[str] | None = None):
     """``prefill`` with the head's prefix built once per variant, as one left-padded batch.
@@ -265,8 +257,7 @@ def prefill_ensemble(target, draft, prompt, variants, mode: str, window: int, ca
     state, ids, embeds, hidden, pos = prefill_target(target, prompt)
     if bool(ids[0, -1] == target.image_token_id):
         raise ValueError("ensemble drafting needs a prompt that ends in text, not in image tokens")
-    pixel = {k: v.to(device) for k, v in (prompt.pixel or {}).items()}
-    p = PromptPass(ids, embeds, hidden, pos, ids == target.image_token_id, pixel)
+    p = PromptPass(ids, embeds, hidden, pos, ids == target.image_token_id, prompt.pixel or {})
     rows = [variant_inputs(target, draft, v, p, captions) for v in variants]
     n = max(r[0].shape[1] for r in rows)
     valid = torch.zeros(len(variants), n, dtype=torch.bool, device=device)
@@ -284,7 +275,9 @@ def prefill_ensemble(target, draft, prompt, variants, mode: str, window: int, ca
         e, h, replace_mask, raw = (torch.cat([_left_pad(t, n - t.shape[1], 1) for t in part])
                                    for part in zip(*[r[:4] for r in rows]))
         pos_rows = torch.cat([_left_pad(r[4], n - r[4].shape[-1], -1) for r in rows], dim=-2)
-        mask = _prefill_bias(valid, draft.dtype) if ens.key_bias is not None else None
+        # causal and no padded keys, as the head builds it from a padding mask (padded
+        # positions are never read: they stay masked as keys by ``key_bias`` later)
+        mask = attention_bias(valid, len(variants), n, 0, draft.dtype, device) if ens.key_bias is not None else None
         draft(e, h, replace_mask, raw, position_ids=pos_rows, attention_mask=mask,
               past_key_values=state.draft_cache, use_cache=True)
     state.draft_len = n

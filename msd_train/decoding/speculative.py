@@ -224,14 +224,10 @@ def _head(draft, state: DecodeState, embeds: torch.Tensor, hidden: torch.Tensor,
         mask = pad(keys) if pad is not None else None  # the one query sees every (real) key
     elif tree is None and pad is None:
         mask = None  # the head's own causal mask
-    else:
-        allowed = torch.ones(n, keys, dtype=torch.bool, device=embeds.device)
+    else:  # a tree (or, with padding, causal: a chain-shaped tree) over the newest keys
         if tree is None:
-            allowed[:, past:] = torch.ones(n, n, dtype=torch.bool, device=embeds.device).tril()
-        else:
-            allowed[:, keys - tree.shape[1]:] = tree
-        mask = torch.zeros(1, 1, n, keys, dtype=draft.dtype, device=embeds.device)
-        mask = mask.masked_fill(~allowed, torch.finfo(draft.dtype).min)
+            tree = torch.ones(n, n, dtype=torch.bool, device=embeds.device).tril()
+        mask = tree_attention_bias(tree, keys - tree.shape[1], draft.dtype)
         if pad is not None:
             mask = mask + pad(keys)
     return draft(embeds, hidden, position_ids=pos, attention_mask=mask, past_key_values=state.draft_cache,
@@ -524,7 +520,7 @@ def decode(target, draft, state: DecodeState, config: DecodeConfig,
         else:
             path, bonus = accept_sampling(tree, logits_to_probs(logits, sampling), generator)
         if state.ensemble is not None:  # ensemble drafting: TABED's verified history
-            state.ensemble.record_verified(path, logits, lambda x: target.lm_head(x.to(target.dtype)))
+            state.ensemble.record_verified(path, logits, target.lm_head)
         tried = len(path) - 1 + int(bool((tree.parents == path[-1]).any()))
         before = len(state.tokens)
         commit(state, tree, path, bonus, hidden)
