@@ -99,7 +99,9 @@ def test_saved_with_the_head(qwen_target, tmp_path):
     del config["draft_positions"]
     (tmp_path / "a" / "config.json").write_text(json.dumps(config))
     assert MSDDraftModel.from_pretrained(tmp_path / "a").config.draft_positions == "mrope"
-    with pytest.raises(Exception, match="draft_positions"):
+    from huggingface_hub.errors import StrictDataclassFieldValidationError
+
+    with pytest.raises(StrictDataclassFieldValidationError, match=r"draft_positions[\s\S]*'mrope', '1d'"):
         MSDDraftConfig(draft_positions="2d")
 
 

@@ -199,16 +199,27 @@ def test_greedy_tree_and_chain_equal_plain_decoding(target, decoding_setup):
 # ----- training -----------------------------------------------------------------------
 
 
-def test_two_training_stages(tmp_path):
-    """``python train.py stage=1`` then ``stage=2`` on a saved Qwen2.5-VL folder (loaded
-    through ``load_target``, no torchvision): both stages train, export and validate,
-    stage 2 on image conversations too."""
+def test_two_training_stages(tmp_path, target):
+    """``python train.py stage=1`` then ``stage=2`` on a Qwen2.5-VL folder laid out as on the
+    Hub (loaded through ``load_target``, no torchvision): both stages train, export and
+    validate, stage 2 on image conversations too."""
     import random
+
+    from msd_train.targets import load_target
 
     model, proc = tiny_qwen25vl(seed=1)
     model.save_pretrained(tmp_path / "target")
     proc.tokenizer.save_pretrained(tmp_path / "target")
     proc.image_processor.save_pretrained(tmp_path / "target")
+    # the Hub's preprocessor_config.json names the full processor, whose video half needs torchvision
+    config_file = tmp_path / "target" / "preprocessor_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "processor_class": "Qwen2_5_VLProcessor"}))
+    loaded = load_target(str(tmp_path / "target"), "auto", "cpu", chat_template="chatml_qwen")
+    want = target.encode(CONV, [random_image(1, 32), wide_image(2)])
+    got = loaded.encode(CONV, [random_image(1, 32), wide_image(2)])
+    assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.loss_mask, want.loss_mask)
+    assert torch.equal(got.pixel["pixel_values"], want.pixel["pixel_values"])
+    assert type(loaded.model).__name__ == "Qwen2_5_VLForConditionalGeneration"
     rng = random.Random(0)
     (tmp_path / "img").mkdir()
 
