@@ -49,6 +49,14 @@ class MSDDraftConfig(PreTrainedConfig):
             "released": positions `p-1 .. p+N-2` (the released MSD heads);
             "paper": positions `p .. p+N-1` (the paper's formula); `p` is the first
             image position of the expanded target sequence.
+        draft_positions: the position ids the head reads under M-RoPE (see
+            `msd_train.draft.positions.draft_position_ids`). "mrope": the target's own
+            M-RoPE ids (image blocks on a 2-D grid, text after an image offset by the
+            grid). "1d": the token index `arange(L)` in all three M-RoPE rows, tree nodes
+            at the root's index plus depth: how the released Qwen2-VL heads were trained
+            and are run. Heads of 1-D RoPE targets (LLaVA) read 1-D ids either way. A
+            saved head without the field was trained by this project before it existed,
+            with "mrope".
         target_name_or_path, target_vocab_size, target_hidden_size, target_adapter:
             the target this head drafts for (the head reuses its embedding and lm_head).
     """
@@ -82,6 +90,7 @@ class MSDDraftConfig(PreTrainedConfig):
     first_layer_input_norm: bool | None = None
     decouple_visual: bool = True
     visual_offset: Literal["released", "paper"] = "released"
+    draft_positions: Literal["mrope", "1d"] = "mrope"
 
     target_name_or_path: str | None = None
     target_vocab_size: int | None = None

@@ -294,6 +294,7 @@ def config_from_reference(ref: ReferenceHead, target: TargetInfo | None = None) 
         first_layer_input_norm=ref.family == "qwen2",
         decouple_visual=True,
         visual_offset="released",
+        draft_positions="1d",  # the released code drafts with arange positions (Qwen2-VL included)
         target_name_or_path=target_name,
         target_vocab_size=target_vocab,
         target_hidden_size=hidden,
@@ -365,9 +366,6 @@ def convert_reference(ref: ReferenceHead, target=None, source: str | None = None
     if config.layer_family == "qwen2" and "mrope_section" not in json.dumps(ref.config):
         origin = "from the target" if config.mrope_section else "1-D RoPE; pass target= to take the target's sections"
         notes.append(f"config.json names no M-RoPE sections; mrope_section={config.mrope_section} ({origin})")
-    if config.uses_mrope:
-        notes.append("the released Qwen2-VL head was trained with 1-D positions; this project feeds it the "
-                     "target's M-RoPE ids, which agree on text but not at and after images")
 
     dtypes = {t.dtype for t in state.values()}
     dtype = state["fc.weight"].dtype
@@ -403,7 +401,7 @@ def convert_reference(ref: ReferenceHead, target=None, source: str | None = None
         source=source or str(ref.folder), weights_file=ref.weights_file, model_type=ref.model_type,
         config={k: getattr(config, k) for k in ("layer_family", "num_hidden_layers", "fc_bias",
                                                 "first_layer_input_norm", "decouple_visual", "visual_offset",
-                                                "mrope_section", "target_name_or_path")},
+                                                "draft_positions", "mrope_section", "target_name_or_path")},
         dropped_keys=dropped, embed_rows=embed.shape[0], embed_sha256=tensor_sha256(embed), embedding=check,
         notes=notes,
     )
@@ -548,6 +546,9 @@ def export_reference(
         warnings.append(f"this head was trained with decouple_visual={config.decouple_visual}, "
                         f"visual_offset={config.visual_offset!r}; the released code decouples with the released "
                         f"offset, so acceptance on images will drop there")
+    if config.uses_mrope and config.draft_positions != "1d":
+        warnings.append("this head was trained with the target's M-RoPE positions; the released code drafts with "
+                        "1-D positions, so acceptance at and after images will drop there")
     embed, embed_source = _reference_embedding(folder, record, target, embed_from, vocab_size)
     dtype = model.dtype
     embed = embed.to(dtype)

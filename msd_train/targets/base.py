@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from msd_train.targets.chat import IMAGE_MARKER, render_prompt, render_segments
+from msd_train.targets.chat import IMAGE_MARKER, Segment, render_prompt, render_segments
 from msd_train.targets.tokenize import encode_segments
 
 
@@ -147,25 +147,26 @@ class Target:
         The loss mask is 1 exactly on the assistant turns' tokens, each turn's
         end-of-turn token included.
         """
-        pixel, counts = self.image_inputs(images) if images else ({}, [])
         segments = render_segments(
             messages, self.chat_template, self.image_prompt_text, self.end_of_turn,
             **self.template_vars(),
         )
-        ids, mask = encode_segments(
-            self.tokenizer, segments, self.image_text, self.image_token_id, counts, bos=self.add_bos()
-        )
-        return Encoded(ids, mask, pixel, len(images))
+        return self._encode_rendered(segments, images)
 
     def encode_prompt(self, messages: list[dict], images: list) -> Encoded:
-        """The ids a target reads before generating the next assistant turn."""
-        pixel, counts = self.image_inputs(images) if images else ({}, [])
-        text = render_prompt(messages, self.chat_template, self.image_prompt_text, **self.template_vars())
-        from msd_train.targets.chat import Segment
+        """The ids a target reads before generating the next assistant turn (no loss).
 
+        The prompt is tokenised as one piece, as the target's own processor would, not
+        turn by turn as ``encode`` does for an exact loss mask.
+        """
+        text = render_prompt(messages, self.chat_template, self.image_prompt_text, **self.template_vars())
+        return self._encode_rendered([Segment(text, False)], images)
+
+    def _encode_rendered(self, segments: list[Segment], images: list) -> Encoded:
+        """Rendered segments and their images -> ``Encoded`` (what both encoders share)."""
+        pixel, counts = self.image_inputs(images) if images else ({}, [])
         ids, mask = encode_segments(
-            self.tokenizer, [Segment(text, False)], self.image_text, self.image_token_id, counts,
-            bos=self.add_bos(),
+            self.tokenizer, segments, self.image_text, self.image_token_id, counts, bos=self.add_bos()
         )
         return Encoded(ids, mask, pixel, len(images))
 

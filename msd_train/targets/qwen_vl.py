@@ -53,10 +53,11 @@ class QwenVLTarget(Target):
 
     def position_ids(self, input_ids, attention_mask, pixel):
         """M-RoPE positions from the model's own ``get_rope_index``, computed with the image."""
+        pixel = pixel or {}
         types = (input_ids == self.image_token_id).int()
-        grid = pixel.get("image_grid_thw") if pixel else None
+        grid = pixel.get("image_grid_thw")
         kwargs = {}
-        if "second_per_grid_ts" in pixel:
+        if "second_per_grid_ts" in pixel:  # Qwen2.5-VL video timing; still images have none
             kwargs["second_per_grid_ts"] = pixel["second_per_grid_ts"]
         if grid is None:  # text only: all three axes are the plain 1-D positions
             if attention_mask is None:
