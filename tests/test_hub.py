@@ -214,6 +214,39 @@ def test_import_refuses_incomplete_heads(tmp_path):
         import_reference(tmp_path / "c", tmp_path / "out")
 
 
+def test_import_ignores_rope_buffers_but_refuses_unknown_missing_and_misshapen_weights(tmp_path, capsys):
+    """Heads saved by older transformers / EAGLE code carry `rotary_emb.inv_freq`: the
+    released loader ignores it (strict=False); so does the importer, with a printed note.
+    Anything that is a weight and does not fit is still refused."""
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, H // HEADS, 2).float() / (H // HEADS))
+    raw = released_head(tmp_path / "buf", "llava", "bin",
+                        extra={"layers.0.self_attn.rotary_emb.inv_freq": inv_freq})
+    _script("import_reference").main([f"src={tmp_path}/buf", f"out={tmp_path}/ours"])
+    printed = capsys.readouterr().out
+    assert "layers.0.self_attn.rotary_emb.inv_freq ignored" in printed and "equals config.json" in printed
+    stored = load_file(tmp_path / "ours" / "model.safetensors")
+    assert set(stored) == set(raw) - {"embed_tokens.weight", "layers.0.self_attn.rotary_emb.inv_freq"}
+    e, h = inputs()
+    config = json.loads((tmp_path / "buf" / "config.json").read_text())
+    with torch.no_grad():
+        got = load_head(tmp_path / "buf")(e, h).last_hidden_state  # on the fly too
+    torch.testing.assert_close(got.double(), by_hand(raw, config, e, h), rtol=1e-5, atol=1e-5)
+
+    # A buffer that disagrees with config.json's rope_theta is imported with a warning in the notes.
+    report = import_reference(*_with_extra(tmp_path, "theta", {"layers.0.self_attn.rotary_emb.inv_freq": inv_freq * 2}))
+    assert any("WARNING" in n and "rotary_emb.inv_freq" in n for n in report.notes)
+    # An unknown weight, a wrong shape: refused as before.
+    with pytest.raises(IncompleteHeadError, match=r"unexpected: \['layers.0.self_attn.gate.weight'\]"):
+        import_reference(*_with_extra(tmp_path, "unknown", {"layers.0.self_attn.gate.weight": torch.zeros(H, H)}))
+    with pytest.raises(IncompleteHeadError, match=r"shapes do not match(.|\n)*fc.weight"):
+        import_reference(*_with_extra(tmp_path, "shape", {"fc.weight": torch.zeros(H, 2 * H + 1)}))
+
+
+def _with_extra(tmp_path: Path, name: str, extra: dict) -> tuple[Path, Path]:
+    released_head(tmp_path / name, "llava", "safetensors", extra=extra)
+    return tmp_path / name, tmp_path / f"{name}-out"
+
+
 def test_qwen_head_without_mrope_sections_takes_the_targets(tmp_path):
     """A Qwen2-VL head whose config.json names no M-RoPE sections gets the target's, since
     this project feeds Qwen2-VL heads the target's M-RoPE position ids."""
