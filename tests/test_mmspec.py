@@ -112,3 +112,19 @@ def test_broken_benchmark_files_name_the_file_and_line(tmp_path):
         load_bench({"kind": "jsonl", "path": str(split)})
     with pytest.raises(FileNotFoundError, match="a folder without mmspec.jsonl"):
         load_bench({"kind": "jsonl", "path": str(tmp_path)})
+
+
+def test_conversation_bench_with_a_break_keeps_the_turns_before_it(tmp_path, caplog):
+    """A conversations bench file is read with the training readers' salvage: the user
+    turns before a break are the prompts, with a warning naming the sample; group_by applies."""
+    rows = [{"id": "ok", "topic": "chat", "conversations": [{"from": "human", "value": "q1"}, {"from": "gpt", "value": "a1"}]},
+            {"id": "cut", "topic": "chat", "conversations": [
+                {"from": "human", "value": "q1"}, {"from": "gpt", "value": "a1"}, {"from": "human", "value": "q2"},
+                {"from": "gpt", "value": "a2"}, {"from": "gpt", "value": "again"}, {"from": "human", "value": "q3"},
+                {"from": "gpt", "value": "a3"}]}]
+    path = tmp_path / "convs.json"
+    path.write_text(json.dumps(rows))
+    with caplog.at_level("WARNING"):
+        items = load_bench({"kind": "conversations", "group_by": "topic", "sources": [{"path": str(path)}]})
+    assert [(i.id, i.category, i.turns) for i in items] == [("ok", "chat", ["q1"]), ("cut", "chat", ["q1", "q2"])]
+    assert "sample cut: turn 4 is from assistant but user was expected" in caplog.text

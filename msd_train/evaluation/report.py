@@ -86,6 +86,11 @@ def drawn_groups(report: dict, max_series: int = MAX_SERIES) -> dict[str, dict]:
     return out
 
 
+def _series_label(name: str, m: dict) -> str:
+    n = m.get("n_turns")
+    return f"{name} ({n} turn{'s' if n != 1 else ''})" if n is not None else name
+
+
 def _acceptance_cell(p, n) -> str:
     if p is None:
         return "-"
@@ -193,14 +198,14 @@ def figure(report: dict, max_series: int = MAX_SERIES):
         solid = [(p[0], p[1]) for p in pts if p[2] >= MIN_TRIALS]
         if solid:
             line, = ax1.plot(*zip(*solid), marker="o", lw=lw, color=c, zorder=z,
-                             label=f"{name} ({m.get('n_turns', '?')} turns)")
+                             label=_series_label(name, m))
             handles.append(line)
         thin = [(p[0], p[1]) for p in pts if p[2] < MIN_TRIALS]
         if thin:
             ax1.plot(*zip(*thin), ls="none", marker="o", mfc="white", mec=c, color=c, alpha=0.7)
             if not solid:
                 handles.append(ax1.plot([], [], marker="o", mfc="white", mec=c, color=c, ls=":",
-                                        label=f"{name} ({m.get('n_turns', '?')} turns)")[0])
+                                        label=_series_label(name, m))[0])
     depth = max((len(m.get("accept_at_pos") or []) for m in groups.values()), default=0)
     if depth:
         overall_trials = report["overall"].get("accept_trials") or []
