@@ -476,7 +476,8 @@ REPORT = {
     "overall": {"tau": 3.4567, "accept_at_pos": [0.8, 0.6, 0.5], "tokens_per_s": 101.25, "ar_tokens_per_s": 45.0,
                 "speedup": 2.25, "outputs_match_ar": True, "n_samples": 12, "new_tokens": 1536},
     "per_category": {"coco": {"tau": 3.9, "speedup": 2.5, "tokens_per_s": 110.0, "ar_tokens_per_s": 44.0,
-                              "outputs_match_ar": True, "n_samples": 6, "new_tokens": 700}},
+                              "outputs_match_ar": True, "n_samples": 6, "new_tokens": 700,
+                              "accept_at_pos": [0.9, None], "accept_trials": [120, 0]}},
 }
 
 
@@ -525,7 +526,7 @@ def test_push_uploads_folder_and_card(tmp_path, capsys):
     for text in ("deepspeed train.py stage=1", "deepspeed train.py stage=2", "0.0 -> 0.5 over 100",
                  "text-only", REPORT["command"], "3.457", "2.25", "101.2", "| coco |", "NVIDIA H100",
                  "depth=5", "[0.80, 0.60, 0.50]", "`<local>/lora`", "lora_alpha: 16", "r: 8",
-                 "sha256", "adapter='path/to/lora'", "run_dir=<local>/run"):
+                 "sha256", "adapter='path/to/lora'", "run_dir=<local>/run", "- coco: 0.90 (120), - (0)"):
         assert text in card, text
     assert str(tmp_path) not in card  # the card travels: no path of the machine that trained the head
     out = capsys.readouterr()

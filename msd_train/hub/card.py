@@ -211,11 +211,15 @@ def _evaluation_section(report: dict | None, report_name: str | None, repo_id: s
     lines += ["", header, "|" + "---|" * (len(METRICS) + 1), _metrics_row("overall", overall)]
     for name, m in _groups(report).items():
         lines.append(_metrics_row(name, m))
-    accept = [(n, m.get("accept_at_pos")) for n, m in [("overall", overall), *_groups(report).items()]]
-    accept = [(n, a) for n, a in accept if a]
+    accept = [(n, m.get("accept_at_pos"), m.get("accept_trials"))
+              for n, m in [("overall", overall), *_groups(report).items()]]
+    accept = [(n, a, t) for n, a, t in accept if a]
     if accept:
-        lines += ["", "Acceptance per draft position (conditional: position i accepted given positions < i were):", ""]
-        lines += [f"- {n}: {fmt(a)}" for n, a in accept]
+        with_trials = any(t for _, _, t in accept)
+        lines += ["", "Acceptance per draft position (conditional: position i accepted given positions < i were"
+                  + ("; in brackets the cycles that tried the position" if with_trials else "") + "):", ""]
+        lines += [f"- {n}: " + (", ".join(f"{fmt(p, 2)} ({k})" for p, k in zip(a, t)) if t else fmt(a))
+                  for n, a, t in accept]
     lines += [
         "",
         "tau: tokens committed per target verification forward, the bonus token included (plain decoding: 1). "
