@@ -78,8 +78,11 @@ def check_split(cfg, target, name: str) -> dict:
     except (FileNotFoundError, ValueError) as e:
         report["error"] = str(e)
         return report
+    # A conversation truncated at a break is kept (its exchanges before the break): counted apart.
+    salvaged = [{"source": b.source, "id": b.id, "index": b.index, "reason": b.reason, "fix": b.fix,
+                 "kept_exchanges": b.kept_exchanges} for b in split.skipped if b.action == "truncated"]
     skipped = [{"source": b.source, "id": b.id, "index": b.index, "reason": b.reason, "fix": b.fix}
-               for b in split.skipped]
+               for b in split.skipped if b.action != "truncated"]
     lengths, n_trunc, n_visual, n_text_only = [], 0, 0, 0
     ds = split.dataset
     for r in (ds[i] for i in range(len(ds))):
@@ -95,7 +98,8 @@ def check_split(cfg, target, name: str) -> dict:
     groups = Counter(reason_group(s["reason"]) for s in skipped)
     report.update(
         records=len(lengths) + len(skipped), kept=len(lengths), skipped=len(skipped),
-        skipped_by_reason=dict(groups.most_common()), skipped_samples=skipped,
+        skipped_by_reason=dict(groups.most_common()), skipped_samples=skipped, salvaged=len(salvaged),
+        salvaged_samples=salvaged,
         images_not_found=groups.get("image not found", 0), truncated=n_trunc,
         truncated_share=n_trunc / max(len(lengths), 1), text_only=n_text_only,
         tokens=sum(lengths), visual_tokens=n_visual, length=percentiles(lengths), max_length=int(d.max_length))
@@ -116,6 +120,8 @@ def print_report(name: str, r: dict, show: int) -> None:
         print(f"      {s['source']}, sample {s['id']}: {s['reason']} ({s['fix']})")
     if r["skipped"] > show:
         print(f"      ... {r['skipped'] - show} more (--show N, or --json FILE for all)")
+    if r.get("salvaged"):
+        print(f"  kept up to a break inside the conversation (listed as truncated): {r['salvaged']}")
     print(f"  images not found: {r['images_not_found']}")
     if r["length"]:
         L = r["length"]

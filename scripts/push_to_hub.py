@@ -27,8 +27,8 @@ def main(argv=None) -> None:
     try:
         push_head(cfg.checkpoint, cfg.repo_id, private=cfg.private, dry_run=cfg.dry_run, report=cfg.report,
                   license=cfg.license, datasets=list(cfg.datasets) if cfg.datasets else None,
-                  commit_message=cfg.commit_message)
-    except (IncompleteHeadError, FileNotFoundError) as err:
+                  commit_message=cfg.commit_message, base_model=cfg.base_model)
+    except (IncompleteHeadError, FileNotFoundError, ValueError) as err:
         sys.exit(f"refusing to push: {err}")
 
 

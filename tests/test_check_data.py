@@ -40,6 +40,7 @@ def test_report_on_the_real_world_excerpts(check_data, target_path, tmp_path, ca
     assert t["records"] == 19 and m["records"] == 13
     assert t["kept"] + t["skipped"] == 19 and m["kept"] + m["skipped"] == 13
     assert m["images_not_found"] == 1 and "images not found: 1" in text
+    assert t["salvaged"] == 1 and "kept up to a break inside the conversation (listed as truncated): 1" in text
     assert m["text_only"] == 1  # the ShareGPT-style entry inside the LLaVA mix is kept as text
     assert "turn N has unknown role 'narrator'" in t["skipped_by_reason"]
     assert any("image cannot be decoded" in r for r in m["skipped_by_reason"])
@@ -68,9 +69,10 @@ def test_prediction_matches_what_training_keeps(check_data, target_path, tmp_pat
         rep = check_data.check_split(cfg, target, name)
         sources = [OmegaConf.to_container(s, resolve=True) for s in cfg.data[name]]
         split = build_split(sources, target, 160, "skip", None)
-        assert rep["kept"] == len(split) and rep["skipped"] == len(split.skipped)
+        dropped = [b for b in split.skipped if b.action != "truncated"]  # truncated ones are kept
+        assert rep["kept"] == len(split) and rep["skipped"] == len(dropped)
         assert rep["tokens"] == sum(len(x) for x in split.dataset["input_ids"])
-        assert sorted(s["id"] for s in rep["skipped_samples"]) == sorted(b.id for b in split.skipped)
+        assert sorted(s["id"] for s in rep["skipped_samples"]) == sorted(b.id for b in dropped)
 
 
 def test_nothing_usable_exits_nonzero(check_data, target_path, tmp_path, capsys):

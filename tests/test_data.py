@@ -135,3 +135,77 @@ def test_tokenised_split_is_cached(tmp_path, llava_target):
     p.write_text(json.dumps([ex("other question", id=i) for i in range(5)]))
     c = build_split([{"path": str(p)}], llava_target, 100, cache_dir=str(cache))
     assert c.dataset["input_ids"] != a.dataset["input_ids"]
+
+
+def _turns(*pairs):
+    return [{"from": f, "value": v} for f, v in pairs]
+
+
+def test_salvage_keeps_exactly_the_exchanges_before_the_break(tmp_path, llava_target):
+    """Real ShareGPT dumps break deep inside a conversation (a repeated turn, an empty user
+    turn): the whole exchanges before the break are kept, and the sample is listed in
+    skipped_samples.jsonl as truncated with the reason."""
+    random_image(1).save(tmp_path / "a.png")
+    random_image(2).save(tmp_path / "b.png")
+    good = [("human", "q1"), ("gpt", "a1"), ("human", "q2"), ("gpt", "a2"), ("human", "q3"), ("gpt", "a3")]
+    recs = [
+        {"id": "repeat", "conversations": _turns(*good, ("human", "q4"), ("human", "q4 again"), ("gpt", "a4"),
+                                                 ("human", "q5"), ("gpt", "a5"))},
+        {"id": "empty-user", "conversations": _turns(*good[:2], ("human", " "), ("gpt", "a2"), *good[4:])},
+        {"id": "tail", "conversations": _turns(*good[:2], ("human", "unanswered"))},  # a trim, not a truncation
+        {"id": "first", "conversations": _turns(("human", "q"), ("human", "q"), ("gpt", "a"))},  # nothing before
+        {"id": "two-images", "image": ["a.png", "b.png"],
+         "conversations": _turns(("human", "<image>\nwhat is it?"), ("gpt", "a circle"),
+                                 ("human", "<image>\nand this?"), ("gpt", "a square"), ("gpt", "twice"))},
+    ]
+    p = _write(tmp_path, "sharegpt.json", recs)
+    got = list(read_conversations(p, "auto", tmp_path))
+    convs = {r["id"]: r for r in got if isinstance(r, dict)}
+    notes = {r.id: r for r in got if not isinstance(r, dict)}
+
+    def text(sid):
+        return [(m["role"], m["content"]) for m in convs[sid]["messages"]]
+
+    as_chat = [("user" if f == "human" else "assistant", v) for f, v in good]
+    assert text("repeat") == as_chat
+    assert text("empty-user") == as_chat[:2]
+    assert text("tail") == as_chat[:2] and "tail" not in notes
+    assert "first" not in convs and notes["first"].action == "skipped"
+    assert notes["repeat"].action == "truncated" and notes["repeat"].kept_exchanges == 3
+    assert "turn 7 is from user but assistant was expected" in notes["repeat"].reason
+    assert notes["empty-user"].kept_exchanges == 1 and "turn 2 (user) is empty" in notes["empty-user"].reason
+    # the second image's marker is in the kept part: both images stay; the repeated answer goes
+    assert text("two-images")[-1] == ("assistant", "a square")
+    assert convs["two-images"]["images"] == [str(tmp_path / "a.png"), str(tmp_path / "b.png")]
+
+    split = build_split([{"path": str(p), "image_root": str(tmp_path)}], llava_target, 512, "skip")
+    assert sorted(split.dataset["id"]) == ["empty-user", "repeat", "tail", "two-images"]
+    write_skipped(tmp_path / "skipped_samples.jsonl", split.skipped)
+    listed = {d["id"]: d for d in map(json.loads, (tmp_path / "skipped_samples.jsonl").read_text().splitlines())}
+    assert {k: (d["action"], d["kept_exchanges"]) for k, d in listed.items()} == {
+        "repeat": ("truncated", 3), "empty-user": ("truncated", 1), "first": ("skipped", None),
+        "two-images": ("truncated", 2)}
+    assert "turns must alternate" in listed["repeat"]["reason"] and listed["repeat"]["fix"]
+    with pytest.raises(BadSampleError, match=r"sample repeat: turn 7 .* data.on_bad_sample=skip to train on the 3 exchanges"):
+        build_split([{"path": str(p), "image_root": str(tmp_path)}], llava_target, 512, "error")
+
+
+def test_a_cut_conversation_keeps_only_the_images_of_its_kept_turns(tmp_path):
+    random_image(1).save(tmp_path / "a.png")
+    rec = {"id": "x", "image": ["a.png", "b.png"],
+           "conversations": _turns(("human", "<image>\nq1"), ("gpt", "a1"), ("human", "<image>\nq2"),
+                                   ("human", "again"), ("gpt", "a2"))}
+    got = list(read_conversations(_write(tmp_path, "x.json", [rec]), "auto", tmp_path))
+    assert got[0].action == "truncated" and "1 of its 2 images" in got[0].reason
+    assert got[1]["images"] == [str(tmp_path / "a.png")] and len(got[1]["messages"]) == 2
+
+
+def test_non_utf8_file_names_the_file_line_and_fix(tmp_path):
+    p = tmp_path / "latin1.jsonl"
+    lines = [json.dumps({"id": i, "conversations": _turns(("human", "q"), ("gpt", "caf\u00e9"))}, ensure_ascii=False)
+             for i in range(3)]
+    p.write_bytes("\n".join(lines).encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.jsonl: not UTF-8 text \(byte 0xe9 at line 1, .*re-encode .*iconv"):
+        list(read_conversations(p))
+    p.write_bytes(("\n".join(lines)).encode("utf-8-sig"))  # a byte-order mark is fine
+    assert [r["id"] for r in read_conversations(p)] == ["0", "1", "2"]

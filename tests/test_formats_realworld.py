@@ -19,7 +19,7 @@ SHAREGPT = EXAMPLES / "sharegpt_excerpt.json"
 LLAVA = EXAMPLES / "llava_excerpt.json"
 IMAGES = EXAMPLES / "images"
 
-# id -> None (kept) or a piece of the reason it is skipped for
+# id -> None (kept), a piece of the reason it is skipped for, or TRUNCATED(reason, exchanges kept)
 SHAREGPT_EXPECTED = {
     "QWJhYvA_0": None,  # markdown: code fences, lists, a table
     "QWJhYvA_1": None,  # a split continuation opening with gpt: the greeting is trimmed
@@ -35,7 +35,7 @@ SHAREGPT_EXPECTED = {
     "eK2sW6n_1": "unknown role 'narrator'",
     "fM9tQ3r_0": "no user/assistant exchange",
     "gA4nV7c_0": None,  # non-ASCII text and emoji
-    "hJ1pX5d_0": "system message after the first turn",
+    "hJ1pX5d_0": ("system message after the first turn", 1),  # the quiz's first exchange is kept
     "kL6rT8y_0": "turn 1 (assistant) is empty",  # "value": null
     "mN2bC4x_0": None,  # long: kept by the reader, truncated (or skipped) at tokenisation
     "pQ7wE3t_0": "1 <image> markers but 0 images",  # text that talks about an <image> tag
@@ -60,16 +60,31 @@ LLAVA_EXPECTED = {
 
 
 def read(path, image_root=None):
-    return {(r.id if isinstance(r, BadSample) else r["id"]): r for r in read_conversations(path, "auto", image_root)}
+    """id -> what the reader yields last for it (the conversation, or why it is skipped);
+    a truncated conversation is announced first by a BadSample with action "truncated"."""
+    out = {}
+    for r in read_conversations(path, "auto", image_root):
+        sid = r.id if isinstance(r, BadSample) else r["id"]
+        if isinstance(r, BadSample) and r.action == "truncated":
+            out.setdefault("truncated", {})[sid] = r
+            continue
+        out[sid] = r
+    return out
 
 
 def check_expected(got: dict, expected: dict):
+    truncated = got.pop("truncated", {})
     assert list(got) == list(expected)  # nothing dropped silently, file order kept
     for sid, want in expected.items():
         r = got[sid]
-        if want is None:
+        if want is None or isinstance(want, tuple):
             assert not isinstance(r, BadSample), f"{sid} skipped: {r.message()}"
-        else:
+            assert (sid in truncated) == isinstance(want, tuple), sid
+        if isinstance(want, tuple):
+            note = truncated[sid]
+            assert want[0] in note.reason and note.kept_exchanges == want[1], (sid, note)
+            assert len([m for m in r["messages"] if m["role"] == "assistant"]) == want[1]
+        elif want is not None:
             assert isinstance(r, BadSample), f"{sid} kept, expected skipped for {want!r}"
             assert want in r.reason, (sid, r.reason)
             assert r.fix and r.source.endswith(".json")
@@ -129,7 +144,8 @@ def test_llava_mix_tokenised_as_training_does(llava_target):
 
 def test_sharegpt_tokenised_as_training_does(llava_target):
     split = build_split([{"path": str(SHAREGPT), "format": "sharegpt"}], llava_target, 4096)
-    assert {r["id"] for r in split.dataset} == {sid for sid, w in SHAREGPT_EXPECTED.items() if w is None}
+    assert {r["id"] for r in split.dataset} == {sid for sid, w in SHAREGPT_EXPECTED.items()
+                                                if w is None or isinstance(w, tuple)}
     assert len(split.skipped) == sum(w is not None for w in SHAREGPT_EXPECTED.values())
     # a loss only on assistant text: the system prompt and user turns carry none
     row = next(r for r in split.dataset if r["id"] == "nR7fK2p_0")

@@ -21,6 +21,7 @@ from msd_train.hub import (
     export_reference,
     import_reference,
     load_head,
+    plan_push,
     push_head,
 )
 from msd_train.hub import folders as hub_folders
@@ -212,6 +213,39 @@ def test_import_refuses_incomplete_heads(tmp_path):
     (tmp_path / "c").mkdir()
     with pytest.raises(IncompleteHeadError, match="config.json"):
         import_reference(tmp_path / "c", tmp_path / "out")
+
+
+def test_import_ignores_rope_buffers_but_refuses_unknown_missing_and_misshapen_weights(tmp_path, capsys):
+    """Heads saved by older transformers / EAGLE code carry `rotary_emb.inv_freq`: the
+    released loader ignores it (strict=False); so does the importer, with a printed note.
+    Anything that is a weight and does not fit is still refused."""
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, H // HEADS, 2).float() / (H // HEADS))
+    raw = released_head(tmp_path / "buf", "llava", "bin",
+                        extra={"layers.0.self_attn.rotary_emb.inv_freq": inv_freq})
+    _script("import_reference").main([f"src={tmp_path}/buf", f"out={tmp_path}/ours"])
+    printed = capsys.readouterr().out
+    assert "layers.0.self_attn.rotary_emb.inv_freq ignored" in printed and "equals config.json" in printed
+    stored = load_file(tmp_path / "ours" / "model.safetensors")
+    assert set(stored) == set(raw) - {"embed_tokens.weight", "layers.0.self_attn.rotary_emb.inv_freq"}
+    e, h = inputs()
+    config = json.loads((tmp_path / "buf" / "config.json").read_text())
+    with torch.no_grad():
+        got = load_head(tmp_path / "buf")(e, h).last_hidden_state  # on the fly too
+    torch.testing.assert_close(got.double(), by_hand(raw, config, e, h), rtol=1e-5, atol=1e-5)
+
+    # A buffer that disagrees with config.json's rope_theta is imported with a warning in the notes.
+    report = import_reference(*_with_extra(tmp_path, "theta", {"layers.0.self_attn.rotary_emb.inv_freq": inv_freq * 2}))
+    assert any("WARNING" in n and "rotary_emb.inv_freq" in n for n in report.notes)
+    # An unknown weight, a wrong shape: refused as before.
+    with pytest.raises(IncompleteHeadError, match=r"unexpected: \['layers.0.self_attn.gate.weight'\]"):
+        import_reference(*_with_extra(tmp_path, "unknown", {"layers.0.self_attn.gate.weight": torch.zeros(H, H)}))
+    with pytest.raises(IncompleteHeadError, match=r"shapes do not match(.|\n)*fc.weight"):
+        import_reference(*_with_extra(tmp_path, "shape", {"fc.weight": torch.zeros(H, 2 * H + 1)}))
+
+
+def _with_extra(tmp_path: Path, name: str, extra: dict) -> tuple[Path, Path]:
+    released_head(tmp_path / name, "llava", "safetensors", extra=extra)
+    return tmp_path / name, tmp_path / f"{name}-out"
 
 
 def test_qwen_head_without_mrope_sections_takes_the_targets(tmp_path):
@@ -442,7 +476,8 @@ REPORT = {
     "overall": {"tau": 3.4567, "accept_at_pos": [0.8, 0.6, 0.5], "tokens_per_s": 101.25, "ar_tokens_per_s": 45.0,
                 "speedup": 2.25, "outputs_match_ar": True, "n_samples": 12, "new_tokens": 1536},
     "per_category": {"coco": {"tau": 3.9, "speedup": 2.5, "tokens_per_s": 110.0, "ar_tokens_per_s": 44.0,
-                              "outputs_match_ar": True, "n_samples": 6, "new_tokens": 700}},
+                              "outputs_match_ar": True, "n_samples": 6, "new_tokens": 700,
+                              "accept_at_pos": [0.9, None], "accept_trials": [120, 0]}},
 }
 
 
@@ -490,9 +525,10 @@ def test_push_uploads_folder_and_card(tmp_path, capsys):
     assert "anon8231489123/ShareGPT_Vicuna_unfiltered" in meta and "liuhaotian/LLaVA-Instruct-150K" in meta
     for text in ("deepspeed train.py stage=1", "deepspeed train.py stage=2", "0.0 -> 0.5 over 100",
                  "text-only", REPORT["command"], "3.457", "2.25", "101.2", "| coco |", "NVIDIA H100",
-                 "depth=5", "[0.80, 0.60, 0.50]", str(adapter), "lora_alpha: 16", "r: 8",
-                 "sha256"):
+                 "depth=5", "[0.80, 0.60, 0.50]", "`<local>/lora`", "lora_alpha: 16", "r: 8",
+                 "sha256", "adapter='path/to/lora'", "run_dir=<local>/run", "- coco: 0.90 (120), - (0)"):
         assert text in card, text
+    assert str(tmp_path) not in card  # the card travels: no path of the machine that trained the head
     out = capsys.readouterr()
     assert TOKEN not in out.out + out.err and TOKEN not in card
 
@@ -584,3 +620,62 @@ def test_scripts_import_export_push(tmp_path, capsys):
     assert TOKEN not in proc.stdout + proc.stderr
     assert "would upload to me/msd-imported" in proc.stdout and "reference_import.json" in proc.stdout
     assert "No evaluation was recorded" in proc.stdout and "Imported from the released head" in proc.stdout
+
+
+def _local_target_export(tmp_path: Path, target: str | None) -> Path:
+    final = tmp_path / "run" / "stage2" / "final"
+    config = MSDDraftConfig(hidden_size=H, intermediate_size=INTER, num_attention_heads=HEADS,
+                            target_name_or_path=target, target_vocab_size=VOCAB)
+    MSDDraftModel(config).save_pretrained(final)
+    meta = {"stage": 2, "step": 10, "command": f"deepspeed train.py stage=2 target.name_or_path={target} "
+                                               f"run_dir={tmp_path}/run", "config": {}}
+    (final / "training.json").write_text(json.dumps(meta))
+    return final
+
+
+def test_card_for_a_local_target_has_no_absolute_path_and_uses_base_model(tmp_path):
+    """A head trained on a local target: without base_model= the card says plainly which
+    target to pass; with it, the Hub id is the metadata's base_model, the title and the
+    snippet's target. Never the absolute path of the machine that trained it."""
+    local = tmp_path / "models" / "tiny-llava"
+    local.mkdir(parents=True)
+    final = _local_target_export(tmp_path, str(local))
+
+    card = plan_push(final, "me/msd-tiny").card
+    assert str(tmp_path) not in card and "load_target(None" not in card
+    assert "base_model" not in card.split("---")[1]  # no Hub id to put in the metadata
+    assert "# MSD draft head for a local target (`tiny-llava`)" in card
+    assert "load_target('path/to/tiny-llava'" in card
+    assert "local model folder named `tiny-llava`" in card and f"hidden size {H}" in card
+    assert "target.name_or_path=path/to/tiny-llava" in card  # the eval command the card suggests
+    assert "target.name_or_path=<local>/tiny-llava run_dir=<local>/run" in card  # the training command
+
+    card = plan_push(final, "me/msd-tiny", base_model="llava-hf/llava-1.5-7b-hf").card
+    assert "base_model: llava-hf/llava-1.5-7b-hf" in card.split("---")[1]
+    assert "# MSD draft head for llava-hf/llava-1.5-7b-hf" in card
+    assert "load_target('llava-hf/llava-1.5-7b-hf'" in card and "local copy of it" in card
+    assert str(tmp_path) not in card
+
+    for bad in (str(local), "not-an-id"):
+        with pytest.raises(ValueError, match="base_model=.*Hub model id"):
+            plan_push(final, "me/msd-tiny", base_model=bad)
+
+
+def test_card_of_an_imported_head_without_target_names_what_to_pass(tmp_path):
+    final = _local_target_export(tmp_path, None)
+    card = plan_push(final, "me/msd-imported").card
+    assert "load_target(None" not in card and "target not recorded" in card
+    assert f"hidden size {H} and a vocabulary of {VOCAB} tokens" in card
+
+
+def test_push_script_takes_base_model(tmp_path):
+    local = tmp_path / "tiny-llava"
+    local.mkdir()
+    final = _local_target_export(tmp_path, str(local))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "push_to_hub.py"), f"checkpoint={final}",
+                           "repo_id=me/msd-tiny", "dry_run=true", "base_model=llava-hf/llava-1.5-7b-hf"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    card = proc.stdout.split("----- README.md -----")[1]
+    assert "base_model: llava-hf/llava-1.5-7b-hf" in card and str(tmp_path) not in card

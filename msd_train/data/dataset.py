@@ -19,7 +19,7 @@ from msd_train.data.formats import BadSample, BadSampleError, read_conversations
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: the readers keep the exchanges before a break (formats.py salvage)
 
 
 @dataclass

@@ -31,14 +31,23 @@ ROLE_MAP = {
 
 @dataclass
 class BadSample:
+    """A sample that is not used as written: ``action`` "skipped" (not used at all) or
+    "truncated" (its exchanges before the break at ``reason`` are kept: ``kept_exchanges``)."""
+
     source: str
     index: int
     id: str | None
     reason: str
     fix: str
+    action: str = "skipped"
+    kept_exchanges: int | None = None
 
     def message(self) -> str:
-        return f"{self.source}, sample {self.id if self.id is not None else '#' + str(self.index)}: {self.reason} ({self.fix})"
+        where = f"{self.source}, sample {self.id if self.id is not None else '#' + str(self.index)}"
+        if self.action == "truncated":
+            n = self.kept_exchanges
+            return f"{where}: {self.reason}; kept the {n} exchange{'s' if n != 1 else ''} before it ({self.fix})"
+        return f"{where}: {self.reason} ({self.fix})"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -48,13 +57,34 @@ class BadSampleError(ValueError):
     """Raised with ``on_bad_sample=error``; the message names file, sample and fix."""
 
     def __init__(self, bad: BadSample):
-        super().__init__(bad.message() + "; or set data.on_bad_sample=skip to skip such samples")
+        if bad.action == "truncated":
+            n = bad.kept_exchanges
+            text = (f"{bad.source}, sample {bad.id}: {bad.reason} ({bad.fix}); or set data.on_bad_sample=skip to "
+                    f"train on the {n} exchange{'s' if n != 1 else ''} before it")
+        else:
+            text = bad.message() + "; or set data.on_bad_sample=skip to skip such samples"
+        super().__init__(text)
         self.bad = bad
+
+
+def read_text(path: Path) -> str:
+    """The file as UTF-8 text (a byte-order mark is allowed); anything else is an error
+    naming the file, the line of the first undecodable byte and the fix."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(
+            f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at line {line}, byte offset {e.start}); "
+            f"re-encode the file as UTF-8, e.g. `iconv -f latin1 -t utf-8 {path} > {path.stem}.utf8{path.suffix}` "
+            "(use the file's real encoding in place of latin1)"
+        ) from None
 
 
 def _records(path: Path) -> Iterator[tuple[int, object]]:
     """(index, record) pairs of a JSON array file or a JSONL file; broken lines become errors."""
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path)
     stripped = text.lstrip()
     if stripped.startswith("["):
         try:
@@ -85,58 +115,56 @@ def detect_format(record: dict) -> str:
     raise ValueError("cannot tell the format: expected a 'conversations' or 'messages' field")
 
 
-def _normalise(messages: list[dict], src: str, index: int, sid: str) -> list[dict] | BadSample:
-    """Check roles and alternation; drop leading assistant turns and trailing user turns."""
-    def bad(reason, fix):
-        return BadSample(src, index, sid, reason, fix)
+def _read_turns(raw_turns, role_key: str, content_key: str) -> tuple[list[dict], tuple[int, str, str] | None]:
+    """The messages of a conversation up to its first break, and the break (turn index,
+    reason, fix) or None.
 
-    out = []
-    for m in messages:
-        if m["role"] == "system":
-            if out:
-                return bad("system message after the first turn", "move it to the start or drop it")
-            if m["content"].strip():
-                out.append(m)
-            continue
-        out.append(m)
-    body = [m for m in out if m["role"] != "system"]
-    system = [m for m in out if m["role"] == "system"]
-    # ShareGPT dumps often open with the assistant (a greeting) or end on an unanswered
-    # question; neither carries a trainable (user, assistant) pair, so they are trimmed.
-    while body and body[0]["role"] == "assistant":
-        body = body[1:]
-    while body and body[-1]["role"] == "user":
-        body = body[:-1]
-    if not body:
-        return bad("no user/assistant exchange", "each conversation needs a user turn followed by an assistant turn")
-    for i, m in enumerate(body):
-        want = "user" if i % 2 == 0 else "assistant"
-        if m["role"] != want:
-            return bad(f"turn {i} is from {m['role']} but {want} was expected (turns must alternate)",
-                       "merge or remove the repeated turn")
-        if not m["content"].strip():
-            return bad(f"turn {i} ({m['role']}) is empty", "remove the empty turn and its pair")
-    return system + body
-
-
-def _turns(raw_turns, src, index, sid, role_key, content_key) -> list[dict] | BadSample:
-    if not isinstance(raw_turns, list) or not raw_turns:
-        return BadSample(src, index, sid, "empty or missing conversation", "give it at least one exchange")
-    out = []
+    A break is a turn that cannot be used: no role, an unknown role, content that is not
+    text, a system message after the first turn, a turn that does not alternate, an empty
+    turn. What comes before it is valid. ShareGPT dumps often open with the assistant (a
+    greeting) or end on an unanswered question; neither carries a trainable (user,
+    assistant) pair, so they are trimmed without counting as a break.
+    """
+    out: list[dict] = []
+    expect, opened = "user", False  # opened: a user or assistant turn was seen
     for j, t in enumerate(raw_turns):
         if not isinstance(t, dict) or role_key not in t:
-            return BadSample(src, index, sid, f"turn {j} has no '{role_key}'", f"each turn needs '{role_key}' and '{content_key}'")
+            return out, (j, f"turn {j} has no '{role_key}'", f"each turn needs '{role_key}' and '{content_key}'")
         role = ROLE_MAP.get(str(t[role_key]).lower())
         if role is None:
-            return BadSample(src, index, sid, f"turn {j} has unknown role {t[role_key]!r}",
-                             f"use one of {sorted(ROLE_MAP)}")
+            return out, (j, f"turn {j} has unknown role {t[role_key]!r}", f"use one of {sorted(ROLE_MAP)}")
         content = t.get(content_key)
-        if content is None:
-            content = ""
+        content = "" if content is None else content
         if not isinstance(content, str):
-            return BadSample(src, index, sid, f"turn {j} content is not text", "store the turn's text as a string")
+            return out, (j, f"turn {j} content is not text", "store the turn's text as a string")
+        if role == "system":
+            if opened:
+                return out, (j, f"turn {j}: system message after the first turn", "move it to the start or drop it")
+            if content.strip():
+                out.append({"role": role, "content": content})
+            continue
+        opened = True
+        if role == "assistant" and expect == "user" and not any(m["role"] == "user" for m in out):
+            continue  # a leading greeting
+        if role != expect:
+            return out, (j, f"turn {j} is from {role} but {expect} was expected (turns must alternate)",
+                         "merge or remove the repeated turn")
+        if not content.strip():
+            return out, (j, f"turn {j} ({role}) is empty", "remove the empty turn and its pair")
         out.append({"role": role, "content": content})
-    return out
+        expect = "assistant" if role == "user" else "user"
+    return out, None
+
+
+def _answered_after(raw_turns, start: int, role_key: str, content_key: str) -> bool:
+    """Whether an assistant answer with text is at or after turn ``start``: if not, a
+    break there loses nothing that could be trained on (an unanswered last question)."""
+    for t in raw_turns[start:]:
+        if isinstance(t, dict) and ROLE_MAP.get(str(t.get(role_key, "")).lower()) == "assistant":
+            content = t.get(content_key)
+            if isinstance(content, str) and content.strip():
+                return True
+    return False
 
 
 def read_conversations(path: str | Path, fmt: str = "auto", image_root: str | Path | None = None) -> Iterator[dict | BadSample]:
@@ -161,30 +189,46 @@ def read_conversations(path: str | Path, fmt: str = "auto", image_root: str | Pa
         except ValueError as e:
             yield BadSample(src, index, sid, str(e), "use ShareGPT, LLaVA-Instruct or messages JSONL")
             continue
-        if f == "messages":
-            turns = _turns(rec.get("messages"), src, index, sid, "role", "content")
-            images = rec.get("images") or []
-        else:
-            turns = _turns(rec.get("conversations"), src, index, sid, "from", "value")
-            images = rec.get("image") or []
-        if isinstance(turns, BadSample):
-            yield turns
-            continue
+        role_key, content_key, turns_key, images_key = (
+            ("role", "content", "messages", "images") if f == "messages" else ("from", "value", "conversations", "image"))
+        raw_turns = rec.get(turns_key)
+        images = rec.get(images_key) or []
         if isinstance(images, str):
             images = [images]
-        msgs = _normalise(turns, src, index, sid)
-        if isinstance(msgs, BadSample):
-            yield msgs
+        if not isinstance(raw_turns, list) or not raw_turns:
+            yield BadSample(src, index, sid, "empty or missing conversation", "give it at least one exchange")
             continue
+        msgs, broken = _read_turns(raw_turns, role_key, content_key)
+        system = [m for m in msgs if m["role"] == "system"]
+        body = [m for m in msgs if m["role"] != "system"]
+        body = body[: len(body) - len(body) % 2]  # whole (user, assistant) exchanges only
+        if not body:
+            _, reason, fix = broken or (0, "no user/assistant exchange",
+                                        "each conversation needs a user turn followed by an assistant turn")
+            yield BadSample(src, index, sid, reason, fix)
+            continue
+        if broken is not None and not _answered_after(raw_turns, broken[0], role_key, content_key):
+            broken = None  # no answer at or after the break: a trimmed tail, nothing lost
+        msgs = system + body
+        # Markers in the whole conversation decide how images pair with turns; a cut
+        # conversation keeps the images whose markers it keeps (markers follow image order).
+        n_all = sum(t.get(content_key, "").count(IMAGE_MARKER) for t in raw_turns
+                    if isinstance(t, dict) and isinstance(t.get(content_key), str))
         n_markers = sum(m["content"].count(IMAGE_MARKER) for m in msgs)
-        if images and n_markers == 0 and len(images) == 1:
+        if images and n_all == 0 and len(images) == 1:
             # LLaVA entries occasionally lack the marker; LLaVA's own loader prepends it.
             first = next(i for i, m in enumerate(msgs) if m["role"] == "user")
             msgs[first] = {**msgs[first], "content": IMAGE_MARKER + "\n" + msgs[first]["content"]}
-            n_markers = 1
-        if n_markers != len(images):
-            yield BadSample(src, index, sid, f"{n_markers} <image> markers but {len(images)} images",
+            n_all = n_markers = 1
+        if n_all != len(images):
+            yield BadSample(src, index, sid, f"{n_all} <image> markers but {len(images)} images",
                             "give one <image> marker per image")
             continue
-        yield {"id": sid, "messages": msgs, "images": [str(root / p) for p in images],
+        if broken is not None:
+            _, reason, fix = broken
+            if n_markers < n_all:
+                reason += f" (and {n_all - n_markers} of its {n_all} images with it)"
+            yield BadSample(src, index, sid, reason, fix + " to keep the rest", action="truncated",
+                            kept_exchanges=len(body) // 2)
+        yield {"id": sid, "messages": msgs, "images": [str(root / p) for p in images[:n_markers]],
                "source": src, "index": index}

@@ -6,23 +6,35 @@ Three sources, one item shape (:class:`BenchItem`):
   the user turns are the prompts, the reference answers are ignored, each record's
   ``category`` field is kept (default: ``text`` without images, ``image`` with).
 * ``jsonl``: MMSpec-shaped JSONL, one ``{id, image: str | list | null, turns: [str],
-  category}`` per line; images go before the first turn unless a turn has ``<image>``.
+  category, topic}`` per line; images go before the first turn unless a turn has
+  ``<image>``. ``path`` may be the file or an MMSpec split folder (``mmspec.jsonl`` +
+  ``images/``). ``bench=mmspec`` is this reader grouped by ``topic``.
 * ``hf``: a Hugging Face dataset (``datasets`` is imported only here, only then).
 
 Image captions (read only by the ensemble variant C) come from a record's ``caption``
 field (a string, or a list with one per image) or from a source's ``captions`` file, a
 JSON object mapping each image path, as the records write it, to its caption.
 
-Each turn's answer is produced by the decoder being measured and fed into the next turn.
+Items are grouped in the report by one record field, ``group_by`` (default ``category``;
+MMSpec: ``topic``). A benchmark may fix its generation length (``max_new_tokens``, see
+:func:`bench_decoding`). Each turn's answer is produced by the decoder being measured and
+fed into the next turn, as MMSpec's harness does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from msd_train.targets.chat import IMAGE_MARKER
+
+log = logging.getLogger(__name__)
+
+#: MMSpec's split layout: the records and the folder their `image` names are relative to.
+MMSPEC_FILE, MMSPEC_IMAGES = "mmspec.jsonl", "images"
 
 
 @dataclass
@@ -61,10 +73,26 @@ def _with_markers(turns: list[str], n_images: int) -> list[str]:
 
 
 def _read_records(path: Path) -> list:
-    text = path.read_text(encoding="utf-8")
+    """Records of a JSON array or JSONL file; a broken record names the file, its line and the fix."""
+    from msd_train.data.formats import read_text
+
+    text = read_text(path)
     if text.lstrip().startswith("["):
-        return json.loads(text)
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); fix the file "
+                             "there, or write it as JSONL, one record per line") from None
+    records = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}, line {lineno}: not valid JSON ({e.msg} at column {e.colno}); fix or delete "
+                             "that line") from None
+    return records
 
 
 def _captions(record, n_images: int, captions: dict | None) -> list[str]:
@@ -96,33 +124,49 @@ def _read_captions(path: str | None) -> dict | None:
 
 
 def load_conversations(path: str, image_root: str | None = None, fmt: str = "auto",
-                       captions: str | None = None) -> list[BenchItem]:
-    """ShareGPT / LLaVA-Instruct / messages files through the training data readers."""
+                       captions: str | None = None, group_by: str = "category") -> list[BenchItem]:
+    """ShareGPT / LLaVA-Instruct / messages files through the training data readers; a
+    conversation that breaks mid-way keeps its turns before the break (with a warning)."""
     from msd_train.data.formats import BadSample, read_conversations
 
     raw = _read_records(Path(path))
     caption_map = _read_captions(captions)
     items = []
     for conv in read_conversations(path, fmt, image_root):
+        if isinstance(conv, BadSample) and conv.action == "truncated":
+            log.warning("%s", conv.message())
+            continue
         if isinstance(conv, BadSample):
             raise ValueError(conv.message())
         turns = [m["content"] for m in conv["messages"] if m["role"] == "user"]
         record = raw[conv["index"]] if conv["index"] < len(raw) else {}
-        category = record.get("category") if isinstance(record, dict) else None
+        category = record.get(group_by) if isinstance(record, dict) else None
         category = category or ("image" if conv["images"] else "text")
         items.append(BenchItem(conv["id"], str(category), turns, list(conv["images"]), str(path),
                                _captions(record, len(conv["images"]), caption_map)))
     return items
 
 
-def load_jsonl(path: str, image_root: str | None = None) -> list[BenchItem]:
-    """MMSpec-shaped JSONL: ``{id, image, turns, category}`` per line."""
+def load_jsonl(path: str, image_root: str | None = None, group_by: str = "category") -> list[BenchItem]:
+    """MMSpec-shaped JSONL: ``{id, image, turns, category, topic}`` per line, grouped by
+    the field ``group_by``. ``path``: the file, or an MMSpec split folder (``mmspec.jsonl``
+    and ``images/``). ``image_root`` (default: that ``images/``, else the file's folder)
+    is what relative image paths are relative to."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"bench.path={path}: no such file")
-    root = Path(image_root) if image_root else path.parent
+    if path.is_dir():
+        if not (path / MMSPEC_FILE).is_file():
+            raise FileNotFoundError(f"bench.path={path}: a folder without {MMSPEC_FILE}; pass the .jsonl file, or "
+                                    f"an MMSpec split folder ({MMSPEC_FILE} + {MMSPEC_IMAGES}/)")
+        default_root, path = path / MMSPEC_IMAGES, path / MMSPEC_FILE
+    elif path.is_file():
+        default_root = path.parent
+    else:
+        raise FileNotFoundError(f"bench.path={path}: no such file or folder")
+    root = Path(image_root) if image_root else default_root
     items = []
     for i, rec in enumerate(_read_records(path)):
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}, record {i + 1}: not a JSON object; write one {{id, image, turns, ...}} per line")
         sid = str(rec.get("id", f"{path.stem}-{i}"))
         turns = rec.get("turns")
         if isinstance(turns, str):
@@ -136,8 +180,11 @@ def load_jsonl(path: str, image_root: str | None = None) -> list[BenchItem]:
             turns = _with_markers(turns, len(images))
         except ValueError as e:
             raise ValueError(f"{path}, sample {sid}: {e}; give one marker per image or none") from None
-        items.append(BenchItem(sid, str(rec.get("category") or "default"), turns, images, str(path),
+        items.append(BenchItem(sid, str(rec.get(group_by) or "default"), turns, images, str(path),
                                _captions(rec, len(images), None)))
+    if items and group_by != "category" and all(it.category == "default" for it in items):
+        log.warning("%s: no record has the field %r that bench.group_by names; every item is in one group",
+                    path, group_by)
     return items
 
 
@@ -176,11 +223,11 @@ def load_bench(cfg: dict) -> list[BenchItem]:
         items = []
         for src in cfg["sources"]:
             items += load_conversations(src["path"], src.get("image_root"), src.get("format", "auto"),
-                                        src.get("captions"))
+                                        src.get("captions"), cfg.get("group_by") or "category")
     elif kind == "jsonl":
         if not cfg.get("path"):
             raise ValueError("bench=jsonl needs bench.path=FILE.jsonl (and bench.image_root=DIR for relative images)")
-        items = load_jsonl(cfg["path"], cfg.get("image_root"))
+        items = load_jsonl(cfg["path"], cfg.get("image_root"), cfg.get("group_by") or "category")
     elif kind == "hf":
         if not cfg.get("dataset"):
             raise ValueError("bench=hf needs bench.dataset=OWNER/NAME (and bench.split, bench.turns_field, ...)")
@@ -191,6 +238,28 @@ def load_bench(cfg: dict) -> list[BenchItem]:
     else:
         raise ValueError(f"bench.kind={kind!r}: choose conversations, jsonl or hf")
     return select(items, cfg.get("max_per_category"), cfg.get("max_samples"), cfg.get("max_turns"))
+
+
+def grouped_by(cfg: dict) -> str:
+    """The record field the report's groups come from."""
+    if cfg.get("kind") == "hf":
+        return cfg.get("category_field") or "dataset"
+    return cfg.get("group_by") or "category"
+
+
+def bench_decoding(cfg: dict, config):
+    """The decoding settings with what the benchmark fixes: ``max_new_tokens`` (MMSpec's
+    harness generates up to 1024 tokens a turn). A benchmark's own setting wins over
+    ``decoding.max_new_tokens``, so that its numbers compare with published ones; change it
+    with ``bench.max_new_tokens=N``."""
+    n = cfg.get("max_new_tokens")
+    if n is not None and int(n) < 1:
+        raise ValueError(f"bench.max_new_tokens={n}: must be at least 1 (null: use decoding.max_new_tokens)")
+    if n is None or int(n) == config.max_new_tokens:
+        return config
+    log.info("bench=%s generates up to %d new tokens a turn (bench.max_new_tokens; decoding.max_new_tokens=%d "
+             "is not used)", cfg.get("name", "?"), int(n), config.max_new_tokens)
+    return dataclasses.replace(config, max_new_tokens=int(n))
 
 
 def select(items: list[BenchItem], max_per_category: int | None = None, max_samples: int | None = None,

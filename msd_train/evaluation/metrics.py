@@ -5,7 +5,8 @@
   first new token (from the prefill forward) is not a verification.
 * ``accept_at_pos[i]``: conditional acceptance of draft position i+1: the share of cycles
   that accepted it among those that tried it (positions before it accepted and the
-  drafted tree had a token there).
+  drafted tree had a token there); None where no cycle tried it. ``accept_trials[i]`` is
+  that number of cycles: the sample size behind each figure.
 * ``tokens_per_s`` / ``ar_tokens_per_s``: new tokens over wall-clock seconds, prefill
   included, summed over all turns; ``speedup`` is their ratio (a ratio of totals, not a
   mean of per-sample ratios).
@@ -17,7 +18,9 @@ DEFINITIONS = {
     "tau": "tokens committed per target verification forward, bonus token included (plain decoding: 1); "
            "mean over all verification cycles, before stop truncation",
     "accept_at_pos": "conditional acceptance per draft position: P(position i accepted | positions < i accepted "
-                     "and the draft had a token at position i)",
+                     "and the draft had a token at position i); null where no cycle tried position i",
+    "accept_trials": "per draft position, the verification cycles that tried it: the sample size behind "
+                     "accept_at_pos",
     "tokens_per_s": "new tokens / wall-clock seconds (prefill included), totals over all turns",
     "speedup": "tokens_per_s / ar_tokens_per_s: ratio of totals over the same prompts, same process, after warm-up",
     "outputs_match_ar": "greedy only: every turn's tokens equal plain greedy decoding's exactly",
@@ -39,11 +42,11 @@ def summarize(records: list[dict], greedy: bool) -> dict:
     def per_cycle_ms(key):
         return 1000 * sum(r[key] for r in records) / cycles if cycles else None
 
+    trials = [sum(t >= i for t in tried) for i in range(1, depth + 1)]
     return {
         "tau": sum(a + 1 for a in accepted) / cycles if cycles else None,
-        "accept_at_pos": [
-            sum(a >= i for a in accepted) / max(1, sum(t >= i for t in tried)) for i in range(1, depth + 1)
-        ],
+        "accept_at_pos": [sum(a >= i for a in accepted) / n if n else None for i, n in enumerate(trials, 1)],
+        "accept_trials": trials,
         "tokens_per_s": tps,
         "ar_tokens_per_s": ar_tps,
         "speedup": tps / ar_tps if tps and ar_tps else None,

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from msd_train.decoding import DecodeConfig, SamplingParams
-from msd_train.evaluation.bench import load_bench
+from msd_train.evaluation.bench import bench_decoding, grouped_by, load_bench
 from msd_train.evaluation.metrics import DEFINITIONS, summarize, summarize_by_category
 from msd_train.evaluation.report import write_report, write_samples
 from msd_train.evaluation.runner import evaluate
@@ -108,7 +108,7 @@ def run_eval(cfg: dict, command: str | None = None) -> dict | None:
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg["threads"]))
 
-    config = decode_config(cfg["decoding"])
+    config = bench_decoding(cfg["bench"], decode_config(cfg["decoding"]))  # a benchmark may fix its length
     bench_name = cfg["bench"].get("name", "bench")
     out = Path(cfg["out"]) if cfg.get("out") else default_out(cfg.get("draft"), bench_name, config.method)
 
@@ -170,6 +170,7 @@ def run_eval(cfg: dict, command: str | None = None) -> dict | None:
         "target": tc["name_or_path"],
         "adapter": tc.get("adapter"),
         "bench": bench_name,
+        "group_by": grouped_by(cfg["bench"]),  # the record field per_category is keyed by
         "method": config.method,
         "decoding": decoding_settings(config),
         "device": describe_device(device),

@@ -3,7 +3,11 @@
 Everything in the card is read from files the project writes: the head's config.json,
 `training.json` of its export folder (and of the stage it started from), the LoRA
 adapter's `adapter_config.json`, and the evaluation's `report.json`. Nothing is typed
-in by hand, so the card cannot drift from the head.
+in by hand, so the card cannot drift from the head; the one exception is `base_model`,
+the target's Hub id, for heads trained on a local copy of it.
+
+A card travels: it never prints a local absolute path (those name folders on the
+machine that trained the head, and leak its layout); they appear as `<local>/NAME`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,30 @@ KNOWN_DATASETS = {
 }
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+#: An absolute (or home-relative) local path inside running text; not a URL's "//host/..."
+#: nor "a/b" within a word.
+_LOCAL_PATH = re.compile(r"(?<![\w:/.~-])~?/[^\s`'\"()\[\]{}<>,;|*]+")
+
+
+def hub_id(name: str | None) -> str | None:
+    """`name` if it reads as a Hub repo id (OWNER/NAME) and is not a local folder, else None."""
+    if not name or not _REPO_ID.match(str(name)) or Path(str(name)).exists():
+        return None
+    return str(name)
+
+
+def public(text: str) -> str:
+    """`text` with every local absolute path shortened to `<local>/its-last-part`."""
+    def short(m: re.Match) -> str:
+        name = m.group(0).rstrip("/").rsplit("/", 1)[-1]
+        return f"<local>/{name}" if name and name != "~" else "<local>"
+
+    return _LOCAL_PATH.sub(short, text)
+
+
+def local_name(name: str | None) -> str | None:
+    """The last part of a local path (what a user would recognise), or None."""
+    return Path(str(name).rstrip("/")).name or None if name else None
 
 # --- gathering ---------------------------------------------------------------------------------
 
@@ -148,15 +176,15 @@ def _groups(report: dict) -> dict[str, dict]:
     return {}
 
 
-def _evaluation_section(report: dict | None, report_name: str | None, repo_id: str, target: str | None) -> list[str]:
+def _evaluation_section(report: dict | None, report_name: str | None, repo_id: str, target: str) -> list[str]:
     lines = ["## Evaluation", ""]
     if report is None:
         lines += [
             "No evaluation was recorded for this head. Measure it with",
             "",
             "```bash",
-            f"python eval.py draft={repo_id} out=eval/{repo_id.split('/')[-1]}"
-            + (f" target.name_or_path={target}" if target else ""),
+            f"python eval.py draft={repo_id} out=eval/{repo_id.split('/')[-1]} "
+            f"target.name_or_path={target}",
             "```",
             "",
         ]
@@ -183,11 +211,15 @@ def _evaluation_section(report: dict | None, report_name: str | None, repo_id: s
     lines += ["", header, "|" + "---|" * (len(METRICS) + 1), _metrics_row("overall", overall)]
     for name, m in _groups(report).items():
         lines.append(_metrics_row(name, m))
-    accept = [(n, m.get("accept_at_pos")) for n, m in [("overall", overall), *_groups(report).items()]]
-    accept = [(n, a) for n, a in accept if a]
+    accept = [(n, m.get("accept_at_pos"), m.get("accept_trials"))
+              for n, m in [("overall", overall), *_groups(report).items()]]
+    accept = [(n, a, t) for n, a, t in accept if a]
     if accept:
-        lines += ["", "Acceptance per draft position (conditional: position i accepted given positions < i were):", ""]
-        lines += [f"- {n}: {fmt(a)}" for n, a in accept]
+        with_trials = any(t for _, _, t in accept)
+        lines += ["", "Acceptance per draft position (conditional: position i accepted given positions < i were"
+                  + ("; in brackets the cycles that tried the position" if with_trials else "") + "):", ""]
+        lines += [f"- {n}: " + (", ".join(f"{fmt(p, 2)} ({k})" for p, k in zip(a, t)) if t else fmt(a))
+                  for n, a, t in accept]
     lines += [
         "",
         "tau: tokens committed per target verification forward, the bonus token included (plain decoding: 1). "
@@ -234,6 +266,34 @@ def _training_section(training: list[dict]) -> list[str]:
     return lines
 
 
+def _target_lines(config: MSDDraftConfig, target_id: str | None) -> tuple[str, list[str], str]:
+    """(title, lines of the Target section, the `load_target` argument of the snippet)."""
+    recorded = config.target_name_or_path
+    shape = (f"a {'Qwen2-VL' if config.layer_family == 'qwen2' else 'LLaVA'}-family model with hidden size "
+             f"{config.hidden_size}" + (f" and a vocabulary of {config.target_vocab_size} tokens"
+                                        if config.target_vocab_size else ""))
+    if target_id:
+        lines = [f"- base model: [`{target_id}`](https://huggingface.co/{target_id})"]
+        if recorded and hub_id(recorded) is None:
+            lines.append(f"- trained on a local copy of it (a folder named `{local_name(recorded)}`)")
+        elif recorded and recorded != target_id:
+            lines.append(f"- the head's config records `{recorded}` as its target")
+        return f"MSD draft head for {target_id}", lines, target_id
+    if recorded:
+        name = local_name(recorded)
+        return (f"MSD draft head for a local target (`{name}`)",
+                [f"- base model: not on the Hub. This head was trained on a local model folder named `{name}`, "
+                 f"{shape}. Load that same model as the target (pass the path of your copy to `load_target`): "
+                 "the head drafts from its features and its embedding, and `load_head` refuses a target of another "
+                 "hidden size. (If that folder is a copy of a Hub model, the head's publisher can name it with "
+                 "`base_model=OWNER/NAME` when pushing.)"],
+                f"path/to/{name}")
+    return ("MSD draft head (target not recorded)",
+            [f"- base model: not recorded with this head. It was trained for {shape}; pass that model to "
+             "`load_target`."],
+            "path/or/hub-id/of/the-target")
+
+
 def model_card(
     config: MSDDraftConfig,
     repo_id: str,
@@ -246,21 +306,33 @@ def model_card(
     num_parameters: int | None = None,
     dtype: str | None = None,
     imported_from: str | None = None,
+    base_model: str | None = None,
 ) -> str:
-    """README.md text: YAML metadata, then usage, head, target, training, evaluation."""
+    """README.md text: YAML metadata, then usage, head, target, training, evaluation.
+
+    `base_model`: the target's Hub id, for the metadata, title and usage snippet; default:
+    the head's `target_name_or_path` when that is a Hub id. Without one the card says
+    plainly which target the user must pass. No local absolute path is printed.
+    """
     from huggingface_hub import ModelCardData
 
-    target = config.target_name_or_path
+    if base_model is not None and hub_id(base_model) is None:
+        raise ValueError(f"base_model={base_model}: give the target's Hub model id (OWNER/NAME), not a local path")
+    target_id = base_model or hub_id(config.target_name_or_path)
+    title, target_lines, load_arg = _target_lines(config, target_id)
     tags = TAGS + (["qwen2-vl"] if config.layer_family == "qwen2" else ["llava"])
     data = ModelCardData(
-        base_model=target if target and _REPO_ID.match(target) else None,
+        base_model=target_id,
         license=license,
         datasets=datasets if datasets is not None else (datasets_of(training) or None),
         tags=tags,
         pipeline_tag=None,
     )
     adapter = adapter_identity(config.target_adapter)
-    lines = ["---", data.to_yaml(), "---", "", f"# MSD draft head for {target or 'an unnamed target'}", ""]
+    adapter_arg = None
+    if config.target_adapter:
+        adapter_arg = hub_id(config.target_adapter) or f"path/to/{local_name(config.target_adapter)}"
+    lines = [f"# {title}", ""]
     lines += [
         "A draft head for lossless speculative decoding of a multimodal model: MSD (Lin et al., "
         "arXiv 2505.14260), an EAGLE-style head that fuses the target's last hidden state with the next token's "
@@ -274,7 +346,11 @@ def model_card(
         "from msd_train.hub import load_head",
         "from msd_train.targets import load_target",
         "",
-        f"target = load_target({target!r}" + (f", adapter={config.target_adapter!r}" if config.target_adapter else "")
+    ]
+    if not target_id:
+        lines.append("# the target is not on the Hub: see Target below for the model to pass")
+    lines += [
+        f"target = load_target({load_arg!r}" + (f", adapter={adapter_arg!r}" if adapter_arg else "")
         + ", device=\"cuda\")",
         f"head = load_head({repo_id!r}, target=target)",
         "```",
@@ -301,7 +377,7 @@ def model_card(
     lines += [f"| {k} | {fmt(v)} |" for k, v in rows if v is not None]
     if imported_from:
         lines += ["", f"Imported from the released head `{imported_from}` (weights unchanged)."]
-    lines += ["", "## Target", "", f"- base model: `{target}`"]
+    lines += ["", "## Target", ""] + target_lines
     if config.target_vocab_size:
         lines.append(f"- vocabulary: {config.target_vocab_size} tokens")
     if adapter:
@@ -312,7 +388,7 @@ def model_card(
         lines.append("- adapter: none")
     lines.append("")
     lines += _training_section(training)
-    lines += _evaluation_section(report, report_name, repo_id, target)
+    lines += _evaluation_section(report, report_name, repo_id, target_id or load_arg)
     if files:
         lines += ["## Files", ""] + [f"- `{name}` ({size:,} bytes)" for name, size in files] + [""]
-    return "\n".join(lines)
+    return "\n".join(["---", data.to_yaml(), "---", "", public("\n".join(lines))])

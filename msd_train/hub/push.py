@@ -46,8 +46,10 @@ def plan_push(
     report: str | Path | None = None,
     license: str = "apache-2.0",
     datasets: list[str] | None = None,
+    base_model: str | None = None,
 ) -> PushPlan:
-    """Check the export folder (refusing an incomplete one) and build the card."""
+    """Check the export folder (refusing an incomplete one) and build the card.
+    `base_model`: the target's Hub id for the card (see `model_card`)."""
     folder = Path(checkpoint)
     if not folder.is_dir():
         raise IncompleteHeadError(f"checkpoint={checkpoint}: no such folder")
@@ -73,6 +75,7 @@ def plan_push(
         model.config, repo_id, read_training(folder), report=report_data,
         report_name="report.json" if report_path else None, files=listing, license=license, datasets=datasets,
         num_parameters=model.num_parameters(), dtype=str(model.dtype).replace("torch.", ""), imported_from=imported,
+        base_model=base_model,
     )
     return PushPlan(folder, repo_id, [*files, ("README.md", None)], card, report_path)
 
@@ -96,16 +99,19 @@ def push_head(
     datasets: list[str] | None = None,
     commit_message: str | None = None,
     echo=print,
+    base_model: str | None = None,
 ) -> PushPlan:
     """Create `repo_id` if missing and upload the export folder with its model card.
 
     `dry_run`: list the files and print the card, touch nothing. `token`: given to the
-    client only (default: HF_TOKEN or the cached `huggingface-cli login`). Returns the
-    plan that was (or would be) uploaded.
+    client only (default: HF_TOKEN or the cached `huggingface-cli login`). `base_model`:
+    the target's Hub id, named in the card's metadata, title and usage snippet (needed when
+    the head was trained on a local copy of the target). Returns the plan that was (or
+    would be) uploaded.
     """
     if "/" not in repo_id:
         raise ValueError(f"repo_id={repo_id}: use USER/NAME (or ORG/NAME)")
-    plan = plan_push(checkpoint, repo_id, report, license, datasets)
+    plan = plan_push(checkpoint, repo_id, report, license, datasets, base_model)
     plan.card = _scrub(plan.card, token)
     echo(f"head: {plan.folder}")
     echo(f"report: {plan.report_path or 'none (the card says no evaluation was recorded)'}")

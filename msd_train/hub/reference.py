@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,11 @@ log = logging.getLogger(__name__)
 
 IMPORT_RECORD = "reference_import.json"
 EMBED_KEY = "embed_tokens.weight"
+
+#: Buffers that older transformers / EAGLE code saved with the weights but that are not
+#: weights: RoPE frequencies and caches, recomputed from config.json at load. The released
+#: loader (`load_state_dict(strict=False)`) ignores them; so does the importer, with a note.
+NON_WEIGHT_BUFFER = re.compile(r"(^|\.)rotary_emb\.(inv_freq|original_inv_freq|cos_cached|sin_cached)$")
 
 #: The targets the published heads were trained for, by (model_type, hidden_size), and
 #: those targets' vocabulary sizes in their transformers format. Used only to fill the
@@ -302,6 +308,22 @@ def config_from_reference(ref: ReferenceHead, target: TargetInfo | None = None) 
     )
 
 
+def _inv_freq_check(key: str, saved: torch.Tensor, ours: torch.Tensor) -> str:
+    """A saved `inv_freq` says which RoPE base the head was trained with: compare it with
+    the one config.json gives, so a wrong `rope_theta` does not pass unnoticed."""
+    if not key.endswith(".inv_freq"):
+        return ""
+    ours = ours.float()
+    if saved.shape != ours.shape:
+        return f"; its shape {list(saved.shape)} differs from the head's {list(ours.shape)}"
+    diff = float(((saved.float() - ours).abs() / ours.abs().clamp_min(1e-30)).max())
+    if diff > 1e-3:
+        log.warning("%s differs from the frequencies config.json's rope settings give (max relative "
+                    "difference %.3g): check rope_theta / rope_scaling in config.json", key, diff)
+        return f"; WARNING: it differs from config.json's frequencies (max relative difference {diff:.3g})"
+    return "; it equals config.json's frequencies"
+
+
 @dataclass
 class ImportReport:
     """What an import found and did; `notes` are worth reading, `embedding` is None when
@@ -367,12 +389,18 @@ def convert_reference(ref: ReferenceHead, target=None, source: str | None = None
         origin = "from the target" if config.mrope_section else "1-D RoPE; pass target= to take the target's sections"
         notes.append(f"config.json names no M-RoPE sections; mrope_section={config.mrope_section} ({origin})")
 
+    buffers = {k: state.pop(k) for k in sorted(state) if NON_WEIGHT_BUFFER.search(k)}
+
     dtypes = {t.dtype for t in state.values()}
     dtype = state["fc.weight"].dtype
     if len(dtypes) > 1:
         notes.append(f"mixed dtypes {sorted(map(str, dtypes))} cast to {dtype}")
     # Built in the weights' dtype as from_pretrained does: the RoPE buffers stay fp32.
     model = MSDDraftModel._from_config(config, dtype=dtype)
+    for key, buffer in buffers.items():
+        dropped.append(key)
+        notes.append(f"{key} ignored: a RoPE buffer, not a weight (recomputed from config.json's rope settings)"
+                     + _inv_freq_check(key, buffer, model.rotary_emb.inv_freq))
     expected = set(model.state_dict())
     unexpected, missing = sorted(set(state) - expected), sorted(expected - set(state))
     if unexpected or missing:
