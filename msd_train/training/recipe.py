@@ -392,6 +392,11 @@ class TrainRecipe:
         while self.step < tc.max_steps:
             try:
                 metrics = self.train_step()
+            except FileNotFoundError as e:  # an image deleted during the run (launches check them all)
+                raise TrainingError(
+                    f"image {e.filename} disappeared during training (step {self.step + 1}); launch the same command "
+                    f"again: it resumes from the last checkpoint and skips that sample (listed in "
+                    f"skipped_samples.jsonl)") from e
             except torch.OutOfMemoryError as e:
                 raise TrainingError(
                     f"out of memory at step {self.step}: lower train.micro_batch_size "
