@@ -190,6 +190,15 @@ def truncate_metrics(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
+def _is_launcher(argv: list[str]) -> bool:
+    """``deepspeed ...`` / ``torchrun ...`` (their scripts run by python or not), or the
+    modules they run: ``python -m deepspeed.launcher.launch`` / ``torch.distributed.run``."""
+    head = argv[:3]
+    return (any(Path(a).name in ("deepspeed", "torchrun") for a in head)
+            or any(m in argv for m in ("deepspeed.launcher.launch", "deepspeed.launcher.runner",
+                                       "torch.distributed.run", "torch.distributed.launch")))
+
+
 def _launcher_chain() -> list:
     """The launcher processes this trainer depends on: its parent, and the parent's
     parent when that is the ``deepspeed`` runner (which starts ``deepspeed.launcher.launch``,
@@ -201,8 +210,7 @@ def _launcher_chain() -> list:
         p = p.parent()
         if p is None or p.pid <= 1:
             break
-        cmd = " ".join(p.cmdline())
-        if not any(s in cmd for s in ("deepspeed", "torchrun", "torch.distributed", "launch")):
+        if not _is_launcher(p.cmdline()):
             break
         chain.append(p)
     return chain
