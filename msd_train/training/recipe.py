@@ -261,12 +261,18 @@ class TrainRecipe:
                         f"{cand} was trained on another target than this launch's ({'; '.join(diffs)}). Resume with "
                         f"the checkpoint's target, or start this stage over with resume=false (the old outputs "
                         f"are moved aside).")
+            failed = 0.0
             try:
                 self.engine.load_checkpoint(str(cand), tag=ckpt.ENGINE_TAG, load_optimizer_states=True,
                                             load_lr_scheduler_states=True)
             except Exception as e:  # a torch zip error, a missing rank's file, DeepSpeed's assertions
-                if self.main:
-                    log.warning("skipping checkpoint %s: it does not load (%s: %s)", cand, type(e).__name__, e)
+                log.warning("rank %d: skipping checkpoint %s: it does not load (%s: %s)", self.rank, cand,
+                            type(e).__name__, e)
+                failed = 1.0
+            # Every rank must resume from the same step: one rank's failure moves all to the next one.
+            flag = torch.tensor([failed], device=self.device)
+            self.dist.all_reduce(flag)
+            if flag.item() > 0:
                 continue
             path = cand
             break
