@@ -127,8 +127,10 @@ def check_train(cfg) -> None:
                 "eval.every", "eval.rollout", "eval.batch_size", "checkpoint.every", "data.max_length",
                 "data.num_proc"):
         _number(cfg, key, int, lo=1)
-    for key in ("train.warmup_steps", "checkpoint.keep", "data.max_heldout", "stage.curriculum.ramp_steps"):
+    for key in ("train.warmup_steps", "checkpoint.keep", "stage.curriculum.ramp_steps"):
         _number(cfg, key, int, lo=0)
+    # 0 would silently mean "all" to the readers' limit
+    _number(cfg, "data.max_heldout", int, lo=1, hint=" (held-out conversations per modality for validation)")
     _number(cfg, "seed", int)
     _number(cfg, "train.lr", float, lo=0, lo_open=True)
     for key in ("train.weight_decay", "train.grad_clip", "train.w_feat", "train.w_tok", "train.noise_scale"):
@@ -215,7 +217,7 @@ def check_generate(cfg) -> None:
     """``scripts/generate_features.py``'s config."""
     _number(cfg, "batch_size", int, lo=1)
     _number(cfg, "data.max_length", int, lo=1)
-    _number(cfg, "data.max_heldout", int, lo=0)
+    _number(cfg, "data.max_heldout", int, lo=1)
     _choice(cfg, "data.on_bad_sample", ("skip", "error"))
     if not _get(cfg, "features.path") or _get(cfg, "features.path") is _MISSING:
         raise ConfigError("features.path is not set; give the folder to write the store into: features.path=DIR")
