@@ -29,12 +29,21 @@ def main(cfg: DictConfig) -> None:
     import logging
 
     from msd_train.evaluation import run_eval
+    from msd_train.hub.folders import IncompleteHeadError
+    from msd_train.validate import user_errors
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     plain = OmegaConf.to_container(cfg, resolve=True)
     plain["draft"] = plain.pop("draft_path")
     command = " ".join(["python eval.py", *(a.replace("draft_path=", "draft=", 1) for a in sys.argv[1:])])
-    report = run_eval(plain, command=command)
+    # A user's mistake (a bad path, value or image) is one message and exit 1; MSD_DEBUG=1 shows the traceback.
+    # Ctrl-C keeps what was measured (report.json marked "interrupted") and exits 130.
+    with user_errors(FileNotFoundError, IncompleteHeadError):
+        try:
+            report = run_eval(plain, command=command)
+        except KeyboardInterrupt:
+            print("interrupted; the turns measured so far are in the output folder's report.json", file=sys.stderr)
+            sys.exit(130)
     if report is not None:
         o = report["overall"]
         print(f"tau {o['tau']:.3f}  speedup {o['speedup']:.2f}x  tokens/s {o['tokens_per_s']:.1f} "

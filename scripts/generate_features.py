@@ -49,6 +49,12 @@ def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     for noisy in ("datasets", "httpx", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from omegaconf import OmegaConf
+
+    from msd_train.validate import check_generate, user_errors
+
+    with user_errors():  # before the target loads: a bad value or path is one message, exit 1
+        check_generate(OmegaConf.to_container(cfg, resolve=True))
     dist = init_distributed()
     try:
         generate(cfg, dist)

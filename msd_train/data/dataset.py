@@ -5,6 +5,11 @@ tokenised once (in parallel with ``num_proc``) and reused from the Arrow cache o
 later launch and on every rank. Images are opened here to count their visual tokens and
 to catch missing or corrupt files before training starts; pixels are computed again at
 collate time rather than stored.
+
+The cache key covers what the samples read: the data files' digests and every image's
+path, size and modification time (one ``stat`` per image per launch). Images are also
+checked for existence at every launch, before the cache is consulted, so an image deleted
+after caching is a skipped sample, and one restored after being reported missing is used.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +25,7 @@ from msd_train.data.formats import BadSample, BadSampleError, read_conversations
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 2  # 2: the readers keep the exchanges before a break (formats.py salvage)
+CACHE_VERSION = 2  # 2: salvaged exchanges (formats.py) and image identity in the key
 
 
 @dataclass
@@ -34,6 +40,8 @@ class Split:
 
 
 def load_images(paths: list[str]):
+    """RGB images; a missing file raises FileNotFoundError naming it (the trainer turns an
+    image deleted during a run into a message: relaunching skips that sample)."""
     from PIL import Image
 
     images = []
@@ -50,6 +58,18 @@ def file_digest(path: str | Path, algorithm: str = "sha1") -> str:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _image_stamp(row: dict) -> tuple[list, str | None]:
+    """(path, size, mtime) of each image of ``row``, and the first missing path if any."""
+    out = []
+    for p in row["images"]:
+        try:
+            st = os.stat(p)
+        except OSError:
+            return out, p
+        out.append((p, st.st_size, st.st_mtime_ns))
+    return out, None
 
 
 def _encode_row(row: dict, target, max_length: int, image_root_hint: str) -> dict:
@@ -100,8 +120,17 @@ def build_split(
     if on_bad_sample not in ("skip", "error"):
         raise ValueError(f"data.on_bad_sample={on_bad_sample}: use skip or error")
     rows, skipped = [], []
+    images = hashlib.sha1()
     for src in sources:
         for rec in read_conversations(src["path"], src.get("format", "auto"), src.get("image_root")):
+            if not isinstance(rec, BadSample):
+                stamp, missing = _image_stamp(rec)
+                if missing is not None:
+                    rec = BadSample(rec["source"], rec["index"], rec["id"],
+                                    f"image {Path(missing).name} not found at {missing}",
+                                    f"check image_root={src.get('image_root')} or remove the sample")
+                else:
+                    images.update(json.dumps(stamp).encode())
             if isinstance(rec, BadSample):
                 if on_bad_sample == "error":
                     raise BadSampleError(rec)
@@ -116,7 +145,7 @@ def build_split(
     key = json.dumps({
         "v": CACHE_VERSION, "files": [(s["path"], file_digest(s["path"]), str(s.get("image_root"))) for s in sources],
         "target": target.name, "template": target.chat_template, "max_length": max_length,
-        "vocab": len(target.tokenizer), "limit": limit,
+        "vocab": len(target.tokenizer), "limit": limit, "images": images.hexdigest(),
     }, sort_keys=True)
     fingerprint = hashlib.sha1(key.encode()).hexdigest()[:16]
     ds = datasets.Dataset.from_list(rows)

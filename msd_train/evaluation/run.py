@@ -19,8 +19,9 @@ import torch
 from msd_train.decoding import DecodeConfig, SamplingParams
 from msd_train.evaluation.bench import bench_decoding, grouped_by, load_bench
 from msd_train.evaluation.metrics import DEFINITIONS, summarize, summarize_by_category
-from msd_train.evaluation.report import write_report, write_samples
+from msd_train.evaluation.report import write_report
 from msd_train.evaluation.runner import evaluate
+from msd_train.validate import ConfigError, check_eval, check_head, check_out_dir
 
 log = logging.getLogger(__name__)
 
@@ -63,23 +64,49 @@ def describe_device(device: torch.device) -> str:
 
 def default_out(draft: str | None, bench: str, method: str) -> Path:
     """Beside the head's export folder when it is a local folder (where the model card
-    looks for a report), else under ./eval."""
+    looks for a report), named after it so that the reports of ``final/`` and ``best/``
+    do not overwrite each other; else under ./eval."""
     if draft and Path(draft).is_dir():
-        return Path(draft).resolve().parent / f"eval-{bench}-{method}"
+        head = Path(draft).resolve()
+        return head.parent / f"eval-{head.name}-{bench}-{method}"
     return Path("eval") / f"{bench}-{method}"
 
 
-def _check_draft(draft: str | None) -> None:
-    """Fail before loading a large target when the head cannot be found."""
-    if not draft:
-        raise ValueError("decoding=tree|chain needs a head: draft=PATH (an export folder, e.g. "
-                         "runs/tiny/stage2/final, a released MSD head or a Hub repo id)")
-    path = str(draft)
-    if not Path(path).exists() and (path.count("/") != 1 or path.startswith((".", "/", "~"))):
-        raise FileNotFoundError(
-            f"draft={path}: no such folder (nor a Hub repo id OWNER/NAME). Train the embedded default with "
-            "`python train.py stage=1` then `python train.py stage=2`, or pass draft=PATH to an export folder"
-        )
+def check_images(items) -> None:
+    """Open every image of the benchmark now: a missing or corrupt one would otherwise stop
+    the run mid-benchmark, after the models loaded and part of the work was done."""
+    from PIL import Image
+
+    for item in items:
+        for img in item.images:
+            if not isinstance(img, (str, Path)):
+                continue
+            if not Path(img).is_file():
+                raise ConfigError(f"{item.source}, sample {item.id}: image {img} not found; set "
+                                  "bench.image_root to the folder the image paths are relative to")
+            try:
+                with Image.open(img) as im:
+                    im.load()
+            except Exception as e:  # PIL raises several types for broken files
+                raise ConfigError(f"{item.source}, sample {item.id}: image {img} cannot be decoded "
+                                  f"({type(e).__name__}: {e}); re-download it or remove the sample") from e
+
+
+class _Partial:
+    """Records appended to a JSONL file as they are measured, so an interruption keeps them."""
+
+    def __init__(self, path: Path, rank: int, world: int):
+        self.path, self.rank, self.world = path, rank, world
+        self.records: list[dict] = []
+        self.f = open(path, "w", encoding="utf-8")
+
+    def __call__(self, rec: dict) -> None:
+        self.records.append(rec)
+        self.f.write(json.dumps({**rec, "item": self.rank + self.world * rec["item"]}, ensure_ascii=False) + "\n")
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
 
 
 def _distributed() -> tuple[int, int, int]:
@@ -108,12 +135,14 @@ def run_eval(cfg: dict, command: str | None = None) -> dict | None:
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg["threads"]))
 
+    check_eval(cfg, (cfg.get("decoding") or {}).get("method", "tree"))
     config = bench_decoding(cfg["bench"], decode_config(cfg["decoding"]))  # a benchmark may fix its length
     bench_name = cfg["bench"].get("name", "bench")
     out = Path(cfg["out"]) if cfg.get("out") else default_out(cfg.get("draft"), bench_name, config.method)
+    check_out_dir(out)  # now, not after the decoding
 
     if config.method != "ar":
-        _check_draft(cfg.get("draft"))
+        check_head(cfg.get("draft"))
     items = load_bench(cfg["bench"])  # before the target: a wrong path fails in seconds
     if not items:
         raise ValueError(f"bench={bench_name}: no items (check bench paths and max_* limits)")
@@ -124,11 +153,7 @@ def run_eval(cfg: dict, command: str | None = None) -> dict | None:
             raise ValueError(f"{it.source}, sample {it.id}: decoding.variants has C but this sample's images have no "
                              f"captions ({len(missing)} of {len(items)} samples lack them); give each image a caption "
                              "(a `caption` field, or bench sources' `captions: FILE.json`) or drop C from decoding.variants")
-    for item in items:
-        for img in item.images:
-            if isinstance(img, (str, Path)) and not Path(img).is_file():
-                raise FileNotFoundError(f"{item.source}, sample {item.id}: image {img} not found; set "
-                                        "bench.image_root to the folder the image paths are relative to")
+    check_images(items)
     from msd_train.targets import load_target
 
     tc = cfg["target"]
@@ -144,16 +169,27 @@ def run_eval(cfg: dict, command: str | None = None) -> dict | None:
     shard = items[rank::world]
     torch.manual_seed(int(cfg.get("seed", 0)))
     progress = bool(cfg.get("progress", True)) and rank == 0
-    records = evaluate(target, draft, shard, config, warmup=int(cfg.get("warmup", 1)),
-                       seed=int(cfg.get("seed", 0)), progress=progress)
+    partial = _Partial(out / (f"samples.rank{rank}.jsonl" if world > 1 else "samples.jsonl"), rank, world)
+    try:
+        records = evaluate(target, draft, shard, config, warmup=int(cfg.get("warmup", 1)),
+                           seed=int(cfg.get("seed", 0)), progress=progress, on_record=partial)
+    except BaseException as e:  # Ctrl-C, an error mid-benchmark: keep a report of what was measured
+        partial.close()
+        if world == 1 and partial.records:
+            for r in partial.records:
+                r["item"] = rank + world * r["item"]
+            kept = _report(cfg, draft, config, device, target, world, command, partial.records)
+            kept["interrupted"] = f"{type(e).__name__} after {len(partial.records)} turns; partial results"
+            paths = write_report(out, kept, partial.records)
+            log.warning("interrupted: the %d turns measured so far are in %s", len(partial.records), paths["json"])
+        raise
+    partial.close()
     for r in records:  # item index over the whole benchmark, not the shard
         r["item"] = rank + world * r["item"]
 
     if world > 1:
         import torch.distributed as dist
 
-        out.mkdir(parents=True, exist_ok=True)
-        write_samples(out / f"samples.rank{rank}.jsonl", records)
         dist.barrier()
         if rank != 0:
             return None
@@ -164,9 +200,28 @@ def run_eval(cfg: dict, command: str | None = None) -> dict | None:
             part.unlink()
         records.sort(key=lambda x: (x["item"], x["turn"]))
 
+    report = _report(cfg, draft, config, device, target, world, command, records)
+    if config.ensemble is not None and config.method != "ar":  # ensemble drafting: each variant alone too
+        from msd_train.evaluation.ensemble import ensemble_report
+
+        report["ensemble"] = ensemble_report(target, draft, items if world > 1 else shard, config,
+                                             warmup=int(cfg.get("warmup", 1)), progress=progress)
+    paths = write_report(out, report, records)
+    log.info("wrote %s", ", ".join(str(p) for p in paths.values()))
+    _log_wandb(cfg.get("wandb") or {}, report, paths)
+    return report
+
+
+def _report(cfg: dict, draft, config: DecodeConfig, device, target, world: int, command: str | None,
+            records: list[dict]) -> dict:
+    tc = cfg["target"]
+    bench_name = cfg["bench"].get("name", "bench")
     greedy = config.sampling.greedy
-    report = {
+    local = draft is not None and Path(str(cfg.get("draft"))).is_dir()
+    return {
         "draft": str(cfg.get("draft")) if draft is not None else None,
+        # the head folder, absolute: the model card matches reports to heads by it
+        "draft_folder": str(Path(str(cfg.get("draft"))).resolve()) if local else None,
         "target": tc["name_or_path"],
         "adapter": tc.get("adapter"),
         "bench": bench_name,
@@ -186,15 +241,6 @@ def run_eval(cfg: dict, command: str | None = None) -> dict | None:
         "overall": summarize(records, greedy),
         "per_category": summarize_by_category(records, greedy),
     }
-    if config.ensemble is not None and config.method != "ar":  # ensemble drafting: each variant alone too
-        from msd_train.evaluation.ensemble import ensemble_report
-
-        report["ensemble"] = ensemble_report(target, draft, items if world > 1 else shard, config,
-                                             warmup=int(cfg.get("warmup", 1)), progress=progress)
-    paths = write_report(out, report, records)
-    log.info("wrote %s", ", ".join(str(p) for p in paths.values()))
-    _log_wandb(cfg.get("wandb") or {}, report, paths)
-    return report
 
 
 def _log_wandb(wc: dict, report: dict, paths: dict) -> None:

@@ -37,6 +37,7 @@ from msd_train.features.store import (
     human_bytes,
     ids_dtype,
     needed_rows,
+    parse_manifest,
     prefix_plan,
     sample_bytes,
     sha256_file,
@@ -447,8 +448,14 @@ def generate(cfg, dist=None, target=None) -> dict | None:
 def _prepare_dir(out: Path, header: dict) -> str | None:
     """Create the folder or check that what is there was made with the same settings."""
     mpath = out / MANIFEST
-    if mpath.is_file():
-        old = json.loads(mpath.read_text())
+    damaged = False
+    try:
+        old = parse_manifest(mpath) if mpath.is_file() else None
+    except FeatureStoreError as e:  # a damaged manifest: finished shards are verified, the manifest rewritten
+        log.warning("%s", e)
+        mpath.unlink()
+        old, damaged = None, True
+    if old is not None:
         old_header = {k: old.get(k) for k in ("format", "version", "dtype", "ids_dtype", "samples_per_shard")}
         new_header = {k: header[k] for k in old_header}
         diffs = [f"{k}: store {old_header[k]!r}, now {new_header[k]!r}" for k in old_header
@@ -460,7 +467,7 @@ def _prepare_dir(out: Path, header: dict) -> str | None:
         if diffs:
             return (f"{out} already holds a feature store made with other settings:\n  " + "\n  ".join(diffs)
                     + "\nchoose another features.path, or delete the folder to start over")
-    elif out.exists() and any(p.name != "progress" for p in out.iterdir()):
+    elif not damaged and out.exists() and any(p.name != "progress" for p in out.iterdir()):
         return f"{out} is not empty and holds no {MANIFEST}; choose a new or empty features.path"
     out.mkdir(parents=True, exist_ok=True)
     if not mpath.is_file():

@@ -242,6 +242,20 @@ def shard_metadata(handle) -> dict:
     return json.loads(meta["msd_features"])
 
 
+def parse_manifest(mpath: Path) -> dict:
+    """The JSON of a store's manifest; a cut or hand-edited file is named with the fix."""
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FeatureStoreError(
+            f"{mpath} is damaged (cut short or edited: {e}); run the command that made the store again "
+            f"(`python scripts/generate_features.py features.path={mpath.parent}` with the same target and data): "
+            f"it checks the finished shards, keeps them, and rewrites {MANIFEST}") from None
+    if not isinstance(manifest, dict):
+        raise FeatureStoreError(f"{mpath} is not a feature store manifest (a JSON object); regenerate the store")
+    return manifest
+
+
 def read_manifest(path: str | Path) -> dict:
     path = Path(path)
     mpath = path / MANIFEST
@@ -249,7 +263,7 @@ def read_manifest(path: str | Path) -> dict:
         raise FeatureStoreError(
             f"{path}: no {MANIFEST}; not a feature store (generate one with "
             f"`python scripts/generate_features.py features.path={path}`)")
-    manifest = json.loads(mpath.read_text())
+    manifest = parse_manifest(mpath)
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise FeatureStoreError(f"{mpath}: format {manifest.get('format')} v{manifest.get('version')} is not "
                                 f"{FORMAT} v{VERSION}; regenerate the store with this version")

@@ -100,7 +100,8 @@ def find_report(folder: Path, explicit: str | Path | None = None) -> Path | None
     found = []
     for path in {p.resolve() for p in candidates if p.is_file()}:
         try:
-            draft = json.loads(path.read_text()).get("draft")
+            data = json.loads(path.read_text())
+            draft = data.get("draft_folder") or data.get("draft")  # eval.py records the head's absolute folder
         except (json.JSONDecodeError, AttributeError):
             continue
         if draft and Path(str(draft)).exists() and Path(str(draft)).resolve() != here:

@@ -109,8 +109,10 @@ def push_head(
     the head was trained on a local copy of the target). Returns the plan that was (or
     would be) uploaded.
     """
-    if "/" not in repo_id:
-        raise ValueError(f"repo_id={repo_id}: use USER/NAME (or ORG/NAME)")
+    from msd_train.validate import check_push
+
+    # Before anything is read or printed: an invalid id, or a real push without a token, is refused.
+    check_push(repo_id, dry_run or client is not None, token)
     plan = plan_push(checkpoint, repo_id, report, license, datasets, base_model)
     plan.card = _scrub(plan.card, token)
     echo(f"head: {plan.folder}")

@@ -39,6 +39,7 @@ from msd_train.hub.folders import (
     IncompleteHeadError,
     detect_layout,
     load_export,
+    make_readable,
     read_config,
     resolve_folder,
 )
@@ -469,6 +470,7 @@ def write_atomic(out: Path, write) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    make_readable(tmp)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

@@ -3,23 +3,59 @@
 from __future__ import annotations
 
 import logging
-import sys
+import os
+from pathlib import Path
 
 
 def run(cfg) -> None:
-    """Set up, train and export one stage; user-facing failures exit with their message."""
+    """Check the config, take the run_dir, set up, train and export one stage; a user's
+    mistake exits with its message (``MSD_DEBUG=1``: with the traceback)."""
+    from omegaconf import OmegaConf
+
+    from msd_train.data.formats import BadSampleError
     from msd_train.features.store import FeatureStoreError
+    from msd_train.training import checkpoint as ckpt
+    from msd_train.training import rundir
     from msd_train.training.recipe import TrainingError, TrainRecipe
+    from msd_train.validate import ConfigError, check_train, user_errors
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "datasets", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    recipe = TrainRecipe(cfg)
-    try:
-        recipe.setup()
-        recipe.train()
-    except (TrainingError, FeatureStoreError) as e:
-        logging.getLogger("msd_train").error("%s", e)
-        sys.exit(1)
-    finally:
-        recipe.cleanup() if hasattr(recipe, "dist") else None
+    log = logging.getLogger("msd_train")
+    lock = None
+    recipe = None
+    with user_errors(TrainingError, FeatureStoreError, BadSampleError, rundir.RunDirBusy,
+                     ckpt.CheckpointWriteError):
+        try:
+            try:
+                plain = OmegaConf.to_container(cfg, resolve=True)
+            except Exception as e:  # an interpolation that cannot resolve (a missing env variable)
+                raise ConfigError(f"the config does not resolve: {e}") from e
+            check_train(plain)
+            rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+            stage_dir = Path(cfg.run_dir).resolve() / f"stage{int(cfg.stage.id)}"
+            if rank == 0:
+                # Before anything heavy: one launch per run_dir (the others' ranks are stopped by the
+                # launcher when this one exits).
+                lock = rundir.RunDirLock(Path(cfg.run_dir).resolve())
+                lock.acquire()
+                if str(cfg.resume).lower() in ("false", "0", "no"):
+                    moved = rundir.set_aside(stage_dir)
+                    if moved is not None:
+                        log.warning("resume=false: the previous outputs of stage %s were moved to %s",
+                                    cfg.stage.id, moved)
+            if str(cfg.resume).lower() not in ("false", "0", "no"):
+                newest = ckpt.loadable_checkpoints(stage_dir / "checkpoints", log_skipped=False)[:1]
+                refusal = newest and rundir.world_size_refusal(newest[0], ckpt.read_state(newest[0]), world)
+                if refusal:
+                    raise TrainingError(refusal)
+            rundir.exit_with_launcher()
+            recipe = TrainRecipe(cfg)
+            recipe.setup()
+            recipe.train()
+        finally:
+            if recipe is not None and hasattr(recipe, "dist"):
+                recipe.cleanup()
+            if lock is not None:
+                lock.release()

@@ -1,4 +1,4 @@
-"""Checkpoint folders: atomic writes, newest-complete lookup, rotation.
+"""Checkpoint folders: atomic writes, newest-loadable lookup, rotation, disk-full reports.
 
 Layout of a stage folder::
 
@@ -8,29 +8,52 @@ Layout of a stage folder::
 
 A checkpoint is complete when ``recipe_state.json`` exists in it; it is written last and
 the folder is renamed into place only after that, so a crash leaves at most a ``.tmp``
-folder that resume ignores.
+folder that resume ignores. Folders whose name is not ``step-<digits>`` (a user's
+``step-backup``, a copy) are not checkpoints and are never read, rotated or removed.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
+import re
 import shutil
+import zipfile
+from contextlib import contextmanager
 from pathlib import Path
 
+from msd_train.hub.folders import make_readable
+
+log = logging.getLogger(__name__)
+
 STATE_FILE = "recipe_state.json"
+ENGINE_TAG = "engine"
+STATE_KEYS = ("step", "curriculum", "bad_total", "best_tau", "global_batch")
+_STEP_NAME = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, quota, permissions); the message says
+    where, what was kept and how to continue."""
 
 
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:06d}"
 
 
+def _step_of(p: Path) -> int | None:
+    m = _STEP_NAME.match(p.name)
+    return int(m.group(1)) if m and p.is_dir() else None
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first."""
+    """Complete checkpoints under ``root`` (``step-<digits>/`` with a state file), oldest first."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.name.startswith("step-") and (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+    found = [p for p in root.iterdir() if _step_of(p) is not None and (p / STATE_FILE).is_file()]
+    return sorted(found, key=_step_of)
 
 
 def newest_checkpoint(root: Path) -> Path | None:
@@ -40,6 +63,45 @@ def newest_checkpoint(root: Path) -> Path | None:
 
 def read_state(ckpt: Path) -> dict:
     return json.loads((ckpt / STATE_FILE).read_text())
+
+
+def check_checkpoint(ckpt: Path) -> str | None:
+    """Why ``ckpt`` cannot be resumed from, or None when it looks whole.
+
+    Cheap checks only (no tensor is read): the state file parses and has the recipe's
+    keys, and the engine folder holds model states whose zip directories open (a torch
+    file cut short has no central directory at its end)."""
+    try:
+        state = read_state(ckpt)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"{STATE_FILE} is unreadable ({type(e).__name__}: {e})"
+    if not isinstance(state, dict) or any(k not in state for k in STATE_KEYS):
+        missing = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
+        return f"{STATE_FILE} lacks {', '.join(missing)}"
+    engine = ckpt / ENGINE_TAG
+    files = sorted(engine.glob("*.pt")) if engine.is_dir() else []
+    if not any(f.name.endswith("model_states.pt") for f in files):
+        return f"no DeepSpeed engine files in {engine}"
+    for f in files:
+        try:
+            with zipfile.ZipFile(f):
+                pass
+        except (OSError, zipfile.BadZipFile) as e:
+            return f"{f.name} is damaged ({e})"
+    return None
+
+
+def loadable_checkpoints(root: Path, log_skipped: bool = True) -> list[Path]:
+    """Complete checkpoints that pass :func:`check_checkpoint`, newest first; each one
+    skipped is logged with the reason, so the user knows which work was not resumed."""
+    good = []
+    for p in reversed(complete_checkpoints(root)):
+        why = check_checkpoint(p)
+        if why is None:
+            good.append(p)
+        elif log_skipped:
+            log.warning("skipping checkpoint %s: %s", p, why)
+    return good
 
 
 def finish(tmp: Path, final: Path, state: dict) -> None:
@@ -61,14 +123,54 @@ def rotate(root: Path, keep: int) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
+def _disk_full(err: BaseException, where: Path) -> bool:
+    """ENOSPC/EDQUOT anywhere in the chain, or a C++ stream error (torch.save says only
+    ``basic_ios::clear: iostream error``) on a filesystem that has no room left."""
+    e: BaseException | None = err
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        e = e.__cause__ or e.__context__
+    if "iostream error" in str(err) or "failed writing" in str(err) or "file write failed" in str(err):
+        try:
+            return shutil.disk_usage(where).free < 64 << 20
+        except OSError:
+            return False
+    return False
+
+
+@contextmanager
+def writing(root: Path, tmp: Path, what: str):
+    """Turn a failed checkpoint or export write into a :class:`CheckpointWriteError` that
+    says the disk is full (when it is), where, and what is still there to resume from; the
+    partial ``tmp`` folder is removed so it does not hold on to the little space left."""
+    try:
+        yield
+    except Exception as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = [p.name for p in complete_checkpoints(root)]
+        keep_msg = (f"kept: {', '.join(kept)} in {root} (relaunching the same command resumes from {kept[-1]})"
+                    if kept else f"no complete checkpoint is kept in {root}")
+        if _disk_full(err, root.parent if not root.exists() else root):
+            free = shutil.disk_usage(root if root.exists() else root.parent).free
+            raise CheckpointWriteError(
+                f"the disk is full: writing {what} into {tmp.parent} failed ({free / 2**20:.0f} MiB free); "
+                f"the partial write was removed; {keep_msg}. Free space on that disk (or lower checkpoint.keep, "
+                f"or move run_dir to a larger disk) and launch the same command again.") from err
+        raise
+
+
 def export_atomic(model, out: Path, extra_files: dict[str, str] | None = None) -> None:
-    """``save_pretrained`` into a temp folder, then rename over ``out``."""
+    """``save_pretrained`` into a temp folder, then rename over ``out``; files readable
+    like any other output (safetensors creates its files private to the writer)."""
     tmp = out.parent / f".tmp-{out.name}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp, safe_serialization=True)
-    for name, text in (extra_files or {}).items():
-        (tmp / name).write_text(text)
+    with writing(out.parent / "checkpoints", tmp, f"the {out.name} export"):
+        model.save_pretrained(tmp, safe_serialization=True)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+    make_readable(tmp)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

@@ -34,6 +34,7 @@ from msd_train.draft import MSDDraftConfig, MSDDraftModel
 from msd_train.features import make_feature_source
 from msd_train.targets import load_target
 from msd_train.training import checkpoint as ckpt
+from msd_train.training import rundir
 from msd_train.training.loss import draft_loss_mask, msd_loss
 from msd_train.training.validation import evaluate_split
 
@@ -231,17 +232,56 @@ class TrainRecipe:
 
     # ------------------------------------------------------------------ resume
     def _resume_point(self) -> Path | None:
-        if str(self.cfg.resume).lower() in ("false", "0", "no"):
-            return None
-        newest = ckpt.newest_checkpoint(self.ckpt_root)
-        if newest is not None and self.main:
-            log.info("resuming from %s", newest)
-        return newest
+        """The newest checkpoint that passes the cheap checks (the skipped ones are logged)."""
+        self._candidates = [] if str(self.cfg.resume).lower() in ("false", "0", "no") else \
+            ckpt.loadable_checkpoints(self.ckpt_root, log_skipped=self.main)
+        if not self._candidates and self.main:
+            # Killed before its first checkpoint: what it logged is not part of the run that starts now.
+            rundir.truncate_metrics(self.stage_dir / "metrics.jsonl", 0)
+        return self._candidates[0] if self._candidates else None
+
+    def target_identity(self) -> dict:
+        if getattr(self, "_target_identity", None) is None:
+            from msd_train.features.generate import target_identity
+
+            self._target_identity = target_identity(self.target, self.cfg.target.adapter)
+        return self._target_identity
 
     def _load_checkpoint(self, path: Path) -> None:
-        state = ckpt.read_state(path)
-        self.engine.load_checkpoint(str(path), tag="engine", load_optimizer_states=True,
-                                    load_lr_scheduler_states=True)
+        """Load the newest candidate that loads; a damaged one is skipped with the reason."""
+        for cand in self._candidates[self._candidates.index(path):]:
+            state = ckpt.read_state(cand)
+            refusal = rundir.world_size_refusal(cand, state, self.world)
+            if refusal:
+                raise TrainingError(refusal)
+            if state.get("target") is not None:
+                diffs = rundir.identity_differences(state["target"], self.target_identity())
+                if diffs:
+                    raise TrainingError(
+                        f"{cand} was trained on another target than this launch's ({'; '.join(diffs)}). Resume with "
+                        f"the checkpoint's target, or start this stage over with resume=false (the old outputs "
+                        f"are moved aside).")
+            failed = 0.0
+            try:
+                self.engine.load_checkpoint(str(cand), tag=ckpt.ENGINE_TAG, load_optimizer_states=True,
+                                            load_lr_scheduler_states=True)
+            except Exception as e:  # a torch zip error, a missing rank's file, DeepSpeed's assertions
+                log.warning("rank %d: skipping checkpoint %s: it does not load (%s: %s)", self.rank, cand,
+                            type(e).__name__, e)
+                failed = 1.0
+            # Every rank must resume from the same step: one rank's failure moves all to the next one.
+            flag = torch.tensor([failed], device=self.device)
+            self.dist.all_reduce(flag)
+            if flag.item() > 0:
+                continue
+            path = cand
+            break
+        else:
+            raise TrainingError(
+                f"no checkpoint in {self.ckpt_root} loads (reasons above); move the folder aside to start over, "
+                f"or set resume=false (which moves it aside for you)")
+        if self.main:
+            log.info("resuming from %s", path)
         self.step = state["step"]
         self.curriculum.load_state_dict(state["curriculum"])
         self.bad_total = state["bad_total"]
@@ -252,11 +292,7 @@ class TrainRecipe:
                 f"{self.global_batch}; keep micro_batch_size * grad_accum * world size the same, or resume=false")
         # Metrics logged after that checkpoint were lost work; drop them so the log stays exact.
         if self.main:
-            mpath = self.stage_dir / "metrics.jsonl"
-            if mpath.exists():
-                keep = [line for line in mpath.read_text().splitlines()
-                        if line and json.loads(line).get("step", 0) <= self.step]
-                mpath.write_text("".join(line + "\n" for line in keep))
+            rundir.truncate_metrics(self.stage_dir / "metrics.jsonl", self.step)
 
     # ------------------------------------------------------------------ train
     def _micro_batches(self, plan: list[tuple[str, int]]) -> list[list[dict]]:
@@ -362,6 +398,11 @@ class TrainRecipe:
         while self.step < tc.max_steps:
             try:
                 metrics = self.train_step()
+            except FileNotFoundError as e:  # an image deleted during the run (launches check them all)
+                raise TrainingError(
+                    f"image {e.filename} disappeared during training (step {self.step + 1}); launch the same command "
+                    f"again: it resumes from the last checkpoint and skips that sample (listed in "
+                    f"skipped_samples.jsonl)") from e
             except torch.OutOfMemoryError as e:
                 raise TrainingError(
                     f"out of memory at step {self.step}: lower train.micro_batch_size "
@@ -378,10 +419,10 @@ class TrainRecipe:
             last = self.step == tc.max_steps
             if self.step % self.cfg.eval.every == 0 or last:
                 self._validate_and_log()
-            if self.step % self.cfg.checkpoint.every == 0 or last:
+            stop = self._stop_agreed()
+            if self.step % self.cfg.checkpoint.every == 0 or last or stop:
                 self.save_checkpoint()
-            elif self._stop_agreed():
-                self.save_checkpoint()
+            if stop and not last:
                 if bar is not None:
                     bar.close()
                 raise TrainingError(f"interrupted at step {self.step}; checkpoint saved in {self.ckpt_root}. "
@@ -393,8 +434,13 @@ class TrainRecipe:
         self.export("final")
 
     def _request_stop(self, signum, frame) -> None:
-        if self.stop_requested:  # a second signal: stop now
-            raise KeyboardInterrupt
+        # Launchers forward what they receive (deepspeed: Ctrl-C reaches the trainer directly and
+        # again as the launcher's SIGTERM), so a repeated signal is the same request, not "stop now
+        # and lose the step": SIGKILL is what stops without saving.
+        if self.stop_requested:
+            log.warning("received signal %d again: still saving the checkpoint after this step "
+                        "(SIGKILL stops without saving)", signum)
+            return
         self.stop_requested = True
         log.warning("received signal %d: saving a checkpoint after this step", signum)
 
@@ -457,13 +503,15 @@ class TrainRecipe:
     def save_checkpoint(self) -> None:
         """Engine state into a temp folder on every rank; rank 0 completes and renames it."""
         tmp = self.ckpt_root / f".tmp-step-{self.step:06d}"
-        self.engine.save_checkpoint(str(tmp), tag="engine")
+        with ckpt.writing(self.ckpt_root, tmp, f"checkpoint step {self.step}"):
+            self.engine.save_checkpoint(str(tmp), tag=ckpt.ENGINE_TAG)
         self.dist.barrier()
         if self.main:
             state = {"step": self.step, "stage": self.stage, "curriculum": self.curriculum.state_dict(),
                      "bad_total": self.bad_total, "best_tau": self.best_tau, "global_batch": self.global_batch,
-                     "world_size": self.world}
-            ckpt.finish(tmp, ckpt.step_dir(self.ckpt_root, self.step), state)
+                     "world_size": self.world, "target": self.target_identity()}
+            with ckpt.writing(self.ckpt_root, tmp, f"checkpoint step {self.step}"):
+                ckpt.finish(tmp, ckpt.step_dir(self.ckpt_root, self.step), state)
             ckpt.rotate(self.ckpt_root, self.cfg.checkpoint.keep)
         self.dist.barrier()
 

@@ -1,0 +1,245 @@
+"""Who owns a run_dir and what a launch may do with what is already in it.
+
+- :class:`RunDirLock`: one launch per run_dir. ``run_dir/.lock`` holds the owner's pid,
+  host, start time and command; a second launch is refused with that owner named. A lock
+  left by a killed launch (its pid gone, or reused by another process, on this host) is
+  stale and taken over.
+- :func:`set_aside`: ``resume=false`` moves a stage's previous outputs (checkpoints,
+  exports, metrics, evaluation reports) into ``stageN/replaced-<time>/``, so two runs are
+  never mixed and nothing is deleted.
+- :func:`identity_differences` / :func:`world_size_refusal`: what must match between a
+  checkpoint and the launch resuming it.
+- :func:`truncate_metrics`: ``metrics.jsonl`` keeps only the steps of the run that continues.
+- :func:`exit_with_launcher`: the trainer stops (through its SIGTERM path: checkpoint, exit)
+  when the launcher that started it is gone, instead of training on as an orphan.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = ".lock"
+
+
+class RunDirBusy(RuntimeError):
+    """Another live launch owns the run_dir."""
+
+
+def _process_start(pid: int) -> float | None:
+    """Start time of ``pid`` (None when no such process): a pid reused by another
+    process after the owner died has another start time."""
+    try:
+        import psutil
+
+        return psutil.Process(pid).create_time()
+    except Exception:  # psutil.NoSuchProcess, AccessDenied, or psutil missing
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            return -1.0
+        return -1.0
+
+
+def _owner_alive(owner: dict) -> bool:
+    start = _process_start(int(owner.get("pid", -1)))
+    if start is None:
+        return False
+    recorded = owner.get("start_time")
+    return start < 0 or recorded is None or abs(start - float(recorded)) < 1.0
+
+
+class RunDirLock:
+    """``with RunDirLock(run_dir):`` for the whole launch (rank 0 only)."""
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        self.held = False
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "start_time": _process_start(os.getpid()),
+              "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                owner = self._read_owner()
+                if owner is None:
+                    continue  # the owner just released it, or wrote it half: look again
+                if owner.get("host") != me["host"] or _owner_alive(owner):
+                    raise RunDirBusy(
+                        f"run_dir {self.path.parent} is in use by another launch: pid {owner.get('pid')} on "
+                        f"{owner.get('host')}, started {owner.get('started')} ({owner.get('command')}). Two "
+                        f"launches into one run_dir would overwrite each other's checkpoints and metrics; wait "
+                        f"for it to end, stop it, or choose another run_dir. If that launch is gone (its machine "
+                        f"died), delete {self.path}.") from None
+                log.warning("run_dir lock %s was left by pid %s on %s, which is gone; taking it over",
+                            self.path, owner.get("pid"), owner.get("host"))
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return
+        raise RunDirBusy(f"could not take the run_dir lock {self.path}; another launch keeps creating it")
+
+    def _read_owner(self) -> dict | None:
+        try:
+            owner = json.loads(self.path.read_text())
+            return owner if isinstance(owner, dict) else {}
+        except FileNotFoundError:
+            return None
+        except (OSError, json.JSONDecodeError):
+            # Written half by a launch killed between create and write: no live owner to name.
+            time.sleep(0.2)
+            try:
+                return json.loads(self.path.read_text())
+            except (OSError, json.JSONDecodeError):
+                return {"pid": -1, "host": socket.gethostname()}
+
+    def release(self) -> None:
+        if self.held:
+            owner = self._read_owner() or {}
+            if owner.get("pid") == os.getpid():
+                self.path.unlink(missing_ok=True)
+            self.held = False
+
+    def __enter__(self) -> RunDirLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def set_aside(stage_dir: Path) -> Path | None:
+    """Move everything a previous run left in ``stage_dir`` into ``stage_dir/replaced-<time>/``;
+    returns that folder (None when there was nothing to move)."""
+    if not stage_dir.is_dir():
+        return None
+    old = [p for p in stage_dir.iterdir() if not p.name.startswith("replaced-")]
+    if not old:
+        return None
+    dest = stage_dir / f"replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+    n = 0
+    while dest.exists():
+        n += 1
+        dest = stage_dir / f"replaced-{time.strftime('%Y%m%d-%H%M%S')}-{n}"
+    dest.mkdir()
+    for p in old:
+        shutil.move(str(p), str(dest / p.name))
+    return dest
+
+
+_IDENTITY_KEYS = ("name", "family", "hidden_size", "vocab_size", "tokenizer_size", "image_token_id",
+                  "chat_template_sha1", "adapter")
+
+
+def identity_differences(saved: dict, current: dict) -> list[str]:
+    """What differs between the target a checkpoint was trained on and this launch's
+    (both from ``msd_train.features.generate.target_identity``)."""
+    diffs = [f"{k}: checkpoint {saved.get(k)!r}, this launch {current.get(k)!r}"
+             for k in _IDENTITY_KEYS if saved.get(k) != current.get(k)]
+    a, b = saved.get("weights_sha256"), current.get("weights_sha256")
+    if a and b and a != b:
+        diffs.append(f"weights: the embedding table and lm_head of {current.get('name')} differ from those of "
+                     f"the target the checkpoint was trained on ({saved.get('name')})")
+    return diffs
+
+
+def world_size_refusal(ckpt: Path, state: dict, world: int) -> str | None:
+    """A message when ``ckpt`` was written by another number of processes: ZeRO partitions
+    the optimizer state per rank, and DeepSpeed cannot load it into another world size."""
+    saved = state.get("world_size")
+    if saved is None or int(saved) == world:
+        return None
+    return (f"{ckpt} was written by {saved} process(es) and this launch has {world}; ZeRO's optimizer state is "
+            f"split per process and cannot be loaded into another number. Relaunch with {saved} process(es) "
+            f"(`deepspeed --num_gpus {saved}` or `torchrun --nproc_per_node {saved}`), or start this stage over "
+            f"with resume=false (the old outputs are moved aside, not deleted).")
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep the records of steps <= ``step`` (0: none): what a killed launch logged after
+    the checkpoint it resumes from (or before any checkpoint) was lost work."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by the kill
+        if step > 0 and isinstance(rec, dict) and rec.get("step", 0) <= step:
+            keep.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+
+
+def _is_launcher(argv: list[str]) -> bool:
+    """``deepspeed ...`` / ``torchrun ...`` (their scripts run by python or not), or the
+    modules they run: ``python -m deepspeed.launcher.launch`` / ``torch.distributed.run``."""
+    head = argv[:3]
+    return (any(Path(a).name in ("deepspeed", "torchrun") for a in head)
+            or any(m in argv for m in ("deepspeed.launcher.launch", "deepspeed.launcher.runner",
+                                       "torch.distributed.run", "torch.distributed.launch")))
+
+
+def _launcher_chain() -> list:
+    """The launcher processes this trainer depends on: its parent, and the parent's
+    parent when that is the ``deepspeed`` runner (which starts ``deepspeed.launcher.launch``,
+    which starts the trainer)."""
+    import psutil
+
+    chain, p = [], psutil.Process()
+    for _ in range(2):
+        p = p.parent()
+        if p is None or p.pid <= 1:
+            break
+        if not _is_launcher(p.cmdline()):
+            break
+        chain.append(p)
+    return chain
+
+
+def exit_with_launcher(interval: float = 1.0) -> None:
+    """When started by a launcher, send ourselves SIGTERM once any launcher process of
+    the chain is gone (e.g. SIGTERM to the top-level ``deepspeed`` alone, which does not
+    forward it): the trainer then checkpoints at the next step boundary and exits."""
+    try:
+        chain = _launcher_chain()
+    except Exception:  # psutil missing or /proc unreadable: nothing to watch
+        return
+    if not chain:
+        return
+
+    import psutil
+
+    def alive(p) -> bool:
+        try:  # a killed launcher stays a zombie until its own parent reaps it
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def watch():
+        while all(alive(p) for p in chain):
+            time.sleep(interval)
+        log.warning("the launcher (pid %s) is gone: stopping at the next step boundary",
+                    ", ".join(str(p.pid) for p in chain if not alive(p)))
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()

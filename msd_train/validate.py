@@ -1,0 +1,246 @@
+"""Config checks run once, up front, before any model or dataset loads.
+
+Every entry point (``train.py``, ``eval.py``, ``scripts/generate_features.py``,
+``scripts/push_to_hub.py``) calls its ``check_*`` on the plain config and runs under
+:func:`user_errors`, which prints a user's mistake as one paragraph and exits non-zero.
+Tracebacks stay available: ``MSD_DEBUG=1`` re-raises instead.
+
+Light on purpose (no torch, no omegaconf at import): the evaluation and hub side import it
+on machines without the training stack.
+"""
+
+from __future__ import annotations
+
+import netrc
+import os
+import re
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+_MISSING = object()
+
+
+class ConfigError(ValueError):
+    """A mistake in the command line or config; the message names the key and the fix."""
+
+
+def debug() -> bool:
+    return os.environ.get("MSD_DEBUG", "").lower() not in ("", "0", "false", "no")
+
+
+@contextmanager
+def user_errors(*kinds: type[BaseException]) -> Iterator[None]:
+    """Print ``ConfigError`` (and ``kinds``) as ``error: <message>`` on stderr and exit 1;
+    with ``MSD_DEBUG=1`` let them through with their traceback."""
+    try:
+        yield
+    except (ConfigError, *kinds) as e:
+        if debug():
+            raise
+        print(f"error: {e}\n(set MSD_DEBUG=1 for the traceback)", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def _get(cfg: Any, key: str) -> Any:
+    node = cfg
+    for part in key.split("."):
+        if isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif hasattr(node, "get") and part in node:
+            node = node[part]
+        else:
+            return _MISSING
+    return node
+
+
+def _number(cfg, key: str, kind: type, lo=None, hi=None, lo_open=False, allow_none=False, hint: str = ""):
+    v = _get(cfg, key)
+    if v is _MISSING or (v is None and allow_none):
+        return
+    ok_type = isinstance(v, (int, float)) and not isinstance(v, bool)
+    if kind is int:
+        ok_type = ok_type and float(v).is_integer()
+    if not ok_type:
+        raise ConfigError(f"{key}={v!r} is not {'an integer' if kind is int else 'a number'}; "
+                          f"give {key}=<{'integer' if kind is int else 'number'}>{hint}")
+    if lo is not None and (v <= lo if lo_open else v < lo):
+        bound = f"greater than {lo}" if lo_open else f"at least {lo}"
+        raise ConfigError(f"{key}={v} must be {bound}{hint}")
+    if hi is not None and v > hi:
+        raise ConfigError(f"{key}={v} must be at most {hi}{hint}")
+
+
+def _choice(cfg, key: str, choices: tuple, allow_none=False):
+    v = _get(cfg, key)
+    if v is _MISSING or (v is None and allow_none):
+        return
+    if v not in choices:
+        raise ConfigError(f"{key}={v!r} is not one of {', '.join(map(str, choices))}")
+
+
+def _bool(cfg, key: str):
+    v = _get(cfg, key)
+    if v is not _MISSING and not isinstance(v, bool):
+        raise ConfigError(f"{key}={v!r}: use true or false")
+
+
+def _sources(cfg, group: str, need_images: bool) -> None:
+    """Each data source's file exists and is a file; an image_root is a folder."""
+    for i, src in enumerate(_get(cfg, f"data.{group}") or []):
+        path = src.get("path") if hasattr(src, "get") else None
+        key = f"data.{group}.{i}.path"
+        if not path:
+            raise ConfigError(f"{key} is empty; give the data file's path")
+        p = Path(str(path)).expanduser()
+        if p.is_dir():
+            raise ConfigError(f"{key}={p} is a folder; give the JSON / JSONL file inside it")
+        if not p.is_file():
+            raise ConfigError(f"{key}={p}: no such file")
+        root = src.get("image_root")
+        if need_images and root and not Path(str(root)).expanduser().is_dir():
+            raise ConfigError(f"data.{group}.{i}.image_root={root}: no such folder (the image paths of "
+                              f"{p.name} are relative to it)")
+
+
+def _wandb(cfg, key: str) -> None:
+    """``mode=online`` needs a key; without one wandb would stop the run to ask for it."""
+    mode = _get(cfg, f"{key}.mode")
+    _choice(cfg, f"{key}.mode", ("online", "offline", "disabled"))
+    if mode != "online" or os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") in ("offline", "disabled"):
+        return
+    host = re.sub(r"^https?://", "", os.environ.get("WANDB_BASE_URL", "api.wandb.ai")).split("/")[0]
+    try:
+        if netrc.netrc(os.environ.get("NETRC")).authenticators(host):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    raise ConfigError(f"{key}.mode=online but no wandb API key is set (WANDB_API_KEY, or `wandb login`); "
+                      f"log in, or use {key}.mode=offline (sync later with `wandb sync`) or disabled")
+
+
+def check_train(cfg) -> None:
+    """``train.py``'s config (a plain dict or DictConfig)."""
+    for key in ("train.max_steps", "train.micro_batch_size", "train.grad_accum", "train.max_bad_steps",
+                "eval.every", "eval.rollout", "eval.batch_size", "checkpoint.every", "data.max_length",
+                "data.num_proc"):
+        _number(cfg, key, int, lo=1)
+    for key in ("train.warmup_steps", "checkpoint.keep", "stage.curriculum.ramp_steps"):
+        _number(cfg, key, int, lo=0)
+    # 0 would silently mean "all" to the readers' limit
+    _number(cfg, "data.max_heldout", int, lo=1, hint=" (held-out conversations per modality for validation)")
+    _number(cfg, "seed", int)
+    _number(cfg, "train.lr", float, lo=0, lo_open=True)
+    for key in ("train.weight_decay", "train.grad_clip", "train.w_feat", "train.w_tok", "train.noise_scale"):
+        _number(cfg, key, float, lo=0)
+    _number(cfg, "train.min_lr_ratio", float, lo=0, hi=1)
+    betas = _get(cfg, "train.betas")
+    if betas is not _MISSING:
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+            raise ConfigError(f"train.betas={betas!r}: give two numbers, e.g. train.betas=[0.9,0.95]")
+        for j in range(2):
+            _number(cfg, f"train.betas.{j}", float, lo=0, hi=0.999999)
+    for key in ("stage.curriculum.start", "stage.curriculum.end"):
+        _number(cfg, key, float, lo=0, hi=1, hint=" (a share of each global batch, within [0, 1])")
+    _choice(cfg, "stage.curriculum.schedule", ("linear", "cosine", "step"))
+    _choice(cfg, "train.noise", ("uniform", "gaussian", "none"))
+    _choice(cfg, "train.precision", ("auto", "bf16", "fp32"))
+    _choice(cfg, "data.on_bad_sample", ("skip", "error"))
+    _choice(cfg, "features.mode", ("online", "offline"))
+    _bool(cfg, "train.gradient_checkpointing")
+    resume = _get(cfg, "resume")
+    if resume is not _MISSING and str(resume).lower() not in ("auto", "true", "false", "0", "1", "yes", "no"):
+        raise ConfigError(f"resume={resume!r}: use auto (continue from the newest checkpoint) or false (start over)")
+    stage = str(_get(cfg, "stage.id"))
+    groups = ["text", "heldout_text"] + (["multimodal", "heldout_multimodal"] if stage == "2" else [])
+    for g in groups:
+        _sources(cfg, g, need_images=g.endswith("multimodal"))
+    _wandb(cfg, "logging.wandb")
+
+
+def check_eval(cfg, method: str) -> None:
+    """``eval.py``'s config: numbers, the head, the output folder (writable, checked now
+    rather than after all the decoding)."""
+    for key in ("decoding.max_new_tokens", "decoding.depth", "decoding.top_k", "decoding.total_tokens",
+                "decoding.k"):
+        _number(cfg, key, int, lo=1)
+    _number(cfg, "warmup", int, lo=0)
+    _number(cfg, "threads", int, lo=1, allow_none=True)
+    for key in ("bench.max_samples", "bench.max_turns", "bench.max_per_category"):
+        _number(cfg, key, int, lo=1, allow_none=True, hint=" (leave it null for all)")
+    _number(cfg, "decoding.sampling.temperature", float, lo=0)
+    _number(cfg, "decoding.sampling.top_p", float, lo=0, lo_open=True, hi=1)
+    _wandb(cfg, "wandb")
+    if method != "ar":
+        check_head(_get(cfg, "draft"))
+
+
+def check_head(draft) -> None:
+    """``draft=`` names a head (an export or a released MSD head), checked before the target loads."""
+    if draft is None or draft is _MISSING or str(draft) == "":
+        raise ConfigError("decoding=tree|chain needs a head: draft=PATH (an export folder, e.g. "
+                          "runs/tiny/stage2/final, a released MSD head or a Hub repo id)")
+    path = Path(str(draft)).expanduser()
+    if not path.exists():
+        if str(draft).count("/") != 1 or str(draft).startswith((".", "/", "~")):
+            raise ConfigError(
+                f"draft={draft}: no such folder (nor a Hub repo id OWNER/NAME). Train the embedded default with "
+                "`python train.py stage=1` then `python train.py stage=2`, or pass draft=PATH to an export folder")
+        return  # a Hub id: resolved (and checked) when downloaded
+    from msd_train.hub.folders import IncompleteHeadError, detect_layout
+
+    if not path.is_dir():
+        raise ConfigError(f"draft={draft} is a file; a head is a folder (config.json + model.safetensors)")
+    try:
+        detect_layout(path)
+    except IncompleteHeadError as e:
+        raise ConfigError(f"draft={draft} is not a draft head: {e}") from e
+
+
+def check_out_dir(out: str | Path) -> None:
+    """The output folder can be created and written, before anything is measured."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"out={out} is a file; give a folder for the report")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"out={out} cannot be written ({e.strerror or e}); choose a folder you can write to") from e
+
+
+def check_generate(cfg) -> None:
+    """``scripts/generate_features.py``'s config."""
+    _number(cfg, "batch_size", int, lo=1)
+    _number(cfg, "data.max_length", int, lo=1)
+    _number(cfg, "data.max_heldout", int, lo=1)
+    _choice(cfg, "data.on_bad_sample", ("skip", "error"))
+    if not _get(cfg, "features.path") or _get(cfg, "features.path") is _MISSING:
+        raise ConfigError("features.path is not set; give the folder to write the store into: features.path=DIR")
+    names = {"text": "text", "multimodal": "multimodal", "heldout_text": "heldout_text",
+             "heldout_multimodal": "heldout_multimodal"}
+    for split in _get(cfg, "splits") or []:
+        if split in names:
+            _sources(cfg, names[split], need_images=split.endswith("multimodal"))
+
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
+
+
+def check_push(repo_id: str, dry_run: bool, token: str | None = None) -> None:
+    """A valid ``repo_id`` (also in dry runs: the card names it) and, for a real push, a token."""
+    rid = str(repo_id)
+    if not _REPO_ID.match(rid) or ".." in rid or "--" in rid or rid.endswith((".git", ".")):
+        raise ConfigError(f"repo_id={rid!r} is not a Hub repository id: use USER/NAME (or ORG/NAME) of letters, "
+                          "digits, '-', '_' and '.', e.g. repo_id=me/msd-llava15-7b")
+    if dry_run or token:
+        return
+    from huggingface_hub import get_token
+
+    if not get_token():
+        raise ConfigError("no Hugging Face token: set HF_TOKEN or run `huggingface-cli login` (a token with write "
+                          "access), or try it first with dry_run=true")
