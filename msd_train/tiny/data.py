@@ -32,7 +32,7 @@ from msd_train.tiny.images import (
     make_shapes_image,
     two_image_question,
 )
-from msd_train.tiny.text import _sharegpt, collect_stdlib, text_conversation
+from msd_train.tiny.text import collect_stdlib, sharegpt_conversation, text_conversation
 
 # The recipe's sizes. Training: N_TEXT text and N_IMAGE image conversations (the script's
 # --n-text / --n-image); of the image ones, TRAIN_MIX_IN_20THS are second questions on the
@@ -75,7 +75,7 @@ def make_data(data_dir: Path, seed: int = 0, n_text: int = N_TEXT, n_image: int 
             rng.shuffle(batch)
             order.extend(batch)
         for i, o in enumerate(order[:n]):
-            item = {"id": f"{prefix}-{i}", "conversations": _sharegpt(text_conversation(o, rng))}
+            item = {"id": f"{prefix}-{i}", "conversations": sharegpt_conversation(text_conversation(o, rng))}
             if held:
                 item["category"] = "text"
             items.append(item)
@@ -149,7 +149,7 @@ def make_data(data_dir: Path, seed: int = 0, n_text: int = N_TEXT, n_image: int 
                         if q2 != q:
                             turns.append((q2, a2))
                     image = m["path"]
-                item = {"id": iid, "image": image, "conversations": _sharegpt(turns)}
+                item = {"id": iid, "image": image, "conversations": sharegpt_conversation(turns)}
                 if held:
                     item["category"] = category
                 items.append(item)
@@ -189,4 +189,3 @@ def write_captions(data_dir: Path) -> Path:
     out = data_dir / "captions_heldout.json"
     out.write_text(json.dumps(caps, indent=1) + "\n")
     return out
-

@@ -9,7 +9,7 @@ import random
 import numpy as np
 from PIL import Image, ImageDraw
 
-from msd_train.tiny.text import _join
+from msd_train.tiny.text import join_words
 
 IMAGE_TOKEN = "<image>"  # an image's place in a conversation turn (LLaVA-Instruct format)
 
@@ -109,13 +109,13 @@ def shapes_question(meta: dict, rng: random.Random) -> tuple[str, str]:
         return rng.choice(["Describe the image.", "What do you see?"]), \
             f"I see {_shape_phrase(s, True)}."
     kind = rng.choice(["count", "count", "colour_at", "list", "count_colour", "is_there"])
-    listing = _join([_shape_phrase(s) for s in shapes])
+    listing = join_words([_shape_phrase(s) for s in shapes])
     if kind == "count":
         return "How many shapes are there?", \
             f"There are {_count_phrase(len(shapes))}: {listing}."
     if kind == "list":
         return rng.choice(["Describe the image.", "What do you see?"]), \
-            "I see " + _join([_shape_phrase(s, True) for s in shapes]) + "."
+            "I see " + join_words([_shape_phrase(s, True) for s in shapes]) + "."
     if kind == "colour_at":
         s = rng.choice(shapes)
         return f"What colour is the shape in the {s['pos']}?", \
@@ -129,7 +129,7 @@ def shapes_question(meta: dict, rng: random.Random) -> tuple[str, str]:
         verb = "is" if len(same) == 1 else "are"
         return f"How many {colour} shapes are there?", \
             f"There {verb} {_count_phrase(len(same), colour + ' shape')}: " + \
-            _join([f"{_a(s['kind'])} {s['kind']} in the {s['pos']}" for s in same]) + "."
+            join_words([f"{_a(s['kind'])} {s['kind']} in the {s['pos']}" for s in same]) + "."
     colour = rng.choice(list(COLOURS))
     k = rng.choice(KINDS)
     match = [s for s in shapes if s["colour"] == colour and s["kind"] == k]
@@ -158,7 +158,7 @@ def image_question(meta: dict, rng: random.Random) -> tuple[str, str]:
 def _describe(meta: dict) -> str:
     if meta["type"] == "digit":
         return f"the digit {meta['digit']} in {meta['colour']}"
-    return _join([_shape_phrase(s) for s in meta["shapes"]])
+    return join_words([_shape_phrase(s) for s in meta["shapes"]])
 
 
 def two_image_question(m1: dict, m2: dict, rng: random.Random) -> tuple[str, str]:
@@ -184,11 +184,9 @@ def two_image_question(m1: dict, m2: dict, rng: random.Random) -> tuple[str, str
         f"The first image shows {_describe(m1)}, and the second shows {_describe(m2)}."
 
 
-
 def caption(meta: dict) -> str:
     """What a captioning model would say about an image: its ground truth in one sentence."""
     if meta["type"] == "digit":
         return f"The digit {meta['digit']}, written in {meta['colour']}."
-    text = _join([_shape_phrase(s, True) for s in meta["shapes"]])
+    text = join_words([_shape_phrase(s, True) for s in meta["shapes"]])
     return text[0].upper() + text[1:] + "."
-

@@ -54,7 +54,6 @@ def build_model(tokenizer):
     return model
 
 
-
 def load_pixels(processor, image_dir: Path, paths: list[str]) -> dict[str, torch.Tensor]:
     out = {}
     uniq = sorted(set(paths))
@@ -92,7 +91,6 @@ def lm_loss(model, ids, attn, mask, pv, reduction="mean"):
     if reduction == "sum":
         return ce, int(m.sum())
     return ce / m.sum().clamp(min=1)
-
 
 
 COLOUR_INDEX = {c: i for i, c in enumerate(COLOURS)}
@@ -291,4 +289,3 @@ def save(model, processor, out: Path) -> None:
     tmp.rename(out)
     size = sum(f.stat().st_size for f in out.iterdir())
     print(f"saved {out} ({size / 1e6:.1f} MB)")
-

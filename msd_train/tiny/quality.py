@@ -68,7 +68,6 @@ def image_swap_rate(model, processor, data_dir: Path, max_new_tokens: int = 16):
     return changed / len(items), examples
 
 
-
 def evaluate(out: Path, data_dir: Path) -> dict:
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
@@ -84,4 +83,3 @@ def evaluate(out: Path, data_dir: Path) -> dict:
     for q, a, b in examples:
         print(f"  {q!r}: {a!r} | swapped: {b!r}")
     return {"ce": ce, "ce_bound": bound, "swap_rate": rate}
-

@@ -122,7 +122,8 @@ FOLLOW_DOES = ["What does it do?", "And what is it for?"]
 FOLLOW_REPEAT = ["Can you repeat that?", "Say that again, please."]
 
 
-def _join(words: list[str]) -> str:
+def join_words(words: list[str]) -> str:
+    """["a", "b", "c"] -> "a, b and c"."""
     if len(words) == 1:
         return words[0]
     return ", ".join(words[:-1]) + " and " + words[-1]
@@ -141,7 +142,7 @@ def answer_params(o: dict) -> str:
         return f"`{o['qual']}` takes no parameters."
     if len(ps) == 1:
         return f"`{o['qual']}` takes one parameter, `{ps[0]}`."
-    return f"`{o['qual']}` takes the parameters " + _join([f"`{p}`" for p in ps]) + "."
+    return f"`{o['qual']}` takes the parameters " + join_words([f"`{p}`" for p in ps]) + "."
 
 
 def text_conversation(o: dict, rng: random.Random) -> list[tuple[str, str]]:
@@ -169,10 +170,10 @@ def text_conversation(o: dict, rng: random.Random) -> list[tuple[str, str]]:
     return turns
 
 
-def _sharegpt(turns: list[tuple[str, str]]) -> list[dict]:
+def sharegpt_conversation(turns: list[tuple[str, str]]) -> list[dict]:
+    """(question, answer) turns as ShareGPT `conversations`."""
     conv = []
     for question, answer in turns:
         conv.append({"from": "human", "value": question})
         conv.append({"from": "gpt", "value": answer})
     return conv
-

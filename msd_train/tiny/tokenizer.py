@@ -48,7 +48,6 @@ def encode_prompt(tokenizer, image_token_id: int, messages: list[dict], n_images
     return ids
 
 
-
 def conversation_texts(segment_lists: list[list[Segment]]) -> list[str]:
     """Tokenizer training text: the rendered conversations without the special tokens."""
     texts = []
@@ -93,4 +92,3 @@ def build_processor(tokenizer):
         image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH_SIZE,
         vision_feature_select_strategy="default", num_additional_image_tokens=1,
         chat_template=VICUNA_V1, image_token=IMAGE_TOKEN)
-
