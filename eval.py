@@ -16,9 +16,6 @@ import sys
 from msd_train.config import CONF_DIR, strip_launcher_args
 
 strip_launcher_args()  # torchrun / deepspeed launchers: items are split over ranks
-# `draft` is also a config group of conf/ (the head's architecture, for training), which
-# Hydra would try to select with `draft=PATH`; here the head to evaluate is `draft_path`.
-sys.argv[1:] = ["draft_path=" + a.split("=", 1)[1] if a.startswith("draft=") else a for a in sys.argv[1:]]
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
@@ -34,8 +31,7 @@ def main(cfg: DictConfig) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     plain = OmegaConf.to_container(cfg, resolve=True)
-    plain["draft"] = plain.pop("draft_path")
-    command = " ".join(["python eval.py", *(a.replace("draft_path=", "draft=", 1) for a in sys.argv[1:])])
+    command = " ".join(["python eval.py", *sys.argv[1:]])
     # A user's mistake (a bad path, value or image) is one message and exit 1; MSD_DEBUG=1 shows the traceback.
     # Ctrl-C keeps what was measured (report.json marked "interrupted") and exits 130.
     with user_errors(FileNotFoundError, IncompleteHeadError):

@@ -31,8 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from msd_train.config import CONF_DIR, REPO_ROOT  # noqa: E402
+from msd_train.config import CONF_DIR, REPO_ROOT
 
 # Real targets: hidden size, vocabulary (so the id width), visual tokens of a typical image.
 # ``prefix``: tokens every sample of the template opens with (Vicuna v1: at least the BOS;

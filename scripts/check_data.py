@@ -23,8 +23,6 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 SPLITS = ("text", "multimodal", "heldout_text", "heldout_multimodal")
 NO_LIMIT = 1 << 30  # tokenise at full length, then apply data.max_length here to see what it cuts
 

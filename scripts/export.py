@@ -6,21 +6,22 @@
 
 format=reference writes config.json + model.safetensors (weights=bin: pytorch_model.bin)
 with embed_tokens.weight taken from embed_from=, target=, or the folder the head was
-imported from. See docs/hub.md.
+imported from. Arguments: conf/hub/export.yaml. See docs/hub.md.
 """
 
 import json
 import logging
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import hydra
+from omegaconf import DictConfig
 
-from msd_train.hub.cli import parse_args, resolve_target  # noqa: E402
+from msd_train.config import CONF_DIR
+from msd_train.hub.cli import require_arguments, resolve_target
 
 
-def main(argv=None) -> None:
-    cfg = parse_args("export", argv, __doc__)
+@hydra.main(config_path=str(CONF_DIR / "hub"), config_name="export", version_base=None)
+def main(cfg: DictConfig) -> None:
+    require_arguments(cfg, "export")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from msd_train.hub import export_msd, export_reference
 

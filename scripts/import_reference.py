@@ -5,21 +5,23 @@
 
 Reads config.json + pytorch_model.bin (with torch.load(weights_only=True)) or
 model.safetensors, writes OUT/config.json + OUT/model.safetensors (loadable with
-MSDDraftModel.from_pretrained) and OUT/reference_import.json. See docs/hub.md.
+MSDDraftModel.from_pretrained) and OUT/reference_import.json. Arguments:
+conf/hub/import_reference.yaml. See docs/hub.md.
 """
 
 import json
 import logging
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import hydra
+from omegaconf import DictConfig
 
-from msd_train.hub.cli import parse_args, resolve_target  # noqa: E402
+from msd_train.config import CONF_DIR
+from msd_train.hub.cli import require_arguments, resolve_target
 
 
-def main(argv=None) -> None:
-    cfg = parse_args("import_reference", argv, __doc__)
+@hydra.main(config_path=str(CONF_DIR / "hub"), config_name="import_reference", version_base=None)
+def main(cfg: DictConfig) -> None:
+    require_arguments(cfg, "import_reference")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from msd_train.hub import import_reference
 

@@ -7,20 +7,23 @@
 Creates the repository if missing and uploads the export folder (weights, config.json,
 training.json), report.json and README.md. The card carries the training commands, the
 curriculum, the target (and its LoRA adapter) and the latest eval.py numbers. The token
-comes from HF_TOKEN or `huggingface-cli login` and is never printed. See docs/hub.md.
+comes from HF_TOKEN or `huggingface-cli login` and is never printed. Arguments:
+conf/hub/push.yaml. See docs/hub.md.
 """
 
 import logging
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import hydra
+from omegaconf import DictConfig
 
-from msd_train.hub.cli import parse_args  # noqa: E402
+from msd_train.config import CONF_DIR
+from msd_train.hub.cli import require_arguments
 
 
-def main(argv=None) -> None:
-    cfg = parse_args("push", argv, __doc__)
+@hydra.main(config_path=str(CONF_DIR / "hub"), config_name="push", version_base=None)
+def main(cfg: DictConfig) -> None:
+    require_arguments(cfg, "push")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from msd_train.hub import IncompleteHeadError, push_head
     from msd_train.validate import ConfigError

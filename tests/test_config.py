@@ -1,4 +1,10 @@
-"""The Hydra config tree: defaults, struct mode, launcher arguments."""
+"""The Hydra config tree as users meet it: every documented command composes, the embedded
+default points at files that exist, mistakes are errors that name the key, launcher
+arguments are made Hydra-safe."""
+
+import re
+import shlex
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -6,40 +12,103 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigAttributeError
 
 from msd_train.config import CONF_DIR, REPO_ROOT, strip_launcher_args
+from msd_train.hub.cli import resolve_target
+
+# entry point -> (config folder, config name)
+ENTRY_POINTS = {
+    "train.py": (CONF_DIR, "config"),
+    "eval.py": (CONF_DIR, "eval"),
+    "scripts/export.py": (CONF_DIR / "hub", "export"),
+    "scripts/import_reference.py": (CONF_DIR / "hub", "import_reference"),
+    "scripts/push_to_hub.py": (CONF_DIR / "hub", "push"),
+}
 
 
-def _compose(overrides=()):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return compose(config_name="config", overrides=list(overrides))
+def _compose(entry, overrides=()):
+    conf_dir, name = ENTRY_POINTS[entry]
+    argv = [entry, *overrides]
+    strip_launcher_args(argv)  # what train.py and eval.py do first (stage=1 -> stage='1')
+    with initialize_config_dir(config_dir=str(conf_dir), version_base=None):
+        return compose(config_name=name, overrides=argv[1:])
 
 
-def test_defaults_select_the_embedded_target_and_data():
-    cfg = _compose()
-    assert cfg.target.name_or_path == str(REPO_ROOT / "data" / "tiny-llava")
-    assert cfg.data.text[0].path == str(REPO_ROOT / "data" / "tiny" / "sharegpt_train.json")
-    assert cfg.stage.id == 1 and cfg.stage.curriculum.end == 0.0
+def documented_commands():
+    """(file, entry point, arguments) of every command of ours in a bash block of the docs,
+    `...` (elided arguments) dropped."""
+    found = []
+    for doc in [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]:
+        for lang, block in re.findall(r"```(\w*)\n(.*?)```", doc.read_text(), re.S):
+            if lang not in ("bash", "sh"):
+                continue
+            for line in block.replace("\\\n", " ").splitlines():
+                for command in line.split("&&"):
+                    words = shlex.split(command, comments=True)
+                    for i, word in enumerate(words):
+                        if word in ENTRY_POINTS:
+                            found.append((doc.name, word, [w for w in words[i + 1:] if w != "..."]))
+    return found
 
 
-@pytest.mark.parametrize("name,hub_id", [("llava15_7b", "llava-hf/llava-1.5-7b-hf"),
-                                         ("llava15_13b", "llava-hf/llava-1.5-13b-hf"),
-                                         ("qwen2vl_7b", "Qwen/Qwen2-VL-7B-Instruct"),
-                                         ("qwen25vl_7b", "Qwen/Qwen2.5-VL-7B-Instruct")])
-def test_real_targets_point_at_hub_ids(name, hub_id):
-    assert _compose([f"target={name}"]).target.name_or_path == hub_id
+DOCUMENTED = documented_commands()
+
+
+def test_the_docs_show_every_entry_point():
+    assert {entry for _, entry, _ in DOCUMENTED} == set(ENTRY_POINTS)
+
+
+@pytest.mark.parametrize("doc,entry,args", DOCUMENTED, ids=[f"{d}:{e}:{' '.join(a)}" for d, e, a in DOCUMENTED])
+def test_documented_command_composes(doc, entry, args):
+    cfg = _compose(entry, args)
+    given = dict(a.split("=", 1) for a in args)
+    if entry == "eval.py" and "draft" in given:
+        assert cfg.draft == given["draft"]  # the head to evaluate, a plain key
+    if "target" in given and entry.startswith("scripts/"):
+        assert resolve_target(cfg.target)[0] == _compose("train.py", [f"target={given['target']}"]).target.name_or_path
+
+
+def test_every_option_of_every_group_composes():
+    """A user can select each file of conf/<group>/: the training groups in train.py,
+    the evaluation ones in eval.py."""
+    for group in sorted(p for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hub"):
+        entry = "eval.py" if group.name in ("bench", "decoding") else "train.py"
+        for option in sorted(group.glob("*.yaml")):
+            _compose(entry, [f"{group.name}={option.stem}"])
+
+
+def test_embedded_default_needs_no_overrides():
+    """`deepspeed train.py stage=1` with nothing else: the target and every data file exist
+    in the checkout, from any working directory."""
+    cfg = _compose("train.py", ["stage=1"])
+    assert (Path(cfg.target.name_or_path) / "config.json").is_file()
+    files = [Path(s.path) for split in ("text", "multimodal", "heldout_text", "heldout_multimodal")
+             for s in cfg.data[split]]
+    assert files and all(f.is_file() for f in files), files
+    assert all(Path(s.image_root).is_dir() for s in cfg.data.multimodal)
+
+
+def test_head_options_keep_their_draft_spelling():
+    """The training head's group is head/ (draft= is eval.py's head to evaluate), but its
+    options are set as draft.* as before, and eval.py's draft= is not a group choice."""
+    assert _compose("train.py", ["draft.decouple_visual=false"]).draft.decouple_visual is False
+    assert _compose("eval.py", ["draft=lucylyn/MSD-LLaVA1.5-7B"]).draft == "lucylyn/MSD-LLaVA1.5-7B"
+
+
+def test_hub_target_is_a_name_a_path_or_a_hub_id(tmp_path):
+    tiny = _compose("train.py").target.name_or_path
+    for given, expected in [("tiny", tiny), (str(tmp_path), str(tmp_path)),
+                            ("llava-hf/llava-1.5-7b-hf", "llava-hf/llava-1.5-7b-hf")]:
+        cfg = _compose("scripts/export.py", ["checkpoint=a", "out=b", f"target={given}"])
+        assert resolve_target(cfg.target)[0] == expected
 
 
 def test_misspelt_key_is_an_error_naming_it():
     with pytest.raises(ConfigCompositionException, match="train.max_stpes"):
-        _compose(["train.max_stpes=3"])
-    cfg = _compose()
+        _compose("train.py", ["train.max_stpes=3"])
+    with pytest.raises(ConfigCompositionException, match="repo_idd"):
+        _compose("scripts/push_to_hub.py", ["checkpoint=a", "repo_idd=me/x"])
+    cfg = _compose("train.py")
     with pytest.raises(ConfigAttributeError, match="learning_rate"):
         _ = cfg.train.learning_rate
-
-
-def test_stage_two_and_deepspeed_groups():
-    cfg = _compose(["stage='2'", "deepspeed=zero3"])
-    assert cfg.stage.id == 2 and cfg.stage.curriculum.end > 0
-    assert cfg.deepspeed.zero_optimization.stage == 3
 
 
 def test_launcher_arguments_are_made_hydra_safe(monkeypatch):

@@ -189,6 +189,7 @@ def test_corrupt_shard_is_reported_by_name_and_regenerated(store, mini_run, targ
     assert [s["sha256"] for s in manifest["shards"]] == [s["sha256"] for s in store[1]["shards"]]
 
 
+@pytest.mark.slow
 def test_two_rank_generation_writes_disjoint_shards_covering_the_data(store, mini_run, tmp_path):
     path = tmp_path / "feats2"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29547",
@@ -251,6 +252,7 @@ def split_rows_from(cfg, target, name):
     return [ds[i] for i in range(len(ds))]
 
 
+@pytest.mark.slow
 def test_offline_training_gives_the_online_loss(store, mini_run, target, tmp_path):
     """Same samples, same steps, fp32 store: the stage-2 losses of both runs agree."""
     from msd_train.draft import MSDDraftConfig, MSDDraftModel

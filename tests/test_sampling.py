@@ -160,6 +160,7 @@ def assert_same_distribution(counts: dict[tuple, int], expected: dict[tuple, flo
 # ----- the real decode loop -----------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "method, head, sampling",
     [

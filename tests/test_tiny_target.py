@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from msd_train.targets.chat import VICUNA_V1, Segment, render_prompt, render_segments
+from msd_train.targets.tokenize import encode_segments
 
-from msd_train.targets.chat import VICUNA_V1, Segment, render_prompt, render_segments  # noqa: E402
-from msd_train.targets.tokenize import encode_segments  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 MODEL_DIR = REPO / "data" / "tiny-llava"
 DATA_DIR = REPO / "data" / "tiny"
@@ -270,3 +267,19 @@ def test_target_learnt_text_and_images(target):
     assert ce_image <= bound, f"image CE {ce_image:.3f} > {bound:.3f}"
     assert ce_all <= bound, f"CE {ce_all:.3f} > {bound:.3f}"
     assert rate >= 0.8, f"image swap changed only {rate:.1%} of answers"
+
+
+def test_captions_are_the_images_ground_truth(tmp_path):
+    """data/tiny/captions_heldout.json is what `make_tiny_target.py --captions-only` writes
+    from images/meta.json: one caption per held-out image, naming what is drawn."""
+    from msd_train.tiny.data import write_captions
+
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "meta.json").write_bytes((DATA_DIR / "images" / "meta.json").read_bytes())
+    written = write_captions(tmp_path)
+    assert written.read_bytes() == (DATA_DIR / "captions_heldout.json").read_bytes()
+    caps = json.loads(written.read_text())
+    meta = json.loads((DATA_DIR / "images" / "meta.json").read_text())
+    assert set(caps) == {p for p in meta if "heldout" in p}
+    digit = next(p for p in caps if meta[p]["type"] == "digit")
+    assert str(meta[digit]["digit"]) in caps[digit] and meta[digit]["colour"] in caps[digit]

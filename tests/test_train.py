@@ -33,6 +33,7 @@ def losses(run_dir, stage=1):
     return [json.loads(x)["loss"] for x in lines if '"loss"' in x and "val/" not in x]
 
 
+@pytest.mark.slow
 def test_resume_after_kill_is_exact(mini_run, tmp_path):
     common = [*mini_run, "train.max_steps=8", "checkpoint.every=2", "eval.every=100",
               "train.micro_batch_size=2", "train.grad_accum=2"]
@@ -58,6 +59,7 @@ def test_resume_after_kill_is_exact(mini_run, tmp_path):
     assert "already finished" in again.stderr + again.stdout
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_rank_with_double_accumulation(mini_run, tmp_path):
     common = [*mini_run, "train.max_steps=3", "eval.every=100", "checkpoint.every=100",
               "train.micro_batch_size=2", "train.noise=none"]
@@ -77,6 +79,7 @@ def test_stage2_refuses_without_stage1(mini_run, tmp_path):
 
 
 
+@pytest.mark.slow
 def test_deepspeed_launcher_two_stages_on_the_embedded_default(tmp_path):
     """The README journey, shortened: `deepspeed train.py stage=1`, then `stage=2`."""
     from msd_train.data.curriculum import mm_share

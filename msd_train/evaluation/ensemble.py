@@ -15,6 +15,7 @@ import dataclasses
 from msd_train.decoding import DecodeConfig
 from msd_train.evaluation.bench import BenchItem
 from msd_train.evaluation.runner import answer_turns
+from msd_train.formatting import fmt
 
 
 def variant_configs(config: DecodeConfig) -> dict[str, DecodeConfig]:
@@ -99,8 +100,6 @@ def ensemble_report(target, draft, items: list[BenchItem], config: DecodeConfig,
 def ensemble_table(summary: dict) -> list[str]:
     """The ``ensemble`` section as Markdown table lines: tau per category and overall,
     drafting ms per cycle, overhead over M alone, prefill ms per turn."""
-    from msd_train.evaluation.report import fmt
-
     cats = sorted(next(iter(summary["tau_per_category"].values())))
     base = next(k for k in summary if k.startswith("draft_overhead_vs_"))
     lines = ["| drafting | " + " | ".join(cats) + f" | overall | draft ms/cycle | overhead vs "

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from msd_train.evaluation.metrics import DEFINITIONS
+from msd_train.formatting import fmt
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -17,19 +18,6 @@ def _atomic_write(path: Path, text: str) -> None:
 
 def write_samples(path: Path, records: list[dict]) -> None:
     _atomic_write(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-
-
-def fmt(v, digits: int = 3) -> str:
-    """A metric for a Markdown table: '-' for missing, yes/no, fixed decimals, short lists."""
-    if v is None:
-        return "-"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, float):
-        return f"{v:.{digits}f}"
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(fmt(x, 2) for x in v) + "]"
-    return str(v)
 
 
 COLUMNS = [("tau", "tau", 3), ("speedup", "speedup", 2), ("tokens_per_s", "tokens/s", 1),

@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 
 from msd_train.draft import MSDDraftConfig
-from msd_train.evaluation.report import fmt
+from msd_train.formatting import fmt
 
 log = logging.getLogger(__name__)
 

@@ -1,41 +1,25 @@
-"""`key=value` arguments of the hub scripts over their `conf/<name>.yaml`.
+"""What the hub scripts (scripts/export.py, import_reference.py, push_to_hub.py) share.
 
-The spelling is Hydra's (`out=DIR private=true datasets=[a,b]`), parsed with OmegaConf
-alone: here `target=` takes a path or Hub id as well as a `conf/target/` name, which a
-Hydra config group would refuse, and the scripts write no output folders.
+They are Hydra entry points like train.py and eval.py, over `conf/hub/<name>.yaml`. Those
+configs sit in a folder of their own because their `target=` takes a target path or Hub
+id as well as a `conf/target/` name: with `conf/` as the config path, Hydra would read
+`target=...` as choosing from the `target/` group and refuse a path. Under `conf/hub/`
+there is no such group, so `target` is a plain key and `resolve_target` looks the name up.
 """
 
 from __future__ import annotations
 
-import sys
-
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError
 
 from msd_train.config import CONF_DIR
 
 
-def parse_args(name: str, argv: list[str] | None = None, doc: str | None = None) -> DictConfig:
-    """`conf/<name>.yaml` merged with `key=value` arguments; unknown keys and missing
-    required (`???`) values are errors that name the key."""
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help") for a in argv):
-        print(doc or "")
-        print(f"arguments (conf/{name}.yaml):\n" + OmegaConf.to_yaml(OmegaConf.load(CONF_DIR / f"{name}.yaml")))
-        sys.exit(0)
-    bad = [a for a in argv if "=" not in a or a.startswith("-")]
-    if bad:
-        sys.exit(f"{name}: arguments are key=value, got {' '.join(bad)} (see --help)")
-    base = OmegaConf.load(CONF_DIR / f"{name}.yaml")
-    OmegaConf.set_struct(base, True)
-    try:
-        cfg = OmegaConf.merge(base, OmegaConf.from_dotlist(argv))
-    except ConfigKeyError as err:
-        sys.exit(f"{name}: unknown argument {err.key!r}; known: {', '.join(base.keys())}")
+def require_arguments(cfg: DictConfig, script: str) -> None:
+    """Exit with one line naming every required (`???`) argument left out, rather than
+    Hydra's error on the first one the script happens to read."""
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
-        sys.exit(f"{name}: missing required argument(s): {', '.join(f'{k}=...' for k in missing)}")
-    return cfg
+        raise SystemExit(f"{script}: missing required argument(s): {' '.join(f'{k}=...' for k in missing)}")
 
 
 def resolve_target(value: str | None) -> tuple[str | None, str | None]:
