@@ -226,21 +226,3 @@ def check_generate(cfg) -> None:
     for split in _get(cfg, "splits") or []:
         if split in names:
             _sources(cfg, names[split], need_images=split.endswith("multimodal"))
-
-
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
-
-
-def check_push(repo_id: str, dry_run: bool, token: str | None = None) -> None:
-    """A valid ``repo_id`` (also in dry runs: the card names it) and, for a real push, a token."""
-    rid = str(repo_id)
-    if not _REPO_ID.match(rid) or ".." in rid or "--" in rid or rid.endswith((".git", ".")):
-        raise ConfigError(f"repo_id={rid!r} is not a Hub repository id: use USER/NAME (or ORG/NAME) of letters, "
-                          "digits, '-', '_' and '.', e.g. repo_id=me/msd-llava15-7b")
-    if dry_run or token:
-        return
-    from huggingface_hub import get_token
-
-    if not get_token():
-        raise ConfigError("no Hugging Face token: set HF_TOKEN or run `huggingface-cli login` (a token with write "
-                          "access), or try it first with dry_run=true")

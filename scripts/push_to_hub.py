@@ -26,13 +26,12 @@ def main(cfg: DictConfig) -> None:
     require_arguments(cfg, "push")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from msd_train.hub import IncompleteHeadError, push_head
-    from msd_train.validate import ConfigError
 
     try:
         push_head(cfg.checkpoint, cfg.repo_id, private=cfg.private, dry_run=cfg.dry_run, report=cfg.report,
                   license=cfg.license, datasets=list(cfg.datasets) if cfg.datasets else None,
                   commit_message=cfg.commit_message, base_model=cfg.base_model)
-    except (IncompleteHeadError, FileNotFoundError, ValueError, ConfigError) as err:
+    except (IncompleteHeadError, FileNotFoundError, ValueError) as err:
         sys.exit(f"refusing to push: {err}")
 
 

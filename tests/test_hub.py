@@ -215,14 +215,14 @@ def test_import_refuses_incomplete_heads(tmp_path):
         import_reference(tmp_path / "c", tmp_path / "out")
 
 
-def test_import_ignores_rope_buffers_but_refuses_unknown_missing_and_misshapen_weights(tmp_path, capsys):
+def test_import_ignores_rope_buffers_but_refuses_unknown_missing_and_misshapen_weights(tmp_path, capsys, monkeypatch):
     """Heads saved by older transformers / EAGLE code carry `rotary_emb.inv_freq`: the
     released loader ignores it (strict=False); so does the importer, with a printed note.
     Anything that is a weight and does not fit is still refused."""
     inv_freq = 1.0 / 10000.0 ** (torch.arange(0, H // HEADS, 2).float() / (H // HEADS))
     raw = released_head(tmp_path / "buf", "llava", "bin",
                         extra={"layers.0.self_attn.rotary_emb.inv_freq": inv_freq})
-    _script("import_reference").main([f"src={tmp_path}/buf", f"out={tmp_path}/ours"])
+    _run_script("import_reference", [f"src={tmp_path}/buf", f"out={tmp_path}/ours"], monkeypatch)
     printed = capsys.readouterr().out
     assert "layers.0.self_attn.rotary_emb.inv_freq ignored" in printed and "equals config.json" in printed
     stored = load_file(tmp_path / "ours" / "model.safetensors")

@@ -21,7 +21,7 @@ import torch
 
 from msd_train.training import checkpoint as ckpt
 from msd_train.training import rundir
-from msd_train.validate import ConfigError, check_eval, check_head, check_out_dir, check_push, check_train
+from msd_train.validate import ConfigError, check_eval, check_head, check_out_dir, check_train
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
@@ -281,12 +281,14 @@ def test_eval_config_mistakes_fail_before_anything_loads(tmp_path):
 
 
 def test_push_refuses_bad_repo_id_in_dry_runs_and_says_when_there_is_no_token(monkeypatch, tmp_path):
+    from msd_train.hub.push import check_push
+
     monkeypatch.setattr("huggingface_hub.get_token", lambda: None)  # no HF_TOKEN, no `huggingface-cli login`
     for bad in ("noslash", "me/bad name", "me/../x", "a/b/c"):
-        with pytest.raises(ConfigError, match="is not a Hub repository id"):
+        with pytest.raises(ValueError, match="is not a Hub repository id"):
             check_push(bad, dry_run=True)
     check_push("me/msd-llava15-7b", dry_run=True)
-    with pytest.raises(ConfigError, match="no Hugging Face token"):
+    with pytest.raises(ValueError, match="no Hugging Face token"):
         check_push("me/msd-llava15-7b", dry_run=False)
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from msd_train.draft import MSDDraftConfig
 from msd_train.formatting import fmt
+from msd_train.hub.folders import is_repo_id
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,6 @@ KNOWN_DATASETS = {
     "llava_v1_5_mix665k.json": "liuhaotian/LLaVA-Instruct-150K",
 }
 
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 #: An absolute (or home-relative) local path inside running text; not a URL's "//host/..."
 #: nor "a/b" within a word.
 _LOCAL_PATH = re.compile(r"(?<![\w:/.~-])~?/[^\s`'\"()\[\]{}<>,;|*]+")
@@ -39,7 +39,7 @@ _LOCAL_PATH = re.compile(r"(?<![\w:/.~-])~?/[^\s`'\"()\[\]{}<>,;|*]+")
 
 def hub_id(name: str | None) -> str | None:
     """`name` if it reads as a Hub repo id (OWNER/NAME) and is not a local folder, else None."""
-    if not name or not _REPO_ID.match(str(name)) or Path(str(name)).exists():
+    if not name or not is_repo_id(name) or Path(str(name)).exists():
         return None
     return str(name)
 
@@ -138,7 +138,7 @@ def datasets_of(training: list[dict]) -> list[str]:
             for source in data.get(key) or []:
                 path = str(source.get("path", "")) if isinstance(source, dict) else str(source)
                 ident = KNOWN_DATASETS.get(Path(path).name)
-                if ident is None and _REPO_ID.match(path) and not Path(path).exists():
+                if ident is None and is_repo_id(path) and not Path(path).exists():
                     ident = path
                 if ident and ident not in out:
                     out.append(ident)

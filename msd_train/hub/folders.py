@@ -17,7 +17,13 @@ REFERENCE_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 #: what a head repository needs; anything else in it (images, logs) is not downloaded
 HEAD_FILE_PATTERNS = ["*.json", "*.safetensors", "*.bin", "README.md"]
 
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
+
+
+def is_repo_id(name) -> bool:
+    """Whether ``name`` is spelt like a Hub repository id (OWNER/NAME), the Hub's own rules."""
+    name = str(name)
+    return bool(_REPO_ID.match(name)) and ".." not in name and "--" not in name and not name.endswith((".git", "."))
 
 
 class IncompleteHeadError(ValueError):
@@ -44,7 +50,7 @@ def resolve_folder(path_or_repo_id: str | Path, revision: str | None = None) -> 
             raise IncompleteHeadError(f"{path}: a head is a folder (config.json + weights), not a file")
         return path
     name = str(path_or_repo_id)
-    if not _REPO_ID.match(name):
+    if not is_repo_id(name):
         raise FileNotFoundError(f"{name}: no such folder, and not a Hub repo id of the form user/name")
     from huggingface_hub import snapshot_download
 

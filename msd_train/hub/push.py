@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from msd_train.hub.card import find_report, model_card, read_training
-from msd_train.hub.folders import IncompleteHeadError, export_weight_files, load_export
+from msd_train.hub.folders import IncompleteHeadError, export_weight_files, is_repo_id, load_export
 from msd_train.hub.reference import IMPORT_RECORD
 
 log = logging.getLogger(__name__)
@@ -109,8 +109,6 @@ def push_head(
     the head was trained on a local copy of the target). Returns the plan that was (or
     would be) uploaded.
     """
-    from msd_train.validate import check_push
-
     # Before anything is read or printed: an invalid id, or a real push without a token, is refused.
     check_push(repo_id, dry_run or client is not None, token)
     plan = plan_push(checkpoint, repo_id, report, license, datasets, base_model)
@@ -147,3 +145,17 @@ def push_head(
             raise RuntimeError(f"push to {repo_id} failed: {_scrub(f'{type(err).__name__}: {err}', token)}") from None
     echo(f"pushed: {getattr(result, 'commit_url', None) or f'https://huggingface.co/{repo_id}'}")
     return plan
+
+
+def check_push(repo_id: str, dry_run: bool, token: str | None = None) -> None:
+    """A valid ``repo_id`` (also in dry runs: the card names it) and, for a real push, a token."""
+    if not is_repo_id(repo_id):
+        raise ValueError(f"repo_id={str(repo_id)!r} is not a Hub repository id: use USER/NAME (or ORG/NAME) of "
+                         "letters, digits, '-', '_' and '.', e.g. repo_id=me/msd-llava15-7b")
+    if dry_run or token:
+        return
+    from huggingface_hub import get_token
+
+    if not get_token():
+        raise ValueError("no Hugging Face token: set HF_TOKEN or run `huggingface-cli login` (a token with write "
+                         "access), or try it first with dry_run=true")
