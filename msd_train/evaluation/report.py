@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from msd_train.evaluation.metrics import DEFINITIONS
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+from msd_train.runtime import atomic_file
+from msd_train.runtime import atomic_write_text as _atomic_write
 
 
 def write_samples(path: Path, records: list[dict]) -> None:
@@ -116,10 +111,9 @@ def plot(report: dict, path: Path) -> bool:
     ax2.tick_params(axis="x", labelrotation=30, labelsize=8)
     fig.suptitle(f"{report['method']} on {report['bench']} ({report['device']})", fontsize=10)
     fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    with atomic_file(path, keep_suffix=True) as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
-    os.replace(tmp, path)
     return True
 
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
 import platform
 import sys
 from pathlib import Path
 
 import torch
 
+from msd_train import runtime
 from msd_train.decoding import DecodeConfig, SamplingParams
 from msd_train.evaluation.bench import load_bench
 from msd_train.evaluation.metrics import DEFINITIONS, summarize, summarize_by_category
@@ -82,29 +82,11 @@ def _check_draft(draft: str | None) -> None:
         )
 
 
-def _distributed() -> tuple[int, int, int]:
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    rank = int(os.environ.get("RANK", 0))
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    if world > 1:
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            dist.init_process_group(backend="gloo")  # only barriers: gloo works for CPU and GPU runs
-    return rank, world, local
-
-
 def run_eval(cfg: dict, command: str | None = None) -> dict | None:
     """Evaluate ``cfg["draft"]`` on ``cfg["bench"]``; returns the report on rank 0."""
-    rank, world, local = _distributed()
-    device = cfg["target"].get("device", "auto")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and world > 1:
-        device = f"cuda:{local}"
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = runtime.local_device(cfg["target"].get("device", "auto"))  # cuda:LOCAL_RANK under a launcher
+    group = runtime.setup_group(device)
+    rank, world = group.rank, group.world
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg["threads"]))
 
@@ -150,11 +132,9 @@ def run_eval(cfg: dict, command: str | None = None) -> dict | None:
         r["item"] = rank + world * r["item"]
 
     if world > 1:
-        import torch.distributed as dist
-
         out.mkdir(parents=True, exist_ok=True)
         write_samples(out / f"samples.rank{rank}.jsonl", records)
-        dist.barrier()
+        group.barrier()
         if rank != 0:
             return None
         records = []

@@ -18,6 +18,8 @@ import os
 import shutil
 from pathlib import Path
 
+from msd_train.runtime import atomic_dir, replace_dir
+
 STATE_FILE = "recipe_state.json"
 
 
@@ -48,9 +50,7 @@ def finish(tmp: Path, final: Path, state: dict) -> None:
         json.dump(state, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    replace_dir(tmp, final)
 
 
 def rotate(root: Path, keep: int) -> None:
@@ -63,12 +63,9 @@ def rotate(root: Path, keep: int) -> None:
 
 def export_atomic(model, out: Path, extra_files: dict[str, str] | None = None) -> None:
     """``save_pretrained`` into a temp folder, then rename over ``out``."""
-    tmp = out.parent / f".tmp-{out.name}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    model.save_pretrained(tmp, safe_serialization=True)
-    for name, text in (extra_files or {}).items():
-        (tmp / name).write_text(text)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp, safe_serialization=True)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+
+    atomic_dir(out, write)
