@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-from msd_train import runtime
 from msd_train.decoding import DecodeConfig, SamplingParams
 from msd_train.evaluation.bench import load_bench
 from msd_train.evaluation.metrics import DEFINITIONS, summarize, summarize_by_category
 from msd_train.evaluation.report import write_report, write_samples
 from msd_train.evaluation.runner import evaluate
+from msd_train.runtime import local_device, setup_group
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +84,8 @@ def _check_draft(draft: str | None) -> None:
 
 def run_eval(cfg: dict, command: str | None = None) -> dict | None:
     """Evaluate ``cfg["draft"]`` on ``cfg["bench"]``; returns the report on rank 0."""
-    device = runtime.local_device(cfg["target"].get("device", "auto"))  # cuda:LOCAL_RANK under a launcher
-    group = runtime.setup_group(device)
+    device = local_device(cfg["target"].get("device", "auto"))  # cuda:LOCAL_RANK under a launcher
+    group = setup_group(device)
     rank, world = group.rank, group.world
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg["threads"]))
