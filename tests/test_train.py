@@ -210,3 +210,22 @@ def test_deepspeed_launcher_two_stages_on_the_embedded_default(tmp_path):
     # stage 2 validates on both held-out sets
     val2 = [json.loads(x) for x in (tmp_path / "stage2" / "metrics.jsonl").read_text().splitlines() if "val/" in x]
     assert "val/mm/sim_tau" in val2[-1] and "val/text/sim_tau" in val2[-1]
+
+
+def test_a_large_shaped_target_folder_trains_with_the_unchanged_entry_point(in_process, tmp_path):
+    """scripts/make_large_target.py at CPU size: a normal model folder for target.name_or_path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_large_target", ROOT / "scripts" / "make_large_target.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = mod.main([str(tmp_path / "target"), "--layers", "1", "--scale", "small"])
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["text_config"]["vocab_size"] == 32064 and cfg["image_seq_length"] == 576
+    assert cfg["vision_config"]["image_size"] == 336 and cfg["dtype"] == "bfloat16"
+    r = recipe(["stage='1'", f"target.name_or_path={out}", "train.max_steps=2", "train.micro_batch_size=2",
+                "data.max_heldout=2", "eval.every=100", f"data.cache_dir={tmp_path / 'cache'}",
+                f"run_dir={tmp_path / 'run'}"])
+    assert r.target.vocab_size == len(r.target.tokenizer) == 32064  # every id the target can emit decodes
+    rows = run_steps(r)
+    assert len(rows) == 2 and all(math.isfinite(x[0]) for x in rows)
