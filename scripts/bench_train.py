@@ -156,6 +156,23 @@ def peak_flops(device: torch.device) -> float | None:
     return next((v for k, v in sorted(PEAK_BF16.items(), key=lambda kv: -len(kv[0])) if k in name), None)
 
 
+def profile_steps(recipe, args, device) -> Path:
+    """Two steps under torch.profiler: the operator table (by device time) beside ``--out``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts, record_shapes=False) as prof:
+        for _ in range(2):
+            recipe.train_step()
+            recipe.step += 1
+        _sync(device)
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    out = Path(args.out)
+    path = out.with_name(f"{out.stem}-mb{recipe.cfg.train.micro_batch_size}-profile.txt")
+    path.write_text(prof.key_averages().table(sort_by=key, row_limit=40) + "\n")
+    return path
+
+
 # ----------------------------------------------------------------------------- one size
 def run_one(args, overrides: list[str]) -> dict:
     from hydra import compose, initialize_config_dir
@@ -212,6 +229,9 @@ def run_one(args, overrides: list[str]) -> dict:
                 recipe.step += 1
             _sync(device)
             split_total = time.perf_counter() - t1
+            timer.on = False
+            if args.profile:
+                profile_steps(recipe, args, device)
         except torch.OutOfMemoryError as e:
             return {"micro_batch_size": int(cfg.train.micro_batch_size), "oom": True,
                     "error": str(e).splitlines()[0]}
@@ -300,6 +320,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--split-steps", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="also write a torch.profiler table per size")
     ap.add_argument("--note", default=None)
     ap.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "train" / "tiny_cpu.json"))
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # child process: one size
@@ -320,6 +341,7 @@ def main(argv=None) -> dict:
         child = [sys.executable, str(Path(__file__).resolve()), "--one", "--steps", str(args.steps),
                  "--warmup", str(args.warmup), "--split-steps", str(args.split_steps), "--samples", str(args.samples),
                  "--vision-tokens", str(args.vision_tokens), "--out", args.out]
+        child += ["--profile"] if args.profile else []
         if args.seq_len:
             child += ["--seq-len", str(args.seq_len)]
         child += ["--", *overrides] + ([f"train.micro_batch_size={mb}"] if mb else [])
