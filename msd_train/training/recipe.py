@@ -89,7 +89,7 @@ class TrainRecipe:
         self.device = runtime.local_device(cfg.target.device)
         self.group = runtime.setup_group(self.device, deepspeed=True)
         self.rank, self.world, self.local_rank = self.group.rank, self.group.world, self.group.local_rank
-        self.dist = dist
+        self.dist = dist  # torch.distributed; collectives go through self.group
         self.main = self.group.main
         self.stage_dir.mkdir(parents=True, exist_ok=True)
 
@@ -504,4 +504,5 @@ class TrainRecipe:
     def cleanup(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
+        self._batches = self._batches_at = None  # ends the DataLoader's workers
         self.group.destroy()
