@@ -40,7 +40,7 @@ from msd_train.draft import MSDDraftConfig, MSDDraftModel
 from msd_train.features import make_feature_source
 from msd_train.targets import load_target
 from msd_train.training import checkpoint as ckpt
-from msd_train.training.loss import draft_loss_mask, msd_loss
+from msd_train.training.loss import draft_loss_mask, loss_index, msd_loss
 from msd_train.training.validation import evaluate_split
 
 log = logging.getLogger("msd_train")
@@ -309,7 +309,9 @@ class TrainRecipe:
         sums = torch.zeros(5, dtype=torch.float64, device=self.device)
         last = len(micro_batches) - 1
         for micro, batch in enumerate(micro_batches):
+            index = loss_index(draft_loss_mask(batch["loss_mask"]))  # on the host: no device sync
             batch = self._to_device(batch)
+            index = index.to(self.device, non_blocking=self.device.type == "cuda")
             feats = self.features(batch)
             ok = torch.isfinite(feats.hidden_states).all() & torch.isfinite(feats.inputs_embeds).all()
             target_hidden = _finite(feats.hidden_states)
@@ -317,9 +319,8 @@ class TrainRecipe:
                 _finite(feats.inputs_embeds), target_hidden, feats.visual_mask)
             hidden = self._noise(hidden, micro)
             out = self.engine(embeds, hidden, replace, raw, position_ids=feats.position_ids[..., :-1])
-            mask = draft_loss_mask(batch["loss_mask"])
             loss, parts = msd_loss(out.last_hidden_state, target_hidden[:, 1:], self.target.lm_head,
-                                   mask, n_global, tc.w_feat, tc.w_tok)
+                                   None, n_global, tc.w_feat, tc.w_tok, index=index)
             ok = ok & torch.isfinite(loss)
             # The loss is already this micro-batch's share of the global-batch sum: skip
             # DeepSpeed's division by grad_accum, and undo its average over ranks.
