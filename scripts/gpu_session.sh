@@ -70,7 +70,8 @@ step() {  # run (or, dry, print) one command, its output into the log named firs
   local log=$1; shift
   echo "+ $*" | tee -a "$log"
   [ $DRY = 1 ] && return 0
-  "$@" 2>&1 | tee -a "$log"
+  # A failure is recorded and the session goes on: one call should bring back all it can.
+  "$@" 2>&1 | tee -a "$log" || { echo "FAILED: $*" | tee -a "$log" "$OUT/failures.txt"; return 0; }
 }
 
 install() {
@@ -78,7 +79,9 @@ install() {
   check_wheels
   if [ $DRY = 1 ]; then echo "+ pip install --target /tmp/site .whl/*.whl"; return; fi
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$ROOT PATH=/tmp/site/bin:$PATH
+  # The README says `python`; the image may have only python3.
+  mkdir -p /tmp/msd-bin && ln -sf "$(command -v python3)" /tmp/msd-bin/python
+  export PYTHONPATH=/tmp/site:$ROOT PATH=/tmp/msd-bin:/tmp/site/bin:$PATH
   export WANDB_SILENT=true PYTHONUNBUFFERED=1
   {
     nvidia-smi || true
@@ -107,13 +110,13 @@ readme() {
   if [ $DRY = 0 ]; then
     setsid "${cmd[@]}" >>"$d/killed-run.log" 2>&1 &
     local pid=$! waited=0
-    while [ ! -f "$first" ] && kill -0 $pid 2>/dev/null && [ $waited -lt 600 ]; do sleep 0.2; waited=$((waited + 1)); done
+    while [ ! -f "$first" ] && kill -0 $pid 2>/dev/null && [ $waited -lt 1500 ]; do sleep 0.2; waited=$((waited + 1)); done
     kill -9 -- -$pid 2>/dev/null || true
     wait $pid 2>/dev/null || true
   fi
   step "$log" "${cmd[@]}"
   if [ $DRY = 0 ]; then
-    python3 - "$d" <<'EOF' | tee -a "$log"
+    python3 - "$d" <<'EOF' 2>&1 | tee -a "$log" || echo "FAILED: resume check" | tee -a "$OUT/failures.txt"
 import json, sys
 from pathlib import Path
 from safetensors.torch import load_file
@@ -130,7 +133,7 @@ r = {"resumed": "resuming from" in log, "max_abs_weight_diff_vs_uninterrupted": 
 (d / "resume.json").write_text(json.dumps(r, indent=1) + "\n")
 print(json.dumps(r))
 EOF
-    for s in 1 2; do cp runs/tiny/stage$s/metrics.jsonl "$d/stage$s-metrics.jsonl"; done
+    for s in 1 2; do cp runs/tiny/stage$s/metrics.jsonl "$d/stage$s-metrics.jsonl" || true; done
     cp runs/tiny/eval/report.json runs/tiny/eval/report.md "$d/" 2>/dev/null || true
   fi
 }
@@ -171,7 +174,8 @@ main() {
       install
       if [ $part = all ] || [ $part = readme ]; then readme; fi
       if [ $part = all ] || [ $part = throughput ]; then throughput; fi
-      echo "results under $OUT" ;;
+      echo "results under $OUT"
+      if [ -f "$OUT/failures.txt" ]; then cat "$OUT/failures.txt"; exit 1; fi ;;
     *) sed -n '2,20p' "$0"; exit 2 ;;
   esac
 }
