@@ -7,6 +7,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from msd_train.runtime import pick_device  # noqa: F401  (re-exported for older imports)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO_ROOT / "conf"
 
@@ -45,9 +47,17 @@ def strip_launcher_args(argv: list[str] | None = None) -> None:
     argv[:] = out
 
 
-def pick_device(device: str) -> str:
-    import torch
+# The data.* lists a stage may read (stage.splits); feature stores hold the same names.
+SPLITS = ("text", "multimodal", "heldout_text", "heldout_multimodal")
 
-    if device != "auto":
-        return device
-    return "cuda" if torch.cuda.is_available() else "cpu"
+
+def stage_splits(cfg) -> tuple[str, ...]:
+    """The data splits the configured stage reads (``stage.splits``); all without a stage."""
+    if "stage" not in cfg:
+        return SPLITS
+    names = tuple(cfg.stage.splits)
+    unknown = [n for n in names if n not in SPLITS]
+    if unknown:
+        raise ValueError(f"stage.splits={list(names)}: unknown {unknown}; choose from {list(SPLITS)} "
+                         f"(conf/stage/*.yaml)")
+    return names

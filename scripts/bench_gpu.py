@@ -1,4 +1,4 @@
-"""GPU benchmark of the MSD speculative decoder and training step on a LLaVA-1.5-7B-shaped target.
+"""GPU benchmark of the MSD speculative decoder on a LLaVA-1.5-7B-shaped target.
 
     python scripts/bench_gpu.py --config llava15_7b --device cuda          # on an H100 / H200
     python scripts/bench_gpu.py --config small --device cpu --repeats 3    # CPU dry run (~1 min)
@@ -21,10 +21,9 @@ Measured (medians over ``--repeats`` after ``--warmup`` runs, device synchronise
 5. cycle / step ratio at the default tree and the implied speedup tau * step / cycle
    for tau = 2, 3, 4; the cycle is also timed inside ``decode(method="tree")``;
 5b. ensemble drafting: one draft block (default tree, and a chain of 5) with the head alone
-   (M) and with the variants M, T, P as three batch rows (IbED), and the overhead;
-6. online-feature stage-2 training step with DeepSpeed ZeRO-2 on one device: target
-   tokens/s and peak memory at micro-batch sizes 1, 2, 4 (skipped, with a note, when
-   deepspeed is not installed).
+   (M) and with the variants M, T, P as three batch rows (IbED), and the overhead.
+
+Training throughput is ``scripts/bench_train.py``, which runs the recipe itself.
 
 Writes ``--out`` (JSON) and the same name with ``.md``.
 """
@@ -36,8 +35,6 @@ import datetime
 import json
 import os
 import platform
-import resource
-import socket
 import statistics
 import sys
 import time
@@ -55,8 +52,7 @@ DEFAULT_TREE = dict(depth=5, top_k=10, total_tokens=60)
 TAUS = (2, 3, 4)
 N_IMAGE = 576  # LLaVA-1.5 at 336 px: (336 / 14) ** 2
 N_TEXT = 64  # BOS + 63 text tokens
-GOALS = {"cycle_over_step_max": 1.15, "project_ar_vs_hf_generate_min": 1.0, "train_target_tokens_per_s_min": 15000,
-         "ensemble_draft_overhead_max": 0.30}
+GOALS = {"cycle_over_step_max": 1.15, "project_ar_vs_hf_generate_min": 1.0, "ensemble_draft_overhead_max": 0.30}
 
 # Hand-written configurations. llava15_7b is llava-hf/llava-1.5-7b-hf's config.json.
 CONFIGS = {
@@ -67,7 +63,7 @@ CONFIGS = {
         vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
                     image_size=336, patch_size=14, projection_dim=768, hidden_act="quick_gelu",
                     layer_norm_eps=1e-5),
-        image_token_id=32000, projector_hidden_act="gelu", train_seq_len=1024,
+        image_token_id=32000, projector_hidden_act="gelu",
     ),
     # A few layers and small widths, same prompt shape (576 visual tokens) and vocabulary:
     # runs end to end on a CPU; its numbers say nothing about a GPU.
@@ -78,7 +74,7 @@ CONFIGS = {
         vision=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                     image_size=336, patch_size=14, projection_dim=64, hidden_act="quick_gelu",
                     layer_norm_eps=1e-5),
-        image_token_id=32000, projector_hidden_act="gelu", train_seq_len=704,
+        image_token_id=32000, projector_hidden_act="gelu",
     ),
 }
 
@@ -383,95 +379,6 @@ def bench_ensemble(target, draft, prompt, args, device) -> dict:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def bench_train(target, args, device, dtype) -> dict:
-    """6. Online-feature stage-2 training step, DeepSpeed ZeRO-2, one process."""
-    try:
-        import deepspeed
-    except ImportError as e:
-        return {"skipped": True, "note": f"deepspeed is not installed ({e}); install the deepspeed wheel to "
-                                         f"measure item 6 (pip install deepspeed)"}
-    import torch.distributed as dist
-
-    from msd_train.draft import MSDDraftConfig, MSDDraftModel
-    from msd_train.training.loss import draft_loss_mask, msd_loss
-
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()))
-        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
-                                   auto_mpi_discovery=False)
-    seq = args.train_seq_len or CONFIGS[args.config]["train_seq_len"]
-    n_text = seq - 1 - N_IMAGE
-    side = target.config.vision_config.image_size
-    bf16 = dtype == torch.bfloat16
-    results = {}
-    for mb in args.micro_batches:
-        g = torch.Generator().manual_seed(mb)
-        text = torch.randint(3, 32000, (mb, n_text), generator=g)
-        ids = torch.cat([torch.ones(mb, 1, dtype=torch.long), torch.full((mb, N_IMAGE), target.image_token_id),
-                         text], dim=1).to(device)
-        loss_mask = torch.zeros_like(ids)
-        loss_mask[:, -(n_text // 2):] = 1  # the assistant half of the text carries loss
-        pixel = {"pixel_values": torch.randn(mb, 3, side, side, generator=g).to(device)}
-        torch.manual_seed(2)
-        with torch.device(device):
-            head = MSDDraftModel(MSDDraftConfig.from_target_config(target.config, target.name)).to(device)
-        opt = torch.optim.AdamW(head.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0)
-        ds_config = {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": 1,
-                     "gradient_clipping": 0.5, "bf16": {"enabled": bf16}, "steps_per_print": 10**9,
-                     "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True}}
-        engine, _, _, _ = deepspeed.initialize(model=head, optimizer=opt, config=ds_config)
-        if bf16:  # as the recipe: RoPE frequencies stay fp32
-            rope = engine.module.rotary_emb
-            engine.module.rotary_emb = type(rope)(engine.module.config).to(device)
-        mask = draft_loss_mask(loss_mask)
-        n_tok = float(mask.sum())
-
-        def step(engine=engine, ids=ids, pixel=pixel, mask=mask, n_tok=n_tok):
-            feats = target.features(ids, None, pixel)  # the frozen target forward (online features)
-            e, h, rep, raw = engine.module.align_inputs(feats.inputs_embeds, feats.hidden_states, feats.visual_mask)
-            out = engine(e, h, rep, raw, position_ids=feats.position_ids[..., :-1])
-            loss, _ = msd_loss(out.last_hidden_state, feats.hidden_states[:, 1:], target.lm_head, mask, n_tok)
-            engine.backward(loss, scale_wrt_gas=False)
-            engine.step()
-
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        try:
-            xs = timed(step, device, args.train_steps, args.train_warmup)
-        except torch.OutOfMemoryError as e:
-            results[str(mb)] = {"oom": True, "error": str(e).splitlines()[0]}
-        else:
-            t = statistics.median(xs)
-            peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                    else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-            results[str(mb)] = {"s_per_step": ms(xs), "target_tokens_per_s": round(mb * seq / t, 1),
-                                "peak_memory_gib": round(peak / 2**30, 3)}
-        engine.destroy() if hasattr(engine, "destroy") else None
-        del engine, head, opt
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    best = max((r.get("target_tokens_per_s", 0) for r in results.values()), default=0)
-    return {
-        "skipped": False, "deepspeed": deepspeed.__version__, "zero_stage": 2, "seq_len": seq,
-        "sample": f"BOS + {N_IMAGE} image tokens + {n_text} text tokens, loss on the last {n_text // 2}",
-        "precision": "bf16" if bf16 else "fp32", "steps_timed": args.train_steps,
-        "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "process_max_rss (cumulative)",
-        "by_micro_batch": results, "best_target_tokens_per_s": best,
-        "goal_target_tokens_per_s_min": GOALS["train_target_tokens_per_s_min"],
-        "goal_met": best >= GOALS["train_target_tokens_per_s_min"],
-    }
-
-
 # ----- report -------------------------------------------------------------------------------
 
 
@@ -498,7 +405,7 @@ def environment(device) -> dict:
 
 def markdown(r: dict) -> str:
     p, c = r["plain_decoding"], r["cycle"]["cycle"]
-    lines = [f"# MSD decoder / training benchmark: `{r['config']}` on {r['environment']['gpu'] or 'CPU'}", ""]
+    lines = [f"# MSD decoder benchmark: `{r['config']}` on {r['environment']['gpu'] or 'CPU'}", ""]
     if r["dry_run"]:
         lines += ["**CPU DRY RUN, NOT A GPU MEASUREMENT.** It checks that the benchmark runs end to end; "
                   "the numbers say nothing about H100/H200 speed.", ""]
@@ -539,21 +446,6 @@ def markdown(r: dict) -> str:
     lines += [f"| {m} | {en[m]['M']['median']:.3f} | {en[m]['ibed-MTP']['median']:.3f} | {100 * en[m]['overhead']:+.0f}% |"
               for m in ("tree", "chain_k5")]
     lines += ["", f"goal: overhead <= {100 * en['goal_overhead_max']:.0f}%"]
-    t = r["training"]
-    lines += ["", "## 6. Training (online features, stage 2, ZeRO-2, one device)", ""]
-    if t.get("skipped"):
-        lines += [f"skipped: {t['note']}"]
-    else:
-        lines += [f"{t['sample']}; {t['precision']}; peak memory: {t['peak_memory_kind']}", "",
-                  "| micro-batch | s/step | target tokens/s | peak GiB |", "|---|---|---|---|"]
-        for mb, v in t["by_micro_batch"].items():
-            if v.get("oom"):
-                lines.append(f"| {mb} | OOM | | |")
-            else:
-                lines.append(f"| {mb} | {v['s_per_step']['median'] / 1e3:.3f} | {v['target_tokens_per_s']:.0f} | "
-                             f"{v['peak_memory_gib']:.2f} |")
-        lines += ["", f"best {t['best_target_tokens_per_s']:.0f} target tokens/s "
-                      f"(goal >= {t['goal_target_tokens_per_s_min']} on one H100)"]
     lines += ["", "## Goals", ""] + [f"- {k}: {'met' if v else 'MISSED'}" for k, v in r["goals_met"].items()]
     if r.get("note"):
         lines += ["", f"Note: {r['note']}"]
@@ -568,19 +460,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=20, help="timed repeats per measurement (medians)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed warm-up runs per measurement")
     ap.add_argument("--new-tokens", type=int, default=64, help="plain decoding: new tokens per run")
-    ap.add_argument("--micro-batches", default="1,2,4", help="training micro-batch sizes")
-    ap.add_argument("--train-steps", type=int, default=None, help="timed training steps (default: --repeats)")
-    ap.add_argument("--train-warmup", type=int, default=None, help="untimed training steps (default: --warmup)")
-    ap.add_argument("--train-seq-len", type=int, default=None, help="tokens per training sample (image included)")
-    ap.add_argument("--skip-train", action="store_true", help="skip item 6")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default 1 on CPU)")
     ap.add_argument("--note", default=None)
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/gpu/<config>-<device>.json); "
                                                 "the Markdown goes next to it")
     args = ap.parse_args(argv)
-    args.micro_batches = [int(x) for x in args.micro_batches.split(",") if x]
-    args.train_steps = args.train_steps or args.repeats
-    args.train_warmup = args.warmup if args.train_warmup is None else args.train_warmup
     if args.new_tokens < 2:
         raise SystemExit("--new-tokens must be at least 2")
 
@@ -608,22 +492,13 @@ def main(argv=None) -> dict:
     ensemble = bench_ensemble(target, draft, prompt, args, device)
     print(f"5b. ensemble drafting overhead: tree {100 * ensemble['tree']['overhead']:+.0f}%, chain "
           f"{100 * ensemble['chain_k5']['overhead']:+.0f}%", flush=True)
-    if args.skip_train:
-        train = {"skipped": True, "note": "--skip-train"}
-    else:
-        del draft
-        train = bench_train(target, args, device, dtype)
-    print("6. training " + ("skipped: " + train["note"] if train.get("skipped") else
-                            f"best {train['best_target_tokens_per_s']:.0f} target tokens/s"), flush=True)
 
     tc = target.text_config
     goals = {"cycle_over_step <= 1.15": cycle["cycle"]["goal_met"],
              "project AR >= HF generate()": plain["project_over_hf_speed"] >= 1.0,
              "ensemble (3 rows) drafting overhead <= 30%": ensemble["goal_met"]}
-    if not train.get("skipped"):
-        goals["train >= 15000 target tokens/s"] = train["goal_met"]
     result = {
-        "what": "MSD decoder cycle and training step on a random LLaVA-1.5-7B-shaped target",
+        "what": "MSD decoder cycle on a random LLaVA-1.5-7B-shaped target",
         "dry_run": device.type != "cuda",
         "dry_run_note": ("CPU dry run: checks the benchmark runs end to end, not a GPU measurement"
                          if device.type != "cuda" else None),
@@ -640,7 +515,7 @@ def main(argv=None) -> dict:
         "draft": {"params_m": draft_params_m, "weights": "random"},
         "prompt_tokens": int(prompt.input_ids.shape[0]),
         "repeats": args.repeats, "warmup": args.warmup,
-        "plain_decoding": plain, "cycle": cycle, "ensemble": ensemble, "training": train,
+        "plain_decoding": plain, "cycle": cycle, "ensemble": ensemble,
         "goals": GOALS, "goals_met": goals,
         "seconds": round(time.time() - t0, 1), "note": args.note,
     }

@@ -23,26 +23,11 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 
-def init_distributed():
-    """Join the launcher's process group (torchrun / deepspeed set WORLD_SIZE), if any."""
-    import os
-
-    import torch
-    import torch.distributed as dist
-
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return None
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend)
-    return dist
-
-
 @hydra.main(config_path=str(CONF_DIR), config_name="generate_features", version_base=None)
 def main(cfg: DictConfig) -> None:
     import logging
 
+    from msd_train import runtime
     from msd_train.features.generate import generate
     from msd_train.features.store import FeatureStoreError
 
@@ -55,15 +40,15 @@ def main(cfg: DictConfig) -> None:
 
     with user_errors():  # before the target loads: a bad value or path is one message, exit 1
         check_generate(OmegaConf.to_container(cfg, resolve=True))
-    dist = init_distributed()
+    # Joins the launcher's group (torchrun / deepspeed set WORLD_SIZE), NCCL on CUDA, gloo on CPU.
+    group = runtime.setup_group(runtime.local_device(cfg.target.device))
     try:
-        generate(cfg, dist)
+        generate(cfg, group)
     except FeatureStoreError as e:
         logging.getLogger("msd_train.features").error("%s", e)
         sys.exit(1)
     finally:
-        if dist is not None and dist.is_initialized():
-            dist.destroy_process_group()
+        group.destroy(barrier=False)
 
 
 if __name__ == "__main__":

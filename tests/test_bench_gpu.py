@@ -33,14 +33,13 @@ def test_small_config_writes_every_field(tmp_path):
     bench = _load()
     out = tmp_path / "b.json"
     argv = ["--config", "small", "--device", "cpu", "--repeats", "1", "--warmup", "0", "--new-tokens", "3",
-            "--micro-batches", "1", "--train-steps", "1", "--train-warmup", "0", "--train-seq-len", "600",
             "--out", str(out)]
     bench.main(argv)
     r = json.loads(out.read_text())
     assert out.with_suffix(".md").read_text().startswith("# MSD decoder")
     assert r["dry_run"] is True and "not a GPU measurement" in r["dry_run_note"]
     for key in ("config", "device", "dtype", "created", "command", "environment", "target", "draft",
-                "prompt_tokens", "plain_decoding", "cycle", "ensemble", "training", "goals", "goals_met"):
+                "prompt_tokens", "plain_decoding", "cycle", "ensemble", "goals", "goals_met"):
         assert key in r, key
     assert r["prompt_tokens"] == 640
     for key in ("torch", "transformers", "python", "deepspeed", "gpu"):
@@ -64,9 +63,3 @@ def test_small_config_writes_every_field(tmp_path):
     assert cy["cycle_over_step"] > 0 and set(cy["speedup_at_tau"]) == {"2", "3", "4"}
     for tau, s in cy["speedup_at_tau"].items():
         assert s == pytest.approx(int(tau) / cy["cycle_over_step"], rel=1e-3)
-    t = r["training"]
-    if t["skipped"]:
-        assert "deepspeed" in t["note"]
-    else:
-        v = t["by_micro_batch"]["1"]
-        assert v["target_tokens_per_s"] > 0 and v["peak_memory_gib"] > 0 and t["zero_stage"] == 2

@@ -1,6 +1,7 @@
 """Training runs through the real entry point and launchers (CPU, gloo)."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -31,6 +32,109 @@ def weights(run_dir, stage=1, name="final"):
 def losses(run_dir, stage=1):
     lines = (Path(run_dir) / f"stage{stage}" / "metrics.jsonl").read_text().splitlines()
     return [json.loads(x)["loss"] for x in lines if '"loss"' in x and "val/" not in x]
+
+
+# ----------------------------------------------------------------------------- in one process
+# DeepSpeed keeps its process group for the life of the process (it cannot be made twice), so
+# the in-process recipes below share one and leave it for the process's end.
+@pytest.fixture(scope="module")
+def in_process():
+    saved = dict(os.environ)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # the numbers below were recorded with one thread
+    yield
+    torch.set_num_threads(n)
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def recipe(overrides):
+    from hydra import compose, initialize_config_dir
+
+    from msd_train.config import CONF_DIR
+    from msd_train.training.recipe import TrainRecipe
+
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=["logging.wandb.mode=disabled", "logging.progress=false", *overrides])
+    r = TrainRecipe(cfg)
+    r.setup()
+    return r
+
+
+def run_steps(r):
+    out = []
+    while r.step < r.cfg.train.max_steps:
+        m = r.train_step()
+        r.step += 1
+        out.append([m["loss"], m["feat_loss"], m["tok_loss"], m["top1"], m["tokens"], m["mm_share"]])
+    return out
+
+
+# Losses of the embedded default (micro-batch 2, grad_accum 2, one thread), recorded from main
+# before collation moved into a DataLoader (commit e076b59): [loss, feat, tok, top1, tokens, mm_share].
+BEFORE_STAGE1 = [
+    [1.3633502795778472, 0.6049348732520794, 7.584154063257678, 0.008620689655172414, 222.0, 0.0],
+    [1.357468205620261, 0.6038107815910788, 7.53657424029182, 0.023529411764705882, 171.0, 0.0],
+    [1.3685952345530192, 0.6067909929487441, 7.618042416042751, 0.0, 147.0, 0.0]]
+BEFORE_STAGE2 = [  # 4 steps from that stage-1 head, multimodal share 0.5
+    [1.3655710055504315, 0.6102024360939309, 7.553685694565008, 0.0, 238.0, 0.5],
+    [1.3564982227443423, 0.6008699948025733, 7.556282279417687, 0.0, 294.0, 0.5],
+    [1.3448454973174304, 0.5991795702678401, 7.456659270495903, 0.012195121951219513, 249.0, 0.5],
+    [1.3648373699188234, 0.607368803024292, 7.574685668945312, 0.0, 263.0, 0.5]]
+
+
+def test_dataloader_losses_are_bit_identical_to_the_step_collation_of_before(in_process, tmp_path):
+    common = [f"data.cache_dir={tmp_path / 'cache'}", "train.micro_batch_size=2", "train.grad_accum=2",
+              f"run_dir={tmp_path}"]
+    r = recipe(["stage='1'", "train.max_steps=3", "train.loader_workers=2", *common])
+    assert run_steps(r) == BEFORE_STAGE1
+    r.export("final")
+    half = ["stage.curriculum.start=0.5", "stage.curriculum.end=0.5", "train.max_steps=4"]
+    for workers in (0, 2):  # collated in the step's process, or ahead in worker processes
+        r = recipe(["stage='2'", *half, f"train.loader_workers={workers}", *common])
+        assert run_steps(r) == BEFORE_STAGE2
+
+
+def test_stages_differ_only_by_their_yaml(in_process, mini_run, tmp_path):
+    """Stage 1 given stage 2's splits, start and curriculum trains exactly as stage 2: the code
+    never branches on the stage."""
+    r = recipe(["stage='1'", *mini_run, "train.max_steps=1", "train.micro_batch_size=2", f"run_dir={tmp_path}"])
+    run_steps(r)
+    r.export("final")
+    s2 = ["train.max_steps=3", "stage.curriculum.start=0.5", "stage.curriculum.end=0.5", "stage.curriculum.ramp_steps=0",
+          f"stage.init_from={tmp_path / 'stage1' / 'final'}", "train.micro_batch_size=2"]
+    two = recipe(["stage='2'", *mini_run, *s2, f"run_dir={tmp_path / 'two'}"])
+    as_one = recipe(["stage='1'", *mini_run, *s2, f"run_dir={tmp_path / 'one'}",
+                     "stage.splits=[text,multimodal,heldout_text,heldout_multimodal]"])
+    assert (len(as_one.mm), sorted(as_one.heldout)) == (len(two.mm), sorted(two.heldout)) == (32, ["mm", "text"])
+    a, b = run_steps(two), run_steps(as_one)
+    assert a == b and any(row[5] > 0 for row in a)
+    # stage 2 without multimodal data in its splits says so
+    with pytest.raises(Exception, match="stage.splits lacks multimodal"):
+        recipe(["stage='2'", *mini_run, *s2, "stage.splits=[text]", f"run_dir={tmp_path / 'three'}"])
+
+
+def test_a_skipped_non_finite_micro_batch_keeps_deepspeed_on_the_recipes_step(in_process, mini_run, tmp_path):
+    r = recipe(["stage='1'", *mini_run, "train.max_steps=4", "train.micro_batch_size=2", "train.grad_accum=2",
+                f"run_dir={tmp_path}"])
+    online, calls = r.features, []
+
+    def corrupt(batch):  # the target returns NaN features for the first micro-batch of step 1
+        f = online(batch)
+        calls.append(r.step)
+        if r.step == 1 and calls.count(1) == 1:
+            f.hidden_states[0, 3] = float("nan")
+        return f
+
+    r.features = corrupt
+    rows = []
+    for _ in range(4):
+        rows.append(r.train_step())
+        r.step += 1
+    assert [m["bad_steps"] for m in rows] == [0, 1, 1, 1]
+    assert all(math.isfinite(m["loss"]) for m in rows)
+    assert r.engine.global_steps == r.step == 4  # one optimizer step per recipe step, skipped micro-batch or not
+    assert all(torch.isfinite(p).all() for p in r.engine.module.parameters())
 
 
 @pytest.mark.slow
@@ -109,3 +213,22 @@ def test_deepspeed_launcher_two_stages_on_the_embedded_default(tmp_path):
     # stage 2 validates on both held-out sets
     val2 = [json.loads(x) for x in (tmp_path / "stage2" / "metrics.jsonl").read_text().splitlines() if "val/" in x]
     assert "val/mm/sim_tau" in val2[-1] and "val/text/sim_tau" in val2[-1]
+
+
+def test_a_large_shaped_target_folder_trains_with_the_unchanged_entry_point(in_process, tmp_path):
+    """scripts/make_large_target.py at CPU size: a normal model folder for target.name_or_path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_large_target", ROOT / "scripts" / "make_large_target.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = mod.main([str(tmp_path / "target"), "--layers", "1", "--scale", "small"])
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["text_config"]["vocab_size"] == 32064 and cfg["image_seq_length"] == 576
+    assert cfg["vision_config"]["image_size"] == 336 and cfg["dtype"] == "bfloat16"
+    r = recipe(["stage='1'", f"target.name_or_path={out}", "train.max_steps=2", "train.micro_batch_size=2",
+                "data.max_heldout=2", "eval.every=100", f"data.cache_dir={tmp_path / 'cache'}",
+                f"run_dir={tmp_path / 'run'}"])
+    assert r.target.vocab_size == len(r.target.tokenizer) == 32064  # every id the target can emit decodes
+    rows = run_steps(r)
+    assert len(rows) == 2 and all(math.isfinite(x[0]) for x in rows)

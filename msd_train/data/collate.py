@@ -37,3 +37,80 @@ def collate(rows: list[dict], target, pad_id: int = 0, pixels: bool = True) -> d
     return {"input_ids": ids, "loss_mask": loss, "attention_mask": attn, "pixel": pixel,
             "ids": [r["id"] for r in rows], "keys": [sample_key(r) for r in rows],
             "n_images": sum(len(r["images"]) for r in rows)}
+
+
+# ----------------------------------------------------------------------------- training batches
+class StepBatches(torch.utils.data.Dataset):
+    """Item ``(step, plan, cursor)`` -> this rank's collated micro-batches of that step.
+
+    The plan (a global batch of (modality, index) pairs, see ``Curriculum.plan``) is made
+    in the main process in step order; only the collation (image decode, image processor,
+    padding) runs here, in DataLoader workers. Rank r takes rows ``(a * W + r) * mb``
+    onwards for accumulation step ``a``, so W ranks with grad_accum A see the same samples
+    as one rank with grad_accum W * A.
+    """
+
+    def __init__(self, text, mm, target, micro_batch_size: int, grad_accum: int, rank: int, world: int,
+                 pixels: bool = True):
+        self.text, self.mm, self.target = text, mm, target
+        self.mb, self.ga, self.rank, self.world, self.pixels = micro_batch_size, grad_accum, rank, world, pixels
+
+    def __len__(self) -> int:  # items are addressed by the sampler, not by position
+        raise TypeError("StepBatches is read through StepSampler")
+
+    def rows(self, plan: list[tuple[str, int]]) -> list[dict]:
+        return [(self.mm if kind == "mm" else self.text)[i] for kind, i in plan]
+
+    def __getitem__(self, item) -> dict:
+        step, plan, cursor = item
+        rows = self.rows(plan)
+        micro = []
+        for a in range(self.ga):
+            start = (a * self.world + self.rank) * self.mb
+            micro.append(collate(rows[start:start + self.mb], self.target, pixels=self.pixels))
+        return {"step": step, "micro_batches": micro, "cursor": cursor,
+                # Loss normalisation counts the loss tokens of the whole global batch (every rank knows it).
+                "n_global": float(sum(sum(r["loss_mask"][2:]) for r in rows)),
+                "tokens": float(sum(len(r["input_ids"]) for r in rows)),
+                "n_mm": sum(1 for kind, _ in plan if kind == "mm"), "n_rows": len(plan)}
+
+
+class StepSampler(torch.utils.data.Sampler):
+    """Steps ``start, start+1, ...`` with their plans, drawn from a copy of the curriculum.
+
+    The DataLoader reads ahead, so the copy runs ahead of the recipe's curriculum; each item
+    carries the curriculum's state after its step (``cursor``), which the recipe adopts when
+    it consumes that step. Checkpoints therefore record exactly the consumed position.
+    """
+
+    def __init__(self, curriculum, start: int, stop: int):
+        import copy
+
+        self.curriculum, self.start, self.stop = copy.deepcopy(curriculum), start, stop
+
+    def __iter__(self):
+        for step in range(self.start, self.stop):
+            plan = self.curriculum.plan(step)
+            yield step, plan, self.curriculum.state_dict()
+
+    def __len__(self) -> int:
+        return max(self.stop - self.start, 0)
+
+
+def _unbatched(item):
+    return item
+
+
+def step_loader(dataset: StepBatches, curriculum, start: int, stop: int, workers: int, pin_memory: bool,
+                prefetch: int = 2) -> torch.utils.data.DataLoader:
+    """The training steps ``start..stop-1`` of this rank, collated ahead by ``workers`` processes.
+
+    Workers are forked (the dataset holds the target; its processor is all they touch, the
+    weights are never pickled or used there). ``pin_memory`` only for CUDA: page-locked
+    batches make the host-to-device copies asynchronous.
+    """
+    kw = {"num_workers": workers, "pin_memory": pin_memory}
+    if workers > 0:
+        kw.update(prefetch_factor=prefetch, multiprocessing_context="fork", persistent_workers=False)
+    return torch.utils.data.DataLoader(dataset, sampler=StepSampler(curriculum, start, stop), batch_size=None,
+                                       collate_fn=_unbatched, **kw)

@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from msd_train.evaluation.metrics import DEFINITIONS
 from msd_train.formatting import fmt
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+from msd_train.runtime import atomic_file
+from msd_train.runtime import atomic_write_text as _atomic_write
 
 
 def write_samples(path: Path, records: list[dict]) -> None:
@@ -153,10 +148,9 @@ def plot(report: dict, path: Path, max_series: int = MAX_SERIES) -> bool:
     except ImportError:
         return False
     fig = figure(report, max_series)
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    with atomic_file(path, keep_suffix=True) as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
-    os.replace(tmp, path)
     return True
 
 

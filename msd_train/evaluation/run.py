@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
 import platform
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from msd_train.evaluation.bench import bench_decoding, grouped_by, load_bench
 from msd_train.evaluation.metrics import DEFINITIONS, summarize, summarize_by_category
 from msd_train.evaluation.report import write_report
 from msd_train.evaluation.runner import evaluate
+from msd_train.runtime import local_device, setup_group
 from msd_train.validate import ConfigError, check_eval, check_head, check_out_dir
 
 log = logging.getLogger(__name__)
@@ -109,29 +109,11 @@ class _Partial:
         self.f.close()
 
 
-def _distributed() -> tuple[int, int, int]:
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    rank = int(os.environ.get("RANK", 0))
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    if world > 1:
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            dist.init_process_group(backend="gloo")  # only barriers: gloo works for CPU and GPU runs
-    return rank, world, local
-
-
 def run_eval(cfg: dict, command: str | None = None) -> dict | None:
     """Evaluate ``cfg["draft"]`` on ``cfg["bench"]``; returns the report on rank 0."""
-    rank, world, local = _distributed()
-    device = cfg["target"].get("device", "auto")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and world > 1:
-        device = f"cuda:{local}"
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = local_device(cfg["target"].get("device", "auto"))  # cuda:LOCAL_RANK under a launcher
+    group = setup_group(device)
+    rank, world = group.rank, group.world
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg["threads"]))
 
@@ -188,9 +170,7 @@ def run_eval(cfg: dict, command: str | None = None) -> dict | None:
         r["item"] = rank + world * r["item"]
 
     if world > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
+        group.barrier()  # every rank's samples file is complete
         if rank != 0:
             return None
         records = []

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from msd_train.config import SPLITS as _SPLITS
 from msd_train.data.dataset import file_digest
 from msd_train.features.store import (
     DTYPES,
@@ -43,11 +44,11 @@ from msd_train.features.store import (
     sha256_file,
     write_shard,
 )
+from msd_train.runtime import Group, atomic_write_text, local_device, resolve_dtype
 
 log = logging.getLogger("msd_train.features")
 
-SPLITS = ("text", "multimodal", "heldout_text", "heldout_multimodal")
-STAGE_SPLITS = {1: ("text", "heldout_text"), 2: SPLITS}
+SPLITS = _SPLITS  # the data.* lists a store can hold (stage.splits names them too)
 
 
 # ----------------------------------------------------------------------------- identity
@@ -233,49 +234,20 @@ def estimate(datasets: dict, plans: list[ShardPlan], target, dtype: torch.dtype,
 
 
 # ----------------------------------------------------------------------------- run
-class _Group:
-    """The few collectives generation needs; no-ops in a single process."""
-
-    def __init__(self, dist=None):
-        self.dist = dist if dist is not None and dist.is_initialized() else None
-        self.rank = self.dist.get_rank() if self.dist else 0
-        self.world = self.dist.get_world_size() if self.dist else 1
-
-    def barrier(self):
-        if self.dist:
-            self.dist.barrier()
-
-    def broadcast(self, obj):
-        if not self.dist:
-            return obj
-        box = [obj]
-        self.dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def gather(self, obj) -> list:
-        if not self.dist:
-            return [obj]
-        out = [None] * self.world
-        self.dist.all_gather_object(out, obj)
-        return out
-
-
-def _build_splits(cfg, target, names, group: _Group) -> dict:
+def _build_splits(cfg, target, names, group: Group) -> dict:
     from msd_train.data.dataset import build_split
 
     d = cfg.data
     out = {}
-    for turn in (0, 1):  # rank 0 tokenises and fills the datasets cache, then the others read it
-        if (turn == 0) == (group.rank == 0):
-            for name in names:
-                split = build_split(split_sources(cfg, name), target, d.max_length, d.on_bad_sample, d.cache_dir,
-                                    d.num_proc, split_limit(cfg, name))
-                if split.skipped and group.rank == 0:
-                    log.warning("data.%s: %d samples skipped (scripts/check_data.py lists them with reasons)",
-                                name, len(split.skipped))
-                if len(split):
-                    out[name] = split.dataset
-        group.barrier()
+    with group.rank0_first():  # rank 0 tokenises and fills the datasets cache, then the others read it
+        for name in names:
+            split = build_split(split_sources(cfg, name), target, d.max_length, d.on_bad_sample, d.cache_dir,
+                                d.num_proc, split_limit(cfg, name))
+            if split.skipped and group.rank == 0:
+                log.warning("data.%s: %d samples skipped (scripts/check_data.py lists them with reasons)",
+                            name, len(split.skipped))
+            if len(split):
+                out[name] = split.dataset
     return out
 
 
@@ -328,28 +300,19 @@ def _features_of(rows: list[dict], target, batch_size: int) -> list[SampleFeatur
     return out
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def generate(cfg, dist=None, target=None) -> dict | None:
     """Generate (or resume, or with ``dry_run`` only estimate) the store at ``features.path``.
 
     Returns the manifest on rank 0 (the estimate for a dry run), None on other ranks.
     """
-    from msd_train.config import pick_device
-    from msd_train.targets import load_target, resolve_dtype
+    from msd_train.targets import load_target
 
-    group = _Group(dist)
+    if not isinstance(dist, Group):  # torch.distributed (older callers) or None
+        dist = Group(dist if dist is not None and dist.is_initialized() else None)
+    group = dist
     fc = cfg.features
     out = Path(fc.path)
-    device = pick_device(cfg.target.device)
-    if device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        device = f"cuda:{local}"
+    device = local_device(cfg.target.device)
     compute_dtype = resolve_dtype(cfg.target.dtype, device)
     dtype = resolve_store_dtype(str(fc.dtype), compute_dtype)
     dry = bool(cfg.get("dry_run", False))
@@ -382,7 +345,7 @@ def generate(cfg, dist=None, target=None) -> dict | None:
     error = None
     if group.rank == 0:
         error = _prepare_dir(out, header)
-    error = group.broadcast(error)
+    error = group.broadcast_object(error)
     if error:
         raise FeatureStoreError(error)
 
@@ -422,7 +385,7 @@ def generate(cfg, dist=None, target=None) -> dict | None:
     if bar is not None:
         bar.close()
 
-    gathered = group.gather(done)
+    gathered = group.gather_object(done)
     if group.rank != 0:
         group.barrier()
         return None
@@ -437,7 +400,7 @@ def generate(cfg, dist=None, target=None) -> dict | None:
                                "shards": sum(1 for s in shards if s["split"] == n)} for n in datasets},
                 "totals": {k: sum(s[k] for s in shards) for k in ("n_samples", "n_tokens", "n_visual", "bytes")},
                 "shards": shards}
-    _write_atomic(out / MANIFEST, json.dumps(manifest, indent=1))
+    atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))
     t = manifest["totals"]
     log.info("feature store %s complete: %d samples, %d tokens (%d visual), %d shards, %s", out,
              t["n_samples"], t["n_tokens"], t["n_visual"], len(shards), human_bytes(t["bytes"]))
@@ -471,7 +434,7 @@ def _prepare_dir(out: Path, header: dict) -> str | None:
         return f"{out} is not empty and holds no {MANIFEST}; choose a new or empty features.path"
     out.mkdir(parents=True, exist_ok=True)
     if not mpath.is_file():
-        _write_atomic(mpath, json.dumps(header, indent=1))
+        atomic_write_text(mpath, json.dumps(header, indent=1))
     (out / "progress").mkdir(exist_ok=True)
     for tmp in out.glob("*.tmp"):  # left by a kill mid-write
         tmp.unlink()

@@ -14,7 +14,8 @@ import logging
 
 import torch
 
-from msd_train.features.generate import STAGE_SPLITS, data_fingerprint, manifest_differences, target_identity
+from msd_train.config import stage_splits
+from msd_train.features.generate import data_fingerprint, manifest_differences, target_identity
 from msd_train.features.store import FeatureStore, FeatureStoreError
 from msd_train.targets import Features, Target
 
@@ -26,7 +27,7 @@ class OfflineFeatures:
         fc = cfg.features
         self.target = target
         self.store = FeatureStore(fc.path, verify=fc.get("verify", "quick"))
-        names = STAGE_SPLITS[int(cfg.stage.id)] if "stage" in cfg else STAGE_SPLITS[2]
+        names = stage_splits(cfg)  # the splits this stage reads must match the store's
         diffs = manifest_differences(self.store.manifest, target_identity(target, cfg.target.adapter),
                                      data_fingerprint(cfg, names))
         if diffs:

@@ -45,6 +45,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from msd_train.data.dataset import file_digest
+from msd_train.runtime import DTYPES, atomic_file
 
 FORMAT = "msd-train-features"
 VERSION = 1
@@ -52,8 +53,6 @@ MANIFEST = "manifest.json"
 INDEX_COLUMNS = ("token_start", "n_tokens", "hidden_start", "n_hidden", "visual_start", "n_visual",
                  "pos_start", "rope_delta", "crc32", "mask_start", "prefix_len")
 _COL = {name: i for i, name in enumerate(INDEX_COLUMNS)}
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-          "fp32": torch.float32, "float32": torch.float32}
 
 
 class FeatureStoreError(ValueError):
@@ -200,12 +199,9 @@ def write_shard(path: str | Path, samples: list[SampleFeatures], dtype: torch.dt
     meta = {"msd_features": json.dumps({
         "format": FORMAT, "version": VERSION, "keys": [s.key for s in samples], "prefix_len": len(prefix),
         "prefix_crc32": sample_crc(prefix, prefix[:0], ids[0][:0]), "index_columns": INDEX_COLUMNS})}
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates files private to the writer
-    os.replace(tmp, path)
+    with atomic_file(path, fsync=True) as tmp:
+        save_file(tensors, str(tmp), metadata=meta)
+        os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates files private to the writer
     return {"file": path.name, "n_samples": len(samples), "n_tokens": tok, "n_visual": vrow,
             "n_hidden_rows": hrow + len(prefix), "bytes": path.stat().st_size, "sha256": sha256_file(path)}
 

@@ -4,7 +4,6 @@ loading an export folder strictly (a missing tensor is an error, never a random 
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -29,17 +28,6 @@ def is_repo_id(name) -> bool:
 class IncompleteHeadError(ValueError):
     """A head folder that cannot be used: missing config or weights, or weights that do
     not load into the head its config describes."""
-
-
-def make_readable(folder: Path) -> None:
-    """Give the files of an output folder the mode the user's umask gives any new file
-    (0644 under the usual 022): safetensors' writer creates them 0600, so a head exported
-    on a shared machine would otherwise be unreadable to the rest of the group."""
-    mask = os.umask(0)
-    os.umask(mask)
-    for p in Path(folder).rglob("*"):
-        if p.is_file() and not p.is_symlink():
-            os.chmod(p, 0o666 & ~mask)
 
 
 def resolve_folder(path_or_repo_id: str | Path, revision: str | None = None) -> Path:

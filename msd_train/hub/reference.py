@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,11 +38,11 @@ from msd_train.hub.folders import (
     IncompleteHeadError,
     detect_layout,
     load_export,
-    make_readable,
     read_config,
     resolve_folder,
 )
 from msd_train.hub.vocab import EmbeddingCheck, VocabMap, check_embedding
+from msd_train.runtime import atomic_dir
 from msd_train.targets import resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -459,21 +458,8 @@ def _source_name(src) -> str:
 
 
 def write_atomic(out: Path, write) -> None:
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp-{out.name}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
-        write(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    make_readable(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    """``write(tmp)`` into a temp folder, renamed over ``out`` when it returns."""
+    atomic_dir(out, write)
 
 
 # --- ours -> released ------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from msd_train.runtime import resolve_dtype
 from msd_train.targets.base import Encoded, Features, Target
 from msd_train.targets.llava import LlavaTarget
 from msd_train.targets.qwen_vl import QwenVLTarget
@@ -20,16 +21,6 @@ FAMILIES = {
 }
 
 __all__ = ["Encoded", "Features", "Target", "load_processor", "load_target", "wrap_target", "resolve_dtype"]
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:
-    """``auto`` is bf16 on CUDA and fp32 elsewhere (CPU bf16 matmuls are slow and lossy)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    return {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}[dtype]
 
 
 def wrap_target(model, processor, name: str, chat_template: str | None = None) -> Target:

@@ -24,7 +24,7 @@ import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from msd_train.hub.folders import make_readable
+from msd_train.runtime import atomic_dir, replace_dir
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +110,7 @@ def finish(tmp: Path, final: Path, state: dict) -> None:
         json.dump(state, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    replace_dir(tmp, final)
 
 
 def rotate(root: Path, keep: int) -> None:
@@ -163,14 +161,10 @@ def writing(root: Path, tmp: Path, what: str):
 def export_atomic(model, out: Path, extra_files: dict[str, str] | None = None) -> None:
     """``save_pretrained`` into a temp folder, then rename over ``out``; files readable
     like any other output (safetensors creates its files private to the writer)."""
-    tmp = out.parent / f".tmp-{out.name}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    with writing(out.parent / "checkpoints", tmp, f"the {out.name} export"):
-        model.save_pretrained(tmp, safe_serialization=True)
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text)
-    make_readable(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    def write(tmp: Path) -> None:
+        with writing(out.parent / "checkpoints", tmp, f"the {out.name} export"):
+            model.save_pretrained(tmp, safe_serialization=True)
+            for name, text in (extra_files or {}).items():
+                (tmp / name).write_text(text)
+
+    atomic_dir(out, write)

@@ -3,7 +3,14 @@
 One class, read top to bottom: ``setup()`` builds everything from the config (or from the
 newest checkpoint), ``train()`` runs optimizer steps, ``validate()`` measures the
 held-out proxies, ``save_checkpoint()`` / ``export()`` write state, ``cleanup()`` closes
-loggers. Stage 1 and stage 2 are this same loop; only the curriculum differs.
+loggers. Stages are configuration (``conf/stage/*.yaml``): which data splits they read
+(``stage.splits``), where the head starts (``stage.init_from``: a fresh head when null, else
+an exported one) and the curriculum; this code never asks which stage it runs.
+
+On the device's terms: a DataLoader collates the coming steps in worker processes (pinned
+memory on CUDA); a step's metrics accumulate on the device and cost one all-reduce and one
+host read per optimizer step; every collective goes through ``msd_train.runtime.Group``,
+which puts its inputs on the process group's communication device (CUDA for NCCL).
 
 Reproducibility: the data order comes from the curriculum (a function of seed and step),
 and the feature noise of each micro-batch from a generator seeded by (seed, step, rank,
@@ -16,9 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -26,8 +31,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from msd_train.config import pick_device
-from msd_train.data.collate import collate
+from msd_train import runtime
+from msd_train.config import stage_splits
+from msd_train.data.collate import StepBatches, collate, step_loader
 from msd_train.data.curriculum import Curriculum, mm_share
 from msd_train.data.dataset import build_split, write_skipped
 from msd_train.draft import MSDDraftConfig, MSDDraftModel
@@ -35,7 +41,7 @@ from msd_train.features import make_feature_source
 from msd_train.targets import load_target
 from msd_train.training import checkpoint as ckpt
 from msd_train.training import rundir
-from msd_train.training.loss import draft_loss_mask, msd_loss
+from msd_train.training.loss import draft_loss_mask, loss_index, msd_loss
 from msd_train.training.validation import evaluate_split
 
 log = logging.getLogger("msd_train")
@@ -43,30 +49,6 @@ log = logging.getLogger("msd_train")
 
 class TrainingError(RuntimeError):
     """A failure with a message meant for the user (no traceback needed)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_distributed(device_type: str) -> tuple[int, int, int]:
-    """Join the process group the launcher prepared, or make a one-process group.
-
-    ``deepspeed`` and ``torchrun`` export RANK/WORLD_SIZE/MASTER_*; plain ``python``
-    does not, so those are filled in for a single process.
-    """
-    import deepspeed
-
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    deepspeed.init_distributed(dist_backend="nccl" if device_type == "cuda" else "gloo",
-                               auto_mpi_discovery=False)
-    import torch.distributed as dist
-
-    return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0))
 
 
 def lr_lambda(warmup: int, total: int, min_ratio: float):
@@ -77,6 +59,12 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
         x = min(max((step - warmup) / max(total - warmup, 1), 0.0), 1.0)
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * x))
     return f
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with non-finite entries zeroed (identical values where all are finite), so a
+    bad micro-batch's zero-weighted loss has zero, not NaN, gradients."""
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 class TrainRecipe:
@@ -99,14 +87,11 @@ class TrainRecipe:
         import torch.distributed as dist
 
         cfg = self.cfg
-        device = pick_device(cfg.target.device)
-        self.rank, self.world, self.local_rank = init_distributed(torch.device(device).type)
-        self.dist = dist
-        if device == "cuda":
-            torch.cuda.set_device(self.local_rank)
-            device = f"cuda:{self.local_rank}"
-        self.device = torch.device(device)
-        self.main = self.rank == 0
+        self.device = runtime.local_device(cfg.target.device)
+        self.group = runtime.setup_group(self.device, deepspeed=True)
+        self.rank, self.world, self.local_rank = self.group.rank, self.group.world, self.group.local_rank
+        self.dist = dist  # torch.distributed; collectives go through self.group
+        self.main = self.group.main
         self.stage_dir.mkdir(parents=True, exist_ok=True)
 
         self.target = load_target(
@@ -155,24 +140,19 @@ class TrainRecipe:
 
     def _setup_data(self) -> None:
         d = self.cfg.data
-        if self.stage == 1:
-            parts = {"text": list(d.text), "mm": []}
-        else:
-            parts = {"text": list(d.text), "mm": list(d.multimodal)}
-        parts["heldout_text"] = list(d.heldout_text)
-        parts["heldout_mm"] = list(d.heldout_multimodal) if self.stage == 2 else []
+        names = stage_splits(self.cfg)
+        # data.<split> -> (the recipe's name, held out?); a split the stage does not read stays empty.
+        parts = {"text": "text", "multimodal": "mm", "heldout_text": "heldout_text",
+                 "heldout_multimodal": "heldout_mm"}
         splits, skipped = {}, []
         # Rank 0 tokenises and fills the datasets cache; the others wait, then read it.
-        if not self.main:
-            self.dist.barrier()
-        for name, sources in parts.items():
-            limit = d.max_heldout if name.startswith("heldout") else None
-            sources = [OmegaConf.to_container(s, resolve=True) for s in sources]
-            splits[name] = build_split(sources, self.target, d.max_length, d.on_bad_sample, d.cache_dir,
-                                       d.num_proc, limit)
-            skipped += splits[name].skipped
-        if self.main:
-            self.dist.barrier()
+        with self.group.rank0_first():
+            for key, name in parts.items():
+                limit = d.max_heldout if name.startswith("heldout") else None
+                sources = [OmegaConf.to_container(s, resolve=True) for s in (d.get(key) or [])] if key in names else []
+                splits[name] = build_split(sources, self.target, d.max_length, d.on_bad_sample, d.cache_dir,
+                                           d.num_proc, limit)
+                skipped += splits[name].skipped
         self.text, self.mm = splits["text"].dataset, splits["mm"].dataset
         self.heldout = {k.split("_")[1]: v.dataset for k, v in splits.items() if k.startswith("heldout") and len(v)}
         if self.main:
@@ -184,20 +164,27 @@ class TrainRecipe:
                      self.stage, len(self.text), len(self.mm), {k: len(v) for k, v in self.heldout.items()})
         if len(self.text) + len(self.mm) == 0:
             raise TrainingError("no usable training conversations; run scripts/check_data.py on the data files")
-        if self.stage == 2 and self.cfg.stage.curriculum.end > 0 and len(self.mm) == 0:
-            raise TrainingError("stage 2 needs multimodal conversations but data.multimodal yielded none")
+        cur = self.cfg.stage.curriculum
+        if max(cur.start, cur.end) > 0 and len(self.mm) == 0:
+            raise TrainingError(
+                f"stage {self.stage}'s curriculum asks for a multimodal share up to {max(cur.start, cur.end)} but "
+                f"{'data.multimodal yielded no usable conversations' if 'multimodal' in names else 'stage.splits lacks multimodal'}")
 
     def _build_draft(self, resuming: bool) -> MSDDraftModel:
-        """A fresh head (stage 1), the stage-1 export (stage 2), or the shape to resume into."""
+        """A fresh head (``stage.init_from`` null), an exported one, or the shape to resume into."""
         cfg = self.cfg
         overrides = {k: v for k, v in OmegaConf.to_container(cfg.draft, resolve=True).items() if v is not None}
         init = None
-        if self.stage == 2 and not resuming:
-            init = Path(cfg.stage.init_from) if cfg.stage.init_from else self.run_dir / "stage1" / "final"
+        if cfg.stage.init_from and not resuming:
+            init = Path(cfg.stage.init_from)
             if not (init / "config.json").is_file():
+                # The default init_from is RUN_DIR/stageN/final: name the command that writes it.
+                earlier = init.parent.name
+                hint = (f"run stage={earlier[5:]} with the same run_dir first" if init.name == "final"
+                        and earlier.startswith("stage") and earlier[5:].isdigit() else "export a head there first")
                 raise TrainingError(
-                    f"stage 2 starts from {init}, which holds no exported head; run stage=1 with the same "
-                    f"run_dir first, or set stage.init_from=DIR")
+                    f"stage {self.stage} starts from {init} (stage.init_from), which holds no exported head; "
+                    f"{hint}, or set stage.init_from=DIR")
         if init is not None:
             draft = MSDDraftModel.from_pretrained(init)
             if draft.config.target_hidden_size != self.target.hidden_size:
@@ -270,9 +257,7 @@ class TrainRecipe:
                             type(e).__name__, e)
                 failed = 1.0
             # Every rank must resume from the same step: one rank's failure moves all to the next one.
-            flag = torch.tensor([failed], device=self.device)
-            self.dist.all_reduce(flag)
-            if flag.item() > 0:
+            if self.group.any(failed > 0):
                 continue
             path = cand
             break
@@ -295,64 +280,96 @@ class TrainRecipe:
             rundir.truncate_metrics(self.stage_dir / "metrics.jsonl", self.step)
 
     # ------------------------------------------------------------------ train
-    def _micro_batches(self, plan: list[tuple[str, int]]) -> list[list[dict]]:
-        """This rank's micro-batches of a global batch, in accumulation order."""
-        mb, ga = self.cfg.train.micro_batch_size, self.cfg.train.grad_accum
-        rows = [(self.mm if kind == "mm" else self.text)[i] for kind, i in plan]
-        out = []
-        for a in range(ga):
-            start = (a * self.world + self.rank) * mb
-            out.append(rows[start:start + mb])
-        return out, rows
+    def _next_batches(self) -> dict:
+        """This step's collated micro-batches from the DataLoader (made anew when the step
+        is not the one it has ready: at the start, after a resume, or when a caller moved
+        ``self.step``)."""
+        tc = self.cfg.train
+        if getattr(self, "_batches_at", None) != self.step:
+            ds = StepBatches(self.text, self.mm, self.target, tc.micro_batch_size, tc.grad_accum, self.rank,
+                             self.world, pixels=self.pixels)
+            self._batches = iter(step_loader(ds, self.curriculum, self.step, max(tc.max_steps, self.step) + 10**9,
+                                             int(tc.loader_workers), self.device.type == "cuda",
+                                             int(tc.prefetch)))
+        item = next(self._batches)
+        assert item["step"] == self.step, (item["step"], self.step)
+        self._batches_at = self.step + 1
+        self.curriculum.load_state_dict(item["cursor"])
+        return item
+
+    def _to_device(self, batch: dict) -> dict:
+        # Non-blocking from pinned memory: the copy overlaps the previous micro-batch's work.
+        nb = self.device.type == "cuda"
+        out = dict(batch)
+        for k in ("input_ids", "attention_mask", "loss_mask"):
+            out[k] = batch[k].to(self.device, non_blocking=nb)
+        out["pixel"] = {k: v.to(self.device, non_blocking=nb) for k, v in batch["pixel"].items()}
+        return out
 
     def _noise(self, hidden: torch.Tensor, micro: int) -> torch.Tensor:
         tc = self.cfg.train
         if tc.noise == "none" or tc.noise_scale == 0:
             return hidden
-        g = torch.Generator(device="cpu").manual_seed(
+        # Drawn on the device (no host-made tensor to copy per micro-batch); on CPU this is
+        # the same stream as ever, on CUDA a different but equally reproducible one.
+        g = torch.Generator(device=hidden.device).manual_seed(
             hash((self.cfg.seed, self.step, self.rank, micro)) & 0x7FFFFFFF)
         if tc.noise == "uniform":  # EAGLE/MSD: amplitude scale * 512 / L
             amp = tc.noise_scale * 512 / hidden.shape[1]
-            n = (torch.rand(hidden.shape, generator=g) - 0.5) * amp
+            n = (torch.rand(hidden.shape, generator=g, device=hidden.device) - 0.5) * amp
         elif tc.noise == "gaussian":
-            n = torch.randn(hidden.shape, generator=g) * tc.noise_scale
+            n = torch.randn(hidden.shape, generator=g, device=hidden.device) * tc.noise_scale
         else:
             raise TrainingError(f"train.noise={tc.noise}: use uniform, gaussian or none")
         return hidden + n.to(hidden.device, hidden.dtype)
 
     def train_step(self) -> dict[str, float]:
-        """One optimizer step over this rank's micro-batches of the planned global batch."""
+        """One optimizer step over this rank's micro-batches of the planned global batch.
+
+        No host synchronisation inside: losses, metric sums and the non-finite flags stay
+        on the device; one all-reduce and one host read per step, after the last backward.
+
+        A micro-batch whose features or loss are not finite contributes nothing: its
+        inputs are zeroed and its loss multiplied by 0 on the device (its gradients are
+        exact zeros), but it still goes through ``engine.backward`` and ``engine.step``, so
+        DeepSpeed's micro-step count and accumulation boundary stay on the recipe's step.
+        A global batch with no usable micro-batch on any rank steps with learning rate 0
+        (weights unchanged; the step counts, as the recipe's does).
+        """
         tc = self.cfg.train
-        plan = self.curriculum.plan(self.step)
-        micro_batches, rows = self._micro_batches(plan)
-        # Normalise by the loss tokens of the whole global batch (every rank knows it).
-        n_global = float(sum(sum(r["loss_mask"][2:]) for r in rows))
-        sums = torch.zeros(4, dtype=torch.float64)
-        bad = 0
-        for micro, batch_rows in enumerate(micro_batches):
-            batch = collate(batch_rows, self.target, pixels=self.pixels)
+        item = self._next_batches()
+        micro_batches, n_global = item["micro_batches"], item["n_global"]
+        # feat_sum, tok_sum, agree_sum, n, non-finite micro-batches (float64 on the device)
+        sums = torch.zeros(5, dtype=torch.float64, device=self.device)
+        last = len(micro_batches) - 1
+        for micro, batch in enumerate(micro_batches):
+            index = loss_index(draft_loss_mask(batch["loss_mask"]))  # on the host: no device sync
+            batch = self._to_device(batch)
+            index = index.to(self.device, non_blocking=self.device.type == "cuda")
             feats = self.features(batch)
+            ok = torch.isfinite(feats.hidden_states).all() & torch.isfinite(feats.inputs_embeds).all()
+            target_hidden = _finite(feats.hidden_states)
             embeds, hidden, replace, raw = self.engine.module.align_inputs(
-                feats.inputs_embeds, feats.hidden_states, feats.visual_mask)
+                _finite(feats.inputs_embeds), target_hidden, feats.visual_mask)
             hidden = self._noise(hidden, micro)
             out = self.engine(embeds, hidden, replace, raw, position_ids=feats.position_ids[..., :-1])
-            mask = draft_loss_mask(batch["loss_mask"].to(self.device))
-            loss, parts = msd_loss(out.last_hidden_state, feats.hidden_states[:, 1:], self.target.lm_head,
-                                   mask, n_global, tc.w_feat, tc.w_tok)
-            flag = torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=self.device)
-            self.dist.all_reduce(flag)
-            if flag.item() > 0:
-                # Dropped on every rank alike, before backward, so no rank's gradients or the
-                # engine's accumulation boundary diverge.
-                bad += 1
-                continue
+            loss, parts = msd_loss(out.last_hidden_state, target_hidden[:, 1:], self.target.lm_head,
+                                   None, n_global, tc.w_feat, tc.w_tok, index=index)
+            ok = ok & torch.isfinite(loss)
             # The loss is already this micro-batch's share of the global-batch sum: skip
             # DeepSpeed's division by grad_accum, and undo its average over ranks.
-            self.engine.backward(loss * self.world, scale_wrt_gas=False)
+            self.engine.backward(torch.where(ok, loss, torch.zeros_like(loss)) * self.world, scale_wrt_gas=False)
+            part = torch.stack([parts["feat_sum"].double(), parts["tok_sum"].double(),
+                                parts["agree_sum"].double(), parts["n"].double()])
+            sums[:4] += torch.where(ok, part, torch.zeros_like(part))
+            sums[4] += (~ok).double()
+            if micro == last:
+                sums = self.group.all_reduce(sums).tolist()  # the step's one host read
+                if sums[4] >= len(micro_batches) * self.world:
+                    for g in self.engine.optimizer.param_groups:  # the scheduler resets it in step()
+                        g["lr"] = 0.0
             self.engine.step()
-            sums += torch.tensor([float(parts["feat_sum"]), float(parts["tok_sum"]),
-                                  float(parts["agree_sum"]), float(parts["n"])], dtype=torch.float64)
-        self.dist.all_reduce(sums)
+        bad = sums[4]
         if bad:
             self.bad_streak += 1
             self.bad_total += 1
@@ -363,14 +380,12 @@ class TrainRecipe:
                     f"lower train.lr or resume from an earlier checkpoint")
         else:
             self.bad_streak = 0
-        n = max(sums[3].item(), 1.0)
-        mm = sum(1 for kind, _ in plan if kind == "mm")
-        return {"step": self.step + 1, "loss": (tc.w_feat * sums[0].item() + tc.w_tok * sums[1].item()) / n,
-                "feat_loss": sums[0].item() / n, "tok_loss": sums[1].item() / n, "top1": sums[2].item() / n,
-                "mm_share": mm / len(plan),
+        n = max(sums[3], 1.0)
+        return {"step": self.step + 1, "loss": (tc.w_feat * sums[0] + tc.w_tok * sums[1]) / n,
+                "feat_loss": sums[0] / n, "tok_loss": sums[1] / n, "top1": sums[2] / n,
+                "mm_share": item["n_mm"] / item["n_rows"],
                 "mm_share_scheduled": mm_share(self.step, **self._cur_kwargs()),
-                "lr": self.engine.get_lr()[0], "tokens": float(sum(len(r["input_ids"]) for r in rows)),
-                "bad_steps": self.bad_total}
+                "lr": self.engine.get_lr()[0], "tokens": item["tokens"], "bad_steps": self.bad_total}
 
     def _cur_kwargs(self) -> dict:
         c = self.cfg.stage.curriculum
@@ -446,9 +461,7 @@ class TrainRecipe:
 
     def _stop_agreed(self) -> bool:
         """True on every rank if any rank was asked to stop (ranks must save together)."""
-        flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.device)
-        self.dist.all_reduce(flag)
-        return flag.item() > 0
+        return self.group.any(self.stop_requested)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, object]:
@@ -505,7 +518,7 @@ class TrainRecipe:
         tmp = self.ckpt_root / f".tmp-step-{self.step:06d}"
         with ckpt.writing(self.ckpt_root, tmp, f"checkpoint step {self.step}"):
             self.engine.save_checkpoint(str(tmp), tag=ckpt.ENGINE_TAG)
-        self.dist.barrier()
+        self.group.barrier()
         if self.main:
             state = {"step": self.step, "stage": self.stage, "curriculum": self.curriculum.state_dict(),
                      "bad_total": self.bad_total, "best_tau": self.best_tau, "global_batch": self.global_batch,
@@ -513,7 +526,7 @@ class TrainRecipe:
             with ckpt.writing(self.ckpt_root, tmp, f"checkpoint step {self.step}"):
                 ckpt.finish(tmp, ckpt.step_dir(self.ckpt_root, self.step), state)
             ckpt.rotate(self.ckpt_root, self.cfg.checkpoint.keep)
-        self.dist.barrier()
+        self.group.barrier()
 
     def export(self, name: str) -> None:
         """The head alone (config.json + model.safetensors), loadable with from_pretrained."""
@@ -526,7 +539,7 @@ class TrainRecipe:
                     self._export(module, name)
         elif self.main:
             self._export(module, name)
-        self.dist.barrier()
+        self.group.barrier()
 
     def _export(self, module, name: str) -> None:
         meta = {"stage": self.stage, "step": self.step, "command": " ".join(sys.argv),
@@ -538,6 +551,5 @@ class TrainRecipe:
     def cleanup(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
-        if self.dist.is_initialized():
-            self.dist.barrier()
-            self.dist.destroy_process_group()
+        self._batches = self._batches_at = None  # ends the DataLoader's workers
+        self.group.destroy()

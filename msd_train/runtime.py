@@ -1,0 +1,249 @@
+"""Devices, ranks and collectives, atomic writes, dtype names: written once for every entry point.
+
+Training, validation, feature generation and evaluation all run under the same launchers
+(``python``, ``torchrun``, ``deepspeed``) on CPU or CUDA. What differs between those cases
+lives here:
+
+- ``pick_device`` / ``local_device``: ``auto`` -> ``cuda`` or ``cpu``; under a launcher each
+  rank takes ``cuda:LOCAL_RANK`` and makes it current (NCCL and object collectives use the
+  current device).
+- ``setup_group``: join the launcher's process group (or make a one-process one for
+  DeepSpeed), NCCL on CUDA, gloo on CPU.
+- ``Group``: the collectives. A process group has a *communication device*: NCCL has only a
+  CUDA backend, gloo is used here for CPU tensors. Every tensor handed to a collective is
+  moved there first, so a CPU metric tensor never reaches NCCL (``RuntimeError: No backend
+  type associated with device type cpu``) and a CUDA one never reaches gloo.
+- ``atomic_write_text`` / ``atomic_dir`` / ``atomic_file``: a crash leaves the old file or no
+  file, never half of one.
+- ``DTYPES`` / ``resolve_dtype``: the dtype names the configs accept.
+
+Importable without deepspeed, hydra, omegaconf, wandb or datasets (the decoder side uses
+it on GPU boxes that lack them): deepspeed is imported only inside ``setup_group``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:
+    """``auto`` is bf16 on CUDA and fp32 elsewhere (CPU bf16 matmuls are slow and lossy)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: use auto or one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+# ----------------------------------------------------------------------------- devices
+def pick_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; anything else as given."""
+    if device != "auto":
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def local_device(device: str = "auto") -> torch.device:
+    """This rank's compute device. A bare ``cuda`` becomes ``cuda:LOCAL_RANK`` and is made
+    current, so that each rank of a node has its own GPU."""
+    dev = torch.device(pick_device(str(device)))
+    if dev.type == "cuda":
+        if dev.index is None:
+            dev = torch.device("cuda", local_rank())
+        torch.cuda.set_device(dev)
+    return dev
+
+
+# ----------------------------------------------------------------------------- groups
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def setup_group(device: torch.device, deepspeed: bool = False) -> Group:
+    """Join the process group the launcher prepared (``torchrun`` / ``deepspeed`` export
+    RANK, WORLD_SIZE, MASTER_*).
+
+    ``deepspeed=True`` (training) always makes a group, a one-process one under plain
+    ``python``, because the engine needs one. Otherwise a single process gets no group and
+    every collective is a no-op.
+    """
+    import torch.distributed as dist
+
+    backend = backend_for(device)
+    if deepspeed:
+        import deepspeed as ds
+
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=str(local_rank()),
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        ds.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group(backend)
+    return Group(dist if dist.is_available() and dist.is_initialized() else None)
+
+
+class Group:
+    """The collectives of this project, with their inputs on the communication device.
+
+    ``dist`` is ``torch.distributed`` (or None: one process, no group, every call a no-op).
+    ``comm_device`` defaults to what the group's backend can carry: the current CUDA
+    device for NCCL, the CPU for gloo. Tensor results come back on the communication
+    device; callers read them once (``.tolist()``) where they need host numbers.
+    """
+
+    def __init__(self, dist=None, comm_device: torch.device | str | None = None):
+        self.dist = dist
+        self.rank = dist.get_rank() if dist else 0
+        self.world = dist.get_world_size() if dist else 1
+        self.local_rank = local_rank() if dist else 0
+        if comm_device is None:
+            nccl = dist is not None and "nccl" in str(dist.get_backend()).lower()
+            comm_device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.comm_device = torch.device(comm_device)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks. Returns a tensor on the communication device (the input itself
+        when it is already there, reduced in place)."""
+        t = tensor.to(self.comm_device)
+        if self.dist is not None:
+            self.dist.all_reduce(t)
+        return t
+
+    def any(self, flag: bool | torch.Tensor) -> bool:
+        """True on every rank when any rank's flag is true (one host read)."""
+        t = flag.float().reshape(1) if isinstance(flag, torch.Tensor) else torch.tensor([1.0 if flag else 0.0])
+        return bool(self.all_reduce(t).item() > 0)
+
+    def barrier(self) -> None:
+        if self.dist is not None:
+            if self.comm_device.type == "cuda":
+                self.dist.barrier(device_ids=[self.comm_device.index])
+            else:
+                self.dist.barrier()
+
+    def broadcast_object(self, obj, src: int = 0):
+        """Rank ``src``'s ``obj`` on every rank (pickled through the communication device)."""
+        if self.dist is None:
+            return obj
+        box = [obj]
+        self.dist.broadcast_object_list(box, src=src, device=self.comm_device)
+        return box[0]
+
+    def gather_object(self, obj) -> list:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        if self.dist is None:
+            return [obj]
+        out = [None] * self.world
+        # all_gather_object stages through torch.cuda.current_device() under NCCL, which
+        # local_device() has set to this rank's GPU.
+        self.dist.all_gather_object(out, obj)
+        return out
+
+    @contextlib.contextmanager
+    def rank0_first(self):
+        """Rank 0 runs the body first (it fills a cache), the other ranks after it (they read it)."""
+        if not self.main:
+            self.barrier()
+        yield
+        if self.main:
+            self.barrier()
+
+    def destroy(self, barrier: bool = True) -> None:
+        """Leave the group; ``barrier=False`` on error paths, where another rank may never arrive."""
+        if self.dist is not None and self.dist.is_initialized():
+            if barrier:
+                self.barrier()
+            self.dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- atomic writes
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | Path, fsync: bool = False, keep_suffix: bool = False):
+    """Yield a temporary path beside ``path``; renamed over it when the body returns.
+
+    ``keep_suffix``: ``NAME.tmp.png`` rather than ``NAME.png.tmp``, for writers that pick
+    the format from the extension (matplotlib).
+    """
+    path = Path(path)
+    tmp = path.with_name(f"{path.stem}.tmp{path.suffix}" if keep_suffix else f"{path.name}.tmp")
+    try:
+        yield tmp
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if fsync:
+        _fsync(tmp)
+    os.replace(tmp, path)
+
+
+def atomic_write_text(path: str | Path, text: str, fsync: bool = False) -> None:
+    with atomic_file(path, fsync=fsync) as tmp:
+        Path(tmp).write_text(text, encoding="utf-8")
+
+
+def replace_dir(tmp: str | Path, final: str | Path) -> None:
+    """Move a finished folder into place, over an older one of that name."""
+    final = Path(final)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+
+
+def make_readable(folder: str | Path) -> None:
+    """Give the files of an output folder the mode the user's umask gives any new file
+    (0644 under the usual 022): safetensors' writer creates them 0600, so a head exported
+    on a shared machine would otherwise be unreadable to the rest of the group."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for p in Path(folder).rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            os.chmod(p, 0o666 & ~mask)
+
+
+def atomic_dir(out: str | Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)`` into ``.tmp-NAME`` beside ``out``, then rename it over ``out``; its
+    files get the usual mode (``make_readable``)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp-{out.name}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    make_readable(tmp)
+    replace_dir(tmp, out)

@@ -1,0 +1,109 @@
+"""msd_train.runtime: collectives reach the process group on its communication device."""
+
+import pytest
+import torch
+
+from msd_train import runtime
+
+
+class FakeNCCL:
+    """Stands in for torch.distributed over a backend that, like NCCL, carries tensors of
+    one device type only (here ``meta``, the one non-CPU device every machine has)."""
+
+    def __init__(self, device="meta", world=2):
+        self.device, self.world, self.calls = torch.device(device), world, []
+
+    def get_rank(self):
+        return 0
+
+    def get_world_size(self):
+        return self.world
+
+    def get_backend(self):
+        return "fake"
+
+    def is_initialized(self):
+        return True
+
+    def _check(self, name, t):
+        self.calls.append((name, t.device.type))
+        if t.device.type != self.device.type:
+            raise RuntimeError(f"No backend type associated with device type {t.device.type}")
+
+    def all_reduce(self, t):
+        self._check("all_reduce", t)
+
+    def broadcast_object_list(self, box, src=0, device=None):
+        self.calls.append(("broadcast_object_list", torch.device(device).type))
+
+    def barrier(self, device_ids=None):
+        self.calls.append(("barrier", device_ids))
+
+
+def test_collective_inputs_move_to_the_communication_device():
+    fake = FakeNCCL()
+    group = runtime.Group(fake, comm_device="meta")
+    with pytest.raises(RuntimeError, match="device type cpu"):  # what NCCL does with a host tensor
+        fake.all_reduce(torch.zeros(3))
+    metrics = torch.zeros(5, dtype=torch.float64)  # a CPU tensor, as the step's metric sums were
+    out = group.all_reduce(metrics)
+    assert out.device.type == "meta" and out.dtype == torch.float64
+    group.broadcast_object({"error": None})
+    assert fake.calls[1:] == [("all_reduce", "meta"), ("broadcast_object_list", "meta")]
+
+
+def test_comm_device_follows_the_backend():
+    class Gloo(FakeNCCL):
+        def get_backend(self):
+            return "gloo"
+
+    assert runtime.Group(Gloo("cpu")).comm_device == torch.device("cpu")
+    assert runtime.Group(None).comm_device == torch.device("cpu")
+
+
+def test_without_a_group_collectives_are_identity():
+    g = runtime.Group(None)
+    t = torch.tensor([1.0, 2.0])
+    assert torch.equal(g.all_reduce(t), t) and g.any(True) and not g.any(torch.tensor(False))
+    assert g.broadcast_object("x") == "x" and g.gather_object(3) == [3]
+    with g.rank0_first():
+        pass
+    assert (g.rank, g.world, g.main) == (0, 1, True)
+
+
+def test_rank0_first_orders_the_barrier():
+    fake = FakeNCCL("cpu")
+    seen = []
+    for rank in (0, 1):
+        fake.get_rank = lambda rank=rank: rank
+        g = runtime.Group(fake, comm_device="cpu")
+        fake.calls.clear()
+        with g.rank0_first():
+            seen.append((rank, list(fake.calls)))
+        seen.append((rank, list(fake.calls)))
+    # rank 0 works before any barrier and waits after; rank 1 waits first
+    assert seen == [(0, []), (0, [("barrier", None)]), (1, [("barrier", None)]), (1, [("barrier", None)])]
+
+
+def test_atomic_writes_leave_the_old_file_when_the_writer_fails(tmp_path):
+    path = tmp_path / "report.json"
+    runtime.atomic_write_text(path, "old")
+    with pytest.raises(ZeroDivisionError):
+        with runtime.atomic_file(path) as tmp:
+            tmp.write_text("half")
+            raise ZeroDivisionError("writer failed")
+    assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
+
+    out = tmp_path / "head"
+    runtime.atomic_dir(out, lambda d: (d / "a").write_text("1"))
+    with pytest.raises(OSError):
+        runtime.atomic_dir(out, lambda d: (_ for _ in ()).throw(OSError("disk full")))
+    assert (out / "a").read_text() == "1" and not (tmp_path / ".tmp-head").exists()
+
+
+def test_dtype_names():
+    assert runtime.resolve_dtype("auto", "cpu") == torch.float32
+    assert runtime.resolve_dtype("auto", "cuda") == torch.bfloat16
+    assert runtime.resolve_dtype("bf16", "cpu") == torch.bfloat16
+    with pytest.raises(ValueError, match="fp8"):
+        runtime.resolve_dtype("fp8", "cpu")
