@@ -101,6 +101,17 @@ def _unbatched(item):
     return item
 
 
+def _ignore_stop_signals(worker_id: int) -> None:
+    """Loader workers leave stopping to the trainer. Ctrl-C and SIGTERM sent to the launcher's
+    process group reach the workers too; if they died, the trainer's next DataLoader call
+    (or torch's SIGCHLD check) would raise while it saves its checkpoint. The trainer ends
+    them itself, and each exits on its own when the trainer's process is gone."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def step_loader(dataset: StepBatches, curriculum, start: int, stop: int, workers: int, pin_memory: bool,
                 prefetch: int = 2) -> torch.utils.data.DataLoader:
     """The training steps ``start..stop-1`` of this rank, collated ahead by ``workers`` processes.
@@ -111,6 +122,7 @@ def step_loader(dataset: StepBatches, curriculum, start: int, stop: int, workers
     """
     kw = {"num_workers": workers, "pin_memory": pin_memory}
     if workers > 0:
-        kw.update(prefetch_factor=prefetch, multiprocessing_context="fork", persistent_workers=False)
+        kw.update(prefetch_factor=prefetch, multiprocessing_context="fork", persistent_workers=False,
+                  worker_init_fn=_ignore_stop_signals)
     return torch.utils.data.DataLoader(dataset, sampler=StepSampler(curriculum, start, stop), batch_size=None,
                                        collate_fn=_unbatched, **kw)
