@@ -1,6 +1,6 @@
 """Check a dataset before a long run: what is kept, what is skipped and why, how long.
 
-    python scripts/check_data.py [the target and data overrides you give train.py] [--show N] [--json FILE]
+    python scripts/check_data.py [the target and data overrides you give train.py] [show=N] [json=FILE]
     python scripts/check_data.py data=sharegpt_llava665k target=llava15_7b \\
         data.text.0.path=/data/ShareGPT_V3_unfiltered_cleaned_split.json \\
         data.multimodal.0.path=/data/llava_v1_5_mix665k.json data.multimodal.0.image_root=/data/images
@@ -9,19 +9,24 @@ Reads every split of the data config with the readers training uses
 (``msd_train.data.formats`` and ``build_split``) and the target's tokenizer, chat
 template and image processor; the target's weights are not loaded. Prints per split the
 records read, the samples kept, the samples skipped grouped by reason (and the first
-``--show`` of them with file, sample and fix), the images not found, the length
+``show`` of them with file, sample and fix), the images not found, the length
 distribution after truncation at ``data.max_length`` and the share truncated. Exits 1
 when no split holds a usable sample, 2 when a data file cannot be read at all.
+A Hydra entry point like train.py, over conf/check_data.yaml; see docs/features.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
 from collections import Counter
 from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from msd_train.config import CONF_DIR
 
 SPLITS = ("text", "multimodal", "heldout_text", "heldout_multimodal")
 NO_LIMIT = 1 << 30  # tokenise at full length, then apply data.max_length here to see what it cuts
@@ -117,7 +122,7 @@ def print_report(name: str, r: dict, show: int) -> None:
     for s in r["skipped_samples"][:show]:
         print(f"      {s['source']}, sample {s['id']}: {s['reason']} ({s['fix']})")
     if r["skipped"] > show:
-        print(f"      ... {r['skipped'] - show} more (--show N, or --json FILE for all)")
+        print(f"      ... {r['skipped'] - show} more (show=N, or json=FILE for all)")
     if r.get("salvaged"):
         print(f"  kept up to a break inside the conversation (listed as truncated): {r['salvaged']}")
     print(f"  images not found: {r['images_not_found']}")
@@ -129,37 +134,29 @@ def print_report(name: str, r: dict, show: int) -> None:
               f"({r['visual_tokens']} visual)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="Other arguments are Hydra overrides, as for train.py.")
-    p.add_argument("--show", type=int, default=10, help="skipped samples to list per split (default 10)")
-    p.add_argument("--json", type=Path, help="write the full report (every skipped sample) to this file")
-    p.add_argument("--splits", default=",".join(SPLITS), help="comma-separated splits to check")
-    args, overrides = p.parse_known_args(argv)
-
-    from hydra import compose, initialize_config_dir
-
-    from msd_train.config import CONF_DIR
-    from msd_train.features.generate import load_target_skeleton
-
-    with initialize_config_dir(str(CONF_DIR), version_base=None):
-        cfg = compose("config", overrides=overrides)
+def check(cfg: DictConfig) -> int:
+    """Check every split ``cfg.splits`` names; print the report; the exit status."""
     import logging
 
+    from msd_train.features.generate import load_target_skeleton
+
+    unknown = [n for n in cfg.splits if n not in SPLITS]
+    if unknown:
+        print(f"splits: unknown split(s) {', '.join(map(repr, unknown))}; choose from {', '.join(SPLITS)}",
+              file=sys.stderr)
+        return 2
     logging.getLogger("datasets").setLevel(logging.WARNING)
     target = load_target_skeleton(cfg.target)
     print(f"target {cfg.target.name_or_path} (tokenizer, template and image processor; no weights)")
     reports = {}
-    for name in args.splits.split(","):
-        if name not in SPLITS:
-            p.error(f"--splits: unknown split {name!r}; choose from {', '.join(SPLITS)}")
+    for name in cfg.splits:
         if not cfg.data.get(name):
             continue
         reports[name] = check_split(cfg, target, name)
-        print_report(name, reports[name], args.show)
-    if args.json:
-        args.json.write_text(json.dumps(reports, indent=1))
-        print(f"report written to {args.json}")
+        print_report(name, reports[name], int(cfg.show))
+    if cfg.json:
+        Path(cfg.json).write_text(json.dumps(reports, indent=1))
+        print(f"report written to {cfg.json}")
     if any("error" in r for r in reports.values()):
         print("error: a data file cannot be read (see above)")
         return 2
@@ -173,5 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+@hydra.main(config_path=str(CONF_DIR), config_name="check_data", version_base=None)
+def main(cfg: DictConfig) -> None:
+    rc = check(cfg)
+    if rc:
+        sys.exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -23,9 +23,10 @@ from msd_train.hub.cli import require_arguments, resolve_target
 def main(cfg: DictConfig) -> None:
     require_arguments(cfg, "export")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from msd_train.hub import export_msd, export_reference
+    from msd_train.hub import TargetInfo, export_msd, export_reference
 
-    target, _ = resolve_target(cfg.target)
+    name_or_path, _ = resolve_target(cfg.target)
+    target = TargetInfo.from_files(name_or_path) if name_or_path else None
     if cfg.format == "msd":
         summary = export_msd(cfg.checkpoint, cfg.out, target=target, dtype=cfg.dtype)
     elif cfg.format == "reference":

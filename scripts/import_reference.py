@@ -23,9 +23,10 @@ from msd_train.hub.cli import require_arguments, resolve_target
 def main(cfg: DictConfig) -> None:
     require_arguments(cfg, "import_reference")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from msd_train.hub import import_reference
+    from msd_train.hub import TargetInfo, import_reference
 
-    target, _ = resolve_target(cfg.target)
+    name_or_path, _ = resolve_target(cfg.target)
+    target = TargetInfo.from_files(name_or_path) if name_or_path else None
     report = import_reference(cfg.src, cfg.out, target=target, revision=cfg.revision)
     print(f"imported {cfg.src} -> {cfg.out}")
     print(json.dumps({"config": report.config, "dropped_keys": report.dropped_keys,

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,16 @@ def target_path(mini_run):
     return next(o.split("=", 1)[1] for o in mini_run if o.startswith("target.name_or_path="))
 
 
+def run(check_data, args, monkeypatch) -> int:
+    """The exit status of the command as a user types it (Hydra reads sys.argv)."""
+    monkeypatch.setattr(sys, "argv", ["check_data.py", *args])
+    try:
+        check_data.main()
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
 def examples_overrides(target_path, tmp_path, max_length=200):
     return [f"target.name_or_path={target_path}", f"data.text.0.path={EXAMPLES / 'sharegpt_excerpt.json'}",
             f"data.multimodal.0.path={EXAMPLES / 'llava_excerpt.json'}",
@@ -30,9 +41,9 @@ def examples_overrides(target_path, tmp_path, max_length=200):
             "data.heldout_multimodal=[]", f"data.max_length={max_length}", f"data.cache_dir={tmp_path / 'cache'}"]
 
 
-def test_report_on_the_real_world_excerpts(check_data, target_path, tmp_path, capsys):
+def test_report_on_the_real_world_excerpts(check_data, target_path, tmp_path, capsys, monkeypatch):
     out = tmp_path / "report.json"
-    rc = check_data.main([*examples_overrides(target_path, tmp_path), "--json", str(out), "--show", "2"])
+    rc = run(check_data, [*examples_overrides(target_path, tmp_path), f"json={out}", "show=2"], monkeypatch)
     text = capsys.readouterr().out
     assert rc == 0, text
     rep = json.loads(out.read_text())
@@ -50,7 +61,7 @@ def test_report_on_the_real_world_excerpts(check_data, target_path, tmp_path, ca
     assert 0 < m["truncated_share"] < 1
     assert any(s["id"] == "000000999999" and s["reason"].startswith("image 000000999999.jpg not found")
                for s in m["skipped_samples"])
-    assert "p50" in text and "truncated:" in text and "more (--show N" in text
+    assert "p50" in text and "truncated:" in text and "more (show=N, or json=FILE" in text
 
 
 def test_prediction_matches_what_training_keeps(check_data, target_path, tmp_path):
@@ -75,14 +86,16 @@ def test_prediction_matches_what_training_keeps(check_data, target_path, tmp_pat
         assert sorted(s["id"] for s in rep["skipped_samples"]) == sorted(b.id for b in dropped)
 
 
-def test_nothing_usable_exits_nonzero(check_data, target_path, tmp_path, capsys):
+def test_nothing_usable_exits_nonzero(check_data, target_path, tmp_path, capsys, monkeypatch):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"id": i, "conversations": [{"from": "human", "value": "hi"},
                                                             {"from": "gpt", "value": ""}]} for i in range(3)]))
     over = [f"target.name_or_path={target_path}", f"data.text.0.path={bad}", "data.multimodal=[]",
             "data.heldout_text=[]", "data.heldout_multimodal=[]", f"data.cache_dir={tmp_path / 'cache'}"]
-    assert check_data.main(over) == 1
+    assert run(check_data, over, monkeypatch) == 1
     assert "no usable samples remain in data.text" in capsys.readouterr().out
     missing = [o.replace(str(bad), str(tmp_path / "nope.json")) for o in over]
-    assert check_data.main(missing) == 2
+    assert run(check_data, missing, monkeypatch) == 2
     assert "data file not found" in capsys.readouterr().out
+    assert run(check_data, [*over, "splits=[text,txt]"], monkeypatch) == 2
+    assert "unknown split(s) 'txt'" in capsys.readouterr().err

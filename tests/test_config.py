@@ -21,6 +21,7 @@ ENTRY_POINTS = {
     "scripts/export.py": (CONF_DIR / "hub", "export"),
     "scripts/import_reference.py": (CONF_DIR / "hub", "import_reference"),
     "scripts/push_to_hub.py": (CONF_DIR / "hub", "push"),
+    "scripts/check_data.py": (CONF_DIR, "check_data"),
 }
 
 
@@ -62,7 +63,7 @@ def test_documented_command_composes(doc, entry, args):
     given = dict(a.split("=", 1) for a in args)
     if entry == "eval.py" and "draft" in given:
         assert cfg.draft == given["draft"]  # the head to evaluate, a plain key
-    if "target" in given and entry.startswith("scripts/"):
+    if "target" in given and ENTRY_POINTS[entry][0] == CONF_DIR / "hub":  # a plain key there
         assert resolve_target(cfg.target)[0] == _compose("train.py", [f"target={given['target']}"]).target.name_or_path
 
 

@@ -108,13 +108,13 @@ def test_saved_with_the_head(qwen_target, tmp_path):
 def test_imported_qwen_head_says_1d(qwen_target, tmp_path):
     """A head in the released layout (written by the exporter) imports as a 1-D-position
     head; exporting an M-RoPE head to that layout warns that the released code drafts in 1-D."""
-    from msd_train.hub import export_reference, import_reference, load_head
+    from msd_train.hub import TargetInfo, export_reference, import_reference, load_head
 
     MSDDraftModel(qwen_config(qwen_target, "mrope")).save_pretrained(tmp_path / "ours")
-    summary = export_reference(tmp_path / "ours", tmp_path / "released", target=qwen_target)
+    summary = export_reference(tmp_path / "ours", tmp_path / "released", target=TargetInfo.of(qwen_target))
     assert any("1-D positions" in w for w in summary["warnings"])
     assert json.loads((tmp_path / "released" / "config.json").read_text())["model_type"] == "qwen2_vl"
-    report = import_reference(tmp_path / "released", tmp_path / "imported", target=qwen_target)
+    report = import_reference(tmp_path / "released", tmp_path / "imported", target=TargetInfo.of(qwen_target))
     assert report.config["draft_positions"] == "1d"
     assert MSDDraftModel.from_pretrained(tmp_path / "imported").config.draft_positions == "1d"
     assert load_head(tmp_path / "released", target=qwen_target).config.draft_positions == "1d"

@@ -200,3 +200,19 @@ def test_ar_only_and_default_out(target_dir, tmp_path, monkeypatch):
     assert report["draft"] is None and report["overall"]["tau"] == 1.0
     assert report["overall"]["accept_at_pos"] == [] and report["overall"]["outputs_match_ar"] is True
     assert (tmp_path / "eval" / "mmspec-ar" / "report.json").is_file()
+
+
+def test_conversation_bench_keeps_each_records_category_past_blank_lines(tmp_path):
+    """The category comes from the record the conversation was read from, also when the
+    JSONL file has blank lines (one reader gives both the same line numbers)."""
+    def conv(sid, category):
+        return json.dumps({"id": sid, "category": category, "messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
+
+    path = tmp_path / "convs.jsonl"
+    path.write_text(conv("a", "greeting") + "\n\n" + conv("b", "farewell") + "\n")
+    items = load_bench({"kind": "conversations", "sources": [{"path": str(path)}]})
+    assert [(i.id, i.category) for i in items] == [("a", "greeting"), ("b", "farewell")]
+    path.write_text(conv("a", "greeting") + "\n{broken\n")
+    with pytest.raises(ValueError, match=r"convs.jsonl, line 2: not valid JSON .*fix or delete that line"):
+        load_bench({"kind": "conversations", "sources": [{"path": str(path)}]})

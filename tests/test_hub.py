@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from msd_train.draft import MSDDraftConfig, MSDDraftModel
 from msd_train.hub import (
     IncompleteHeadError,
+    TargetInfo,
     VocabMap,
     check_embedding,
     export_msd,
@@ -258,7 +259,7 @@ def test_qwen_head_without_mrope_sections_takes_the_targets(tmp_path):
     config = json.loads((tmp_path / "src" / "config.json").read_text())
     config["rope_scaling"] = None
     (tmp_path / "src" / "config.json").write_text(json.dumps(config))
-    report = import_reference(tmp_path / "src", tmp_path / "out", target=target)
+    report = import_reference(tmp_path / "src", tmp_path / "out", target=TargetInfo.of(target))
     assert report.embedding.ok and report.config["mrope_section"] == [2, 1, 1]
     assert any("names no M-RoPE sections" in n for n in report.notes)
     head = load_head(tmp_path / "out", target=target)
@@ -307,7 +308,7 @@ def test_import_checks_embedding_against_target(tmp_path, caplog):
     table = target.embed_tokens.weight.detach()
     rows = table.shape[0] - 3  # as if the target had appended three tokens
     released_head(tmp_path / "good", "llava", "safetensors", embed=table[:rows])
-    report = import_reference(tmp_path / "good", tmp_path / "out", target=target)
+    report = import_reference(tmp_path / "good", tmp_path / "out", target=TargetInfo.of(target))
     assert report.embedding.ok and report.embedding.compared_rows == rows
     head = load_head(tmp_path / "out", target=target)
     assert head.config.target_name_or_path == target.name and head.config.target_vocab_size == table.shape[0]
@@ -318,7 +319,7 @@ def test_import_checks_embedding_against_target(tmp_path, caplog):
     wrong[5] += 1
     released_head(tmp_path / "bad", "llava", "safetensors", embed=wrong)
     with caplog.at_level("WARNING"):
-        report = import_reference(tmp_path / "bad", tmp_path / "out2", target=target)
+        report = import_reference(tmp_path / "bad", tmp_path / "out2", target=TargetInfo.of(target))
     assert not report.embedding.ok and report.embedding.mismatched_rows == 1
     assert "differ from the target" in caplog.text
     with caplog.at_level("WARNING"):
@@ -359,6 +360,14 @@ def test_reference_round_trip_is_bit_exact(tmp_path, model_type, fmt):
     export_reference(tmp_path / "ours", tmp_path / "back2", embed_from=tmp_path / "moved", weights="safetensors")
     back2 = load_file(tmp_path / "back2" / "model.safetensors")
     assert all(torch.equal(back2[k], raw[k]) for k in raw)
+    # embed_from wins over target=: the target's table (a 7B shard download) is never read.
+    def unread():
+        raise AssertionError("the target's embedding was read although embed_from names one")
+
+    hidden = json.loads((tmp_path / "moved" / "config.json").read_text())["hidden_size"]
+    target = TargetInfo("some/target", model_type, VOCAB, hidden, read_embedding=unread)
+    summary = export_reference(tmp_path / "ours", tmp_path / "back3", target=target, embed_from=tmp_path / "moved")
+    assert summary["embed_tokens_from"] == str(tmp_path / "moved")
 
 
 def test_trained_head_exports_to_reference_with_target_embedding(tmp_path):
@@ -375,7 +384,7 @@ def test_trained_head_exports_to_reference_with_target_embedding(tmp_path):
 
     with pytest.raises(ValueError, match="target="):
         export_reference(tmp_path / "final", tmp_path / "ref")
-    summary = export_reference(tmp_path / "final", tmp_path / "ref", target=str(tmp_path / "target"))
+    summary = export_reference(tmp_path / "final", tmp_path / "ref", target=TargetInfo.from_files(tmp_path / "target"))
     table = model.get_input_embeddings().weight.detach()
     ref = load_file(tmp_path / "ref" / "model.safetensors")
     assert torch.equal(ref["embed_tokens.weight"], table[: ref["embed_tokens.weight"].shape[0]])
@@ -384,7 +393,7 @@ def test_trained_head_exports_to_reference_with_target_embedding(tmp_path):
     assert config["model_type"] == "llava" and config["vocab_size"] == summary["embed_rows"] and config["bias"]
 
     # ...and back: the imported head computes exactly what the original does.
-    import_reference(tmp_path / "ref", tmp_path / "again", target=str(tmp_path / "target"))
+    import_reference(tmp_path / "ref", tmp_path / "again", target=TargetInfo.from_files(tmp_path / "target"))
     again = MSDDraftModel.from_pretrained(tmp_path / "again")
     e, h = inputs()
     assert torch.equal(again(e, h).last_hidden_state, head(e, h).last_hidden_state)

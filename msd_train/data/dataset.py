@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,16 +61,29 @@ def file_digest(path: str | Path, algorithm: str = "sha1") -> str:
     return h.hexdigest()
 
 
-def _image_stamp(row: dict) -> tuple[list, str | None]:
-    """(path, size, mtime) of each image of ``row``, and the first missing path if any."""
+def stat_images(paths) -> tuple[list, str | None]:
+    """(path, size, mtime) of each image path, and the first path with no file behind it
+    (None when every one has one): the one existence check of training data and
+    benchmarks, one ``stat`` per image. Entries that are not paths (PIL images from a Hub
+    dataset) are passed over."""
     out = []
-    for p in row["images"]:
+    for p in paths:
+        if not isinstance(p, (str, os.PathLike)):
+            continue
         try:
             st = os.stat(p)
         except OSError:
-            return out, p
-        out.append((p, st.st_size, st.st_mtime_ns))
+            return out, str(p)
+        if not stat.S_ISREG(st.st_mode):
+            return out, str(p)
+        out.append((str(p), st.st_size, st.st_mtime_ns))
     return out, None
+
+
+def _image_not_found(path: str, image_root) -> dict:
+    """Why a sample whose image is missing cannot be used, and the fix."""
+    return {"bad": f"image {Path(path).name} not found at {path}",
+            "fix": f"check image_root={image_root} or remove the sample"}
 
 
 def _encode_row(row: dict, target, max_length: int, image_root_hint: str) -> dict:
@@ -77,9 +91,8 @@ def _encode_row(row: dict, target, max_length: int, image_root_hint: str) -> dic
     empty = {"input_ids": [], "loss_mask": [], "n_visual": 0, "bad": "", "fix": ""}
     try:
         images = load_images(row["images"])
-    except FileNotFoundError as e:
-        return {**empty, "bad": f"image {Path(e.filename).name if e.filename else ''} not found at {e.filename}",
-                "fix": f"check image_root={image_root_hint} or remove the sample"}
+    except FileNotFoundError as e:  # deleted since build_split checked it
+        return {**empty, **_image_not_found(str(e.filename or ""), image_root_hint)}
     except Exception as e:  # PIL raises several types for broken files
         return {**empty, "bad": f"image cannot be decoded ({type(e).__name__}: {e})",
                 "fix": "re-download or remove the image"}
@@ -124,11 +137,10 @@ def build_split(
     for src in sources:
         for rec in read_conversations(src["path"], src.get("format", "auto"), src.get("image_root")):
             if not isinstance(rec, BadSample):
-                stamp, missing = _image_stamp(rec)
+                stamp, missing = stat_images(rec["images"])
                 if missing is not None:
-                    rec = BadSample(rec["source"], rec["index"], rec["id"],
-                                    f"image {Path(missing).name} not found at {missing}",
-                                    f"check image_root={src.get('image_root')} or remove the sample")
+                    why = _image_not_found(missing, src.get("image_root"))
+                    rec = BadSample(rec["source"], rec["index"], rec["id"], why["bad"], why["fix"])
                 else:
                     images.update(json.dumps(stamp).encode())
             if isinstance(rec, BadSample):

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from msd_train.targets.chat import IMAGE_MARKER
+from msd_train.targets.chat import IMAGE_MARKER, count_image_markers
 
 # Roles seen in real ShareGPT / LLaVA dumps, mapped to chat roles.
 ROLE_MAP = {
@@ -82,18 +82,25 @@ def read_text(path: Path) -> str:
         ) from None
 
 
-def _records(path: Path) -> Iterator[tuple[int, object]]:
-    """(index, record) pairs of a JSON array file or a JSONL file; broken lines become errors."""
+def read_records(path: Path, strict: bool = False) -> Iterator[tuple[int, object]]:
+    """(index, record) pairs of a JSON array file (index: the position in the array) or of
+    a JSONL file (index: the 0-based line number; blank lines are skipped).
+
+    A file that is not UTF-8, or a JSON array that does not parse, is an error naming the
+    file, the line and the fix. A JSONL line that does not parse becomes a
+    :class:`BadSample` (one broken line need not spoil a training set; the caller's
+    ``on_bad_sample`` decides) or, with ``strict``, an error naming the file and the line
+    (a benchmark measures every item it lists or none).
+    """
     text = read_text(path)
-    stripped = text.lstrip()
-    if stripped.startswith("["):
+    if text.lstrip().startswith("["):
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(
-                f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
-                "fix the file or convert it to JSONL, one conversation per line, so that one "
-                "broken record does not spoil the rest"
+                f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); fix the file there, "
+                "or write it as JSONL, one record per line"
+                + ("" if strict else ", so that one broken record does not spoil the rest")
             ) from None
         yield from enumerate(data)
         return
@@ -103,6 +110,9 @@ def _records(path: Path) -> Iterator[tuple[int, object]]:
         try:
             yield lineno, json.loads(line)
         except json.JSONDecodeError as e:
+            if strict:
+                raise ValueError(f"{path}, line {lineno + 1}: not valid JSON ({e.msg} at column {e.colno}); "
+                                 "fix or delete that line") from None
             yield lineno, BadSample(str(path), lineno, None, f"line {lineno + 1} is not valid JSON ({e.msg})",
                                     "fix or delete that line")
 
@@ -174,7 +184,7 @@ def read_conversations(path: str | Path, fmt: str = "auto", image_root: str | Pa
         raise FileNotFoundError(f"{path}: data file not found; check data.*.path")
     src = str(path)
     root = Path(image_root) if image_root else path.parent
-    for index, rec in _records(path):
+    for index, rec in read_records(path):
         if isinstance(rec, BadSample):
             yield rec
             continue
@@ -212,9 +222,8 @@ def read_conversations(path: str | Path, fmt: str = "auto", image_root: str | Pa
         msgs = system + body
         # Markers in the whole conversation decide how images pair with turns; a cut
         # conversation keeps the images whose markers it keeps (markers follow image order).
-        n_all = sum(t.get(content_key, "").count(IMAGE_MARKER) for t in raw_turns
-                    if isinstance(t, dict) and isinstance(t.get(content_key), str))
-        n_markers = sum(m["content"].count(IMAGE_MARKER) for m in msgs)
+        n_all = count_image_markers(t[content_key] for t in raw_turns if isinstance(t, dict) and content_key in t)
+        n_markers = count_image_markers(msgs)
         if images and n_all == 0 and len(images) == 1:
             # LLaVA entries occasionally lack the marker; LLaVA's own loader prepends it.
             first = next(i for i, m in enumerate(msgs) if m["role"] == "user")

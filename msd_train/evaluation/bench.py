@@ -29,7 +29,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from msd_train.targets.chat import IMAGE_MARKER
+from msd_train.targets.chat import IMAGE_MARKER, count_image_markers
 
 log = logging.getLogger(__name__)
 
@@ -46,53 +46,30 @@ class BenchItem:
     source: str = ""
     captions: list[str] = field(default_factory=list)  # one per image when supplied, else empty
 
+    def check_image_files(self) -> None:
+        """Raise FileNotFoundError naming the sample and the fix when an image path has no file."""
+        from msd_train.data.dataset import stat_images
+
+        _, missing = stat_images(self.images)
+        if missing is not None:
+            raise FileNotFoundError(f"{self.source}, sample {self.id}: image {missing} not found; set "
+                                    "bench.image_root to the folder the image paths are relative to")
+
     def load_images(self) -> list:
         from PIL import Image
 
-        out = []
-        for img in self.images:
-            if isinstance(img, (str, Path)):
-                if not Path(img).is_file():
-                    raise FileNotFoundError(
-                        f"{self.source}, sample {self.id}: image {img} not found; set bench.image_root "
-                        "to the folder the image paths are relative to"
-                    )
-                img = Image.open(img)
-            out.append(img.convert("RGB"))
-        return out
+        self.check_image_files()
+        return [(Image.open(img) if isinstance(img, (str, Path)) else img).convert("RGB") for img in self.images]
 
 
 def _with_markers(turns: list[str], n_images: int) -> list[str]:
     """Put one marker per image before the first turn unless the turns carry markers."""
-    have = sum(t.count(IMAGE_MARKER) for t in turns)
+    have = count_image_markers(turns)
     if have == n_images:
         return turns
     if have == 0 and turns:
         return [(IMAGE_MARKER + "\n") * n_images + turns[0]] + turns[1:]
     raise ValueError(f"{have} {IMAGE_MARKER} markers in the turns but {n_images} images")
-
-
-def _read_records(path: Path) -> list:
-    """Records of a JSON array or JSONL file; a broken record names the file, its line and the fix."""
-    from msd_train.data.formats import read_text
-
-    text = read_text(path)
-    if text.lstrip().startswith("["):
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); fix the file "
-                             "there, or write it as JSONL, one record per line") from None
-    records = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}, line {lineno}: not valid JSON ({e.msg} at column {e.colno}); fix or delete "
-                             "that line") from None
-    return records
 
 
 def _captions(record, n_images: int, captions: dict | None) -> list[str]:
@@ -127,9 +104,9 @@ def load_conversations(path: str, image_root: str | None = None, fmt: str = "aut
                        captions: str | None = None, group_by: str = "category") -> list[BenchItem]:
     """ShareGPT / LLaVA-Instruct / messages files through the training data readers; a
     conversation that breaks mid-way keeps its turns before the break (with a warning)."""
-    from msd_train.data.formats import BadSample, read_conversations
+    from msd_train.data.formats import BadSample, read_conversations, read_records
 
-    raw = _read_records(Path(path))
+    raw = dict(read_records(Path(path), strict=True))  # by the index read_conversations gives
     caption_map = _read_captions(captions)
     items = []
     for conv in read_conversations(path, fmt, image_root):
@@ -139,7 +116,7 @@ def load_conversations(path: str, image_root: str | None = None, fmt: str = "aut
         if isinstance(conv, BadSample):
             raise ValueError(conv.message())
         turns = [m["content"] for m in conv["messages"] if m["role"] == "user"]
-        record = raw[conv["index"]] if conv["index"] < len(raw) else {}
+        record = raw.get(conv["index"], {})
         category = record.get(group_by) if isinstance(record, dict) else None
         category = category or ("image" if conv["images"] else "text")
         items.append(BenchItem(conv["id"], str(category), turns, list(conv["images"]), str(path),
@@ -162,9 +139,11 @@ def load_jsonl(path: str, image_root: str | None = None, group_by: str = "catego
         default_root = path.parent
     else:
         raise FileNotFoundError(f"bench.path={path}: no such file or folder")
+    from msd_train.data.formats import read_records
+
     root = Path(image_root) if image_root else default_root
     items = []
-    for i, rec in enumerate(_read_records(path)):
+    for i, (_, rec) in enumerate(read_records(path, strict=True)):
         if not isinstance(rec, dict):
             raise ValueError(f"{path}, record {i + 1}: not a JSON object; write one {{id, image, turns, ...}} per line")
         sid = str(rec.get("id", f"{path.stem}-{i}"))
@@ -279,7 +258,7 @@ def select(items: list[BenchItem], max_per_category: int | None = None, max_samp
         out = []
         for it in items:
             turns = it.turns[: int(max_turns)]
-            n = sum(t.count(IMAGE_MARKER) for t in turns)
+            n = count_image_markers(turns)
             out.append(BenchItem(it.id, it.category, turns, it.images[:n], it.source, it.captions[:n]))
         items = out
     return items

@@ -78,12 +78,13 @@ def check_images(items) -> None:
     from PIL import Image
 
     for item in items:
+        try:
+            item.check_image_files()
+        except FileNotFoundError as e:
+            raise ConfigError(str(e)) from None
         for img in item.images:
             if not isinstance(img, (str, Path)):
                 continue
-            if not Path(img).is_file():
-                raise ConfigError(f"{item.source}, sample {item.id}: image {img} not found; set "
-                                  "bench.image_root to the folder the image paths are relative to")
             try:
                 with Image.open(img) as im:
                     im.load()
@@ -153,7 +154,7 @@ def run_eval(cfg: dict, command: str | None = None) -> dict | None:
     progress = bool(cfg.get("progress", True)) and rank == 0
     partial = _Partial(out / (f"samples.rank{rank}.jsonl" if world > 1 else "samples.jsonl"), rank, world)
     try:
-        records = evaluate(target, draft, shard, config, warmup=int(cfg.get("warmup", 1)),
+        records = evaluate(target, draft, shard, config, warmup=int(cfg["warmup"]),
                            seed=int(cfg.get("seed", 0)), progress=progress, on_record=partial)
     except BaseException as e:  # Ctrl-C, an error mid-benchmark: keep a report of what was measured
         partial.close()
@@ -185,7 +186,7 @@ def run_eval(cfg: dict, command: str | None = None) -> dict | None:
         from msd_train.evaluation.ensemble import ensemble_report
 
         report["ensemble"] = ensemble_report(target, draft, items if world > 1 else shard, config,
-                                             warmup=int(cfg.get("warmup", 1)), progress=progress)
+                                             warmup=int(cfg["warmup"]), progress=progress)
     paths = write_report(out, report, records)
     log.info("wrote %s", ", ".join(str(p) for p in paths.values()))
     _log_wandb(cfg.get("wandb") or {}, report, paths)
@@ -211,7 +212,7 @@ def _report(cfg: dict, draft, config: DecodeConfig, device, target, world: int, 
         "device": describe_device(device),
         "dtype": str(target.dtype).replace("torch.", ""),
         "world_size": world,
-        "warmup": int(cfg.get("warmup", 1)),
+        "warmup": int(cfg["warmup"]),
         "seed": int(cfg.get("seed", 0)),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command or " ".join(sys.argv),

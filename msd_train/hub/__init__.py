@@ -10,6 +10,7 @@ from msd_train.hub.load import load_head
 from msd_train.hub.push import plan_push, push_head
 from msd_train.hub.reference import (
     ImportReport,
+    TargetInfo,
     convert_reference,
     export_msd,
     export_reference,
@@ -21,6 +22,7 @@ from msd_train.hub.vocab import VocabMap, check_embedding
 __all__ = [
     "ImportReport",
     "IncompleteHeadError",
+    "TargetInfo",
     "VocabMap",
     "check_embedding",
     "convert_reference",

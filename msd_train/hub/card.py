@@ -12,7 +12,6 @@ machine that trained the head, and leak its layout); they appear as `<local>/NAM
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import re
@@ -21,6 +20,7 @@ from pathlib import Path
 from msd_train.draft import MSDDraftConfig
 from msd_train.formatting import fmt
 from msd_train.hub.folders import is_repo_id
+from msd_train.targets.lora import adapter_identity
 
 log = logging.getLogger(__name__)
 
@@ -108,25 +108,6 @@ def find_report(folder: Path, explicit: str | Path | None = None) -> Path | None
             continue
         found.append(path)
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
-
-
-def adapter_identity(adapter: str | None) -> dict | None:
-    """Who the target's LoRA adapter is: where it came from, its settings, a weights hash."""
-    if not adapter:
-        return None
-    ident = {"adapter": adapter}
-    folder = Path(adapter)
-    config = folder / "adapter_config.json"
-    if config.is_file():
-        cfg = json.loads(config.read_text())
-        for key in ("peft_type", "base_model_name_or_path", "r", "lora_alpha", "target_modules", "revision"):
-            if cfg.get(key) is not None:
-                ident[key] = sorted(cfg[key]) if isinstance(cfg[key], (list, set)) else cfg[key]
-    for name in ("adapter_model.safetensors", "adapter_model.bin"):
-        if (folder / name).is_file():
-            ident["weights_sha256"] = hashlib.sha256((folder / name).read_bytes()).hexdigest()
-            break
-    return ident
 
 
 def datasets_of(training: list[dict]) -> list[str]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from msd_train.draft import MSDDraftModel
 from msd_train.hub.folders import detect_layout, load_export, resolve_folder
-from msd_train.hub.reference import cast_head, convert_reference, read_reference
+from msd_train.hub.reference import TargetInfo, cast_head, convert_reference, read_reference
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +30,13 @@ def load_head(path_or_repo_id: str | Path, target=None, revision: str | None = N
     """
     folder = resolve_folder(path_or_repo_id, revision)
     if detect_layout(folder) == "reference":
-        model, report = convert_reference(read_reference(folder), target, source=str(path_or_repo_id))
+        info = TargetInfo.of(target) if target is not None else None
+        model, report = convert_reference(read_reference(folder), info, source=str(path_or_repo_id))
         for note in report.notes:
             log.info("%s: %s", path_or_repo_id, note)
     else:
         model = load_export(folder)
-    if target is not None and not isinstance(target, (str, Path)):
+    if target is not None:
         check_fits(model, target, str(path_or_repo_id))
         model = cast_head(model, device=target.device, dtype=target.dtype)
     return model.eval()

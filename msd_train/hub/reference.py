@@ -26,7 +26,9 @@ import json
 import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -70,53 +72,64 @@ PUBLISHED_TARGETS = {
 
 @dataclass
 class TargetInfo:
-    """What import/export need to know of a target: its name, sizes, embedding table."""
+    """What import/export need to know of a target: its name, sizes, embedding table.
+
+    The hub functions take this one kind of thing; a caller builds it once, from what it
+    holds: a loaded target (:meth:`of`) or a target's folder or Hub id (:meth:`from_files`,
+    which never loads the model). The embedding table is read on first use only (an
+    export with ``embed_from=`` never reads it).
+    """
 
     name: str
     model_type: str | None
     vocab_size: int
     hidden_size: int
-    embedding: torch.Tensor | None  # [vocab, H]; None when not read
+    read_embedding: Callable[[], torch.Tensor] = field(repr=False)
     original_vocab_size: int | None = None  # LLaVA: the tokenizer's base vocabulary (no appended tokens)
     adapter: str | None = None
     mrope_section: list[int] | None = None
 
+    @cached_property
+    def embedding(self) -> torch.Tensor:
+        """[vocab, H], the target's input embedding table."""
+        return self.read_embedding()
 
-def describe_target(target, read_embedding: bool = True) -> TargetInfo:
-    """A `msd_train.targets.Target` (or any object with `config` and `embed_tokens`), or a
-    target name / path, whose embedding is then read from its weight files alone."""
-    if target is None:
-        raise ValueError("no target given")
-    if not isinstance(target, (str, os.PathLike)):
+    @classmethod
+    def of(cls, target) -> TargetInfo:
+        """A loaded `msd_train.targets.Target` (any object with `config` and `embed_tokens`)."""
         config = target.config
         text = config.get_text_config(decoder=True)
-        tokenizer = getattr(target, "tokenizer", None)
-        return TargetInfo(
+        return cls(
             name=str(getattr(target, "name", None) or getattr(config, "_name_or_path", "")),
             model_type=config.model_type,
             vocab_size=text.vocab_size,
             hidden_size=text.hidden_size,
-            embedding=target.embed_tokens.weight.detach() if read_embedding else None,
-            original_vocab_size=getattr(tokenizer, "vocab_size", None),
+            read_embedding=lambda: target.embed_tokens.weight.detach(),
+            original_vocab_size=getattr(getattr(target, "tokenizer", None), "vocab_size", None),
             adapter=getattr(target, "adapter", None),
             mrope_section=_mrope_of(text),
         )
-    from transformers import AutoConfig, AutoTokenizer
 
-    name = str(target)
-    config = AutoConfig.from_pretrained(name)
-    text = config.get_text_config(decoder=True)
-    original = None
-    if config.model_type == "llava":
-        try:
-            original = AutoTokenizer.from_pretrained(name).vocab_size
-        except Exception as err:  # a target without a tokenizer still has an embedding
-            log.warning("%s: could not read the tokenizer (%s); assuming no appended tokens", name, err)
-    return TargetInfo(
-        name=name, model_type=config.model_type, vocab_size=text.vocab_size, hidden_size=text.hidden_size,
-        embedding=read_target_embedding(name) if read_embedding else None, original_vocab_size=original,
-        mrope_section=_mrope_of(text),
-    )
+    @classmethod
+    def from_files(cls, name_or_path: str | os.PathLike) -> TargetInfo:
+        """A target folder or Hub id, read from its config, tokenizer and the one weight
+        shard that holds the embedding (the model is not loaded)."""
+        from transformers import AutoConfig, AutoTokenizer
+
+        name = str(name_or_path)
+        config = AutoConfig.from_pretrained(name)
+        text = config.get_text_config(decoder=True)
+        original = None
+        if config.model_type == "llava":
+            try:
+                original = AutoTokenizer.from_pretrained(name).vocab_size
+            except Exception as err:  # a target without a tokenizer still has an embedding
+                log.warning("%s: could not read the tokenizer (%s); assuming no appended tokens", name, err)
+        return cls(
+            name=name, model_type=config.model_type, vocab_size=text.vocab_size, hidden_size=text.hidden_size,
+            read_embedding=lambda: read_target_embedding(name), original_vocab_size=original,
+            mrope_section=_mrope_of(text),
+        )
 
 
 def _mrope_of(text_config) -> list[int] | None:
@@ -352,25 +365,49 @@ class ImportReport:
         }
 
 
-def convert_reference(ref: ReferenceHead, target=None, source: str | None = None) -> tuple[MSDDraftModel, ImportReport]:
+def convert_reference(ref: ReferenceHead, target: TargetInfo | None = None,
+                      source: str | None = None) -> tuple[MSDDraftModel, ImportReport]:
     """Build an `MSDDraftModel` from a released head, with its weights bit for bit.
 
-    `target` (a `Target`, a name or path, or None): when given, the released
-    `embed_tokens` is compared with the target's table on the shared ids and the head's
-    `target_*` fields name it.
+    `target`: when given, the released `embed_tokens` is compared with the target's table
+    on the shared ids and the head's `target_*` fields name it.
     """
-    info = describe_target(target) if target is not None else None
-    config = config_from_reference(ref, info)
+    config = config_from_reference(ref, target)
     state = dict(ref.state_dict)
-    notes, dropped = [], []
+    embed, notes = _take_embedding(ref, config, state)
+    dropped, more = _fit_conventions(ref, config, state)
+    model, ignored, buffer_notes = _load_head(ref, config, state)
+    check, check_notes = _check_against_target(ref, config, embed, target)
+    report = ImportReport(
+        source=source or str(ref.folder), weights_file=ref.weights_file, model_type=ref.model_type,
+        config={k: getattr(config, k) for k in ("layer_family", "num_hidden_layers", "fc_bias",
+                                                "first_layer_input_norm", "decouple_visual", "visual_offset",
+                                                "draft_positions", "mrope_section", "target_name_or_path")},
+        dropped_keys=dropped + ignored, embed_rows=embed.shape[0], embed_sha256=tensor_sha256(embed),
+        embedding=check, notes=notes + more + buffer_notes + check_notes,
+    )
+    return model.eval(), report
+
+
+def _take_embedding(ref: ReferenceHead, config: MSDDraftConfig, state: dict) -> tuple[torch.Tensor, list[str]]:
+    """Remove the released `embed_tokens` from `state` (the head uses its target's) and
+    return it, checked against the config, with a note when config.json miscounts it."""
     embed = state.pop(EMBED_KEY, None)
     if embed is None:
         raise IncompleteHeadError(f"{ref.folder}/{ref.weights_file}: no {EMBED_KEY}")
     if embed.shape[1] != config.hidden_size:
         raise IncompleteHeadError(f"{ref.folder}: {EMBED_KEY} is {list(embed.shape)}, hidden_size {config.hidden_size}")
+    notes = []
     if ref.config.get("vocab_size") not in (None, embed.shape[0]):
         notes.append(f"config vocab_size {ref.config['vocab_size']} but {EMBED_KEY} has {embed.shape[0]} rows")
+    return embed, notes
 
+
+def _fit_conventions(ref: ReferenceHead, config: MSDDraftConfig, state: dict) -> tuple[list[str], list[str]]:
+    """Check `state` against the conventions the released code fixed (first-layer input
+    norm, fc bias, M-RoPE sections); drop the norm the LLaVA head never applies.
+    Returns (dropped keys, notes)."""
+    dropped, notes = [], []
     norm0 = "layers.0.input_layernorm.weight"
     if config.layer_family == "llama" and norm0 in state:
         # The released LLaVA code keeps this module but never applies it to layer 0.
@@ -388,9 +425,15 @@ def convert_reference(ref: ReferenceHead, target=None, source: str | None = None
     if config.layer_family == "qwen2" and "mrope_section" not in json.dumps(ref.config):
         origin = "from the target" if config.mrope_section else "1-D RoPE; pass target= to take the target's sections"
         notes.append(f"config.json names no M-RoPE sections; mrope_section={config.mrope_section} ({origin})")
+    return dropped, notes
 
+
+def _load_head(ref: ReferenceHead, config: MSDDraftConfig, state: dict) -> tuple[MSDDraftModel, list[str], list[str]]:
+    """The head with `state` loaded strictly, in the weights' dtype. RoPE buffers saved
+    with the weights are not weights: ignored (and compared with config.json's rope).
+    Returns (model, ignored keys, notes)."""
     buffers = {k: state.pop(k) for k in sorted(state) if NON_WEIGHT_BUFFER.search(k)}
-
+    notes = []
     dtypes = {t.dtype for t in state.values()}
     dtype = state["fc.weight"].dtype
     if len(dtypes) > 1:
@@ -398,7 +441,6 @@ def convert_reference(ref: ReferenceHead, target=None, source: str | None = None
     # Built in the weights' dtype as from_pretrained does: the RoPE buffers stay fp32.
     model = MSDDraftModel._from_config(config, dtype=dtype)
     for key, buffer in buffers.items():
-        dropped.append(key)
         notes.append(f"{key} ignored: a RoPE buffer, not a weight (recomputed from config.json's rope settings)"
                      + _inv_freq_check(key, buffer, model.rotary_emb.inv_freq))
     expected = set(model.state_dict())
@@ -412,31 +454,28 @@ def convert_reference(ref: ReferenceHead, target=None, source: str | None = None
         model.load_state_dict(state, strict=True)
     except RuntimeError as err:
         raise IncompleteHeadError(f"{ref.folder}: weight shapes do not match config.json: {err}") from err
-
-    check = None
-    if info is not None:
-        check = check_embedding(embed, info.embedding)
-        (log.info if check.ok else log.warning)("%s: %s", ref.folder, check.message())
-        if not check.ok:
-            notes.append(check.message())
-        if info.hidden_size != config.hidden_size:
-            raise ValueError(f"{ref.folder}: hidden size {config.hidden_size} does not fit target {info.name} "
-                             f"(hidden size {info.hidden_size})")
-    elif config.target_name_or_path:
-        notes.append(f"no target given; target_name_or_path set to {config.target_name_or_path}, the target "
-                     f"the published {ref.model_type} heads of hidden size {config.hidden_size} were trained for")
-    report = ImportReport(
-        source=source or str(ref.folder), weights_file=ref.weights_file, model_type=ref.model_type,
-        config={k: getattr(config, k) for k in ("layer_family", "num_hidden_layers", "fc_bias",
-                                                "first_layer_input_norm", "decouple_visual", "visual_offset",
-                                                "draft_positions", "mrope_section", "target_name_or_path")},
-        dropped_keys=dropped, embed_rows=embed.shape[0], embed_sha256=tensor_sha256(embed), embedding=check,
-        notes=notes,
-    )
-    return model.eval(), report
+    return model, list(buffers), notes
 
 
-def import_reference(src: str | Path, out: str | Path, target=None, revision: str | None = None) -> ImportReport:
+def _check_against_target(ref: ReferenceHead, config: MSDDraftConfig, embed: torch.Tensor,
+                          target: TargetInfo | None) -> tuple[EmbeddingCheck | None, list[str]]:
+    """Compare the released `embed_tokens` with the target's table and refuse a head of
+    another width; without a target, say which published target the head now names."""
+    if target is None:
+        if not config.target_name_or_path:
+            return None, []
+        return None, [f"no target given; target_name_or_path set to {config.target_name_or_path}, the target "
+                      f"the published {ref.model_type} heads of hidden size {config.hidden_size} were trained for"]
+    check = check_embedding(embed, target.embedding)
+    (log.info if check.ok else log.warning)("%s: %s", ref.folder, check.message())
+    if target.hidden_size != config.hidden_size:
+        raise ValueError(f"{ref.folder}: hidden size {config.hidden_size} does not fit target {target.name} "
+                         f"(hidden size {target.hidden_size})")
+    return check, [] if check.ok else [check.message()]
+
+
+def import_reference(src: str | Path, out: str | Path, target: TargetInfo | None = None,
+                     revision: str | None = None) -> ImportReport:
     """Released-layout folder (or Hub repo id) -> an export folder `out` that loads with
     `MSDDraftModel.from_pretrained(out)`. Written atomically (temp folder, then rename)."""
     folder = resolve_folder(src, revision)
@@ -497,7 +536,8 @@ def reference_config(config: MSDDraftConfig, vocab_size: int, dtype: torch.dtype
     }
 
 
-def _reference_embedding(folder: Path, record: dict | None, target, embed_from, vocab_size: int | None):
+def _reference_embedding(folder: Path, record: dict | None, target: TargetInfo | None, embed_from,
+                         vocab_size: int | None):
     """The `embed_tokens.weight` a released-layout folder needs, and where it came from.
 
     In order: `embed_from` (a released-layout folder, e.g. the one a head was imported
@@ -507,13 +547,12 @@ def _reference_embedding(folder: Path, record: dict | None, target, embed_from, 
     if embed_from is not None:
         return read_reference(resolve_folder(embed_from)).state_dict[EMBED_KEY], f"{embed_from}"
     if target is not None:
-        info = describe_target(target)
         rows = vocab_size or (record or {}).get("embed_tokens", {}).get("rows")
         if rows is None:
             # The original LLaVA vocabulary ends where llava-hf appended <image> and padding.
-            rows = info.original_vocab_size if info.model_type == "llava" and info.original_vocab_size else None
-            rows = rows or info.embedding.shape[0]
-        return VocabMap(rows, info.embedding.shape[0]).rows_to_released(info.embedding), f"target {info.name}"
+            rows = target.original_vocab_size if target.model_type == "llava" and target.original_vocab_size else None
+            rows = rows or target.embedding.shape[0]
+        return VocabMap(rows, target.embedding.shape[0]).rows_to_released(target.embedding), f"target {target.name}"
     if record is not None:
         try:
             source = resolve_folder(record["source"])
@@ -532,7 +571,7 @@ def _reference_embedding(folder: Path, record: dict | None, target, embed_from, 
 def export_reference(
     checkpoint: str | Path,
     out: str | Path,
-    target=None,
+    target: TargetInfo | None = None,
     embed_from: str | Path | None = None,
     weights: str = "auto",
     vocab_size: int | None = None,
@@ -547,10 +586,26 @@ def export_reference(
     """
     folder = resolve_folder(checkpoint)
     model = load_export(folder)
-    config = model.config
     record_path = folder / IMPORT_RECORD
     record = json.loads(record_path.read_text()) if record_path.is_file() else None
-    warnings = []
+    warnings = _released_layout_warnings(folder, model.config)
+    embed, embed_source = _reference_embedding(folder, record, target, embed_from, vocab_size)
+    embed = embed.to(model.dtype)
+    if record is not None and tensor_sha256(embed) != record["embed_tokens"]["sha256"]:
+        warnings.append(f"embed_tokens from {embed_source} differs from the one the head was imported with")
+    weights = _weights_format(weights, record)
+    state = {EMBED_KEY: embed}
+    state.update({k: v.detach().contiguous() for k, v in model.state_dict().items()})
+    filename = _write_released(Path(out), state, _released_config(record, model.config, embed, model.dtype), weights)
+    for w in warnings:
+        log.warning("%s", w)
+    return {"out": str(out), "files": ["config.json", filename], "embed_tokens_from": embed_source,
+            "embed_rows": embed.shape[0], "warnings": warnings}
+
+
+def _released_layout_warnings(folder: Path, config: MSDDraftConfig) -> list[str]:
+    """What the released code will do differently with this head (acceptance drops
+    there); an error for what the released layout cannot express at all."""
     family_norm = config.layer_family == "qwen2"
     if config.first_layer_input_norm != family_norm:
         raise ValueError(
@@ -558,6 +613,7 @@ def export_reference(
             f"layout, whose {'Qwen2-VL' if family_norm else 'LLaVA'} code {'always' if family_norm else 'never'} "
             f"applies an input norm on the first layer"
         )
+    warnings = []
     if not config.decouple_visual or config.visual_offset != "released":
         warnings.append(f"this head was trained with decouple_visual={config.decouple_visual}, "
                         f"visual_offset={config.visual_offset!r}; the released code decouples with the released "
@@ -565,24 +621,31 @@ def export_reference(
     if config.uses_mrope and config.draft_positions != "1d":
         warnings.append("this head was trained with the target's M-RoPE positions; the released code drafts with "
                         "1-D positions, so acceptance at and after images will drop there")
-    embed, embed_source = _reference_embedding(folder, record, target, embed_from, vocab_size)
-    dtype = model.dtype
-    embed = embed.to(dtype)
-    if record is not None and tensor_sha256(embed) != record["embed_tokens"]["sha256"]:
-        warnings.append(f"embed_tokens from {embed_source} differs from the one the head was imported with")
+    return warnings
 
-    if record is not None:
-        ref_config = dict(record["reference_config"])
-        if ref_config.get("vocab_size") not in (None, embed.shape[0]):
-            ref_config["vocab_size"] = embed.shape[0]
-    else:
-        ref_config = reference_config(config, embed.shape[0], dtype)
+
+def _released_config(record: dict | None, config: MSDDraftConfig, embed: torch.Tensor, dtype: torch.dtype) -> dict:
+    """The config.json to write: the imported original verbatim (vocab_size following the
+    embedding actually written), else one made from the head's config."""
+    if record is None:
+        return reference_config(config, embed.shape[0], dtype)
+    ref_config = dict(record["reference_config"])
+    if ref_config.get("vocab_size") not in (None, embed.shape[0]):
+        ref_config["vocab_size"] = embed.shape[0]
+    return ref_config
+
+
+def _weights_format(weights: str, record: dict | None) -> str:
+    """"safetensors" or "bin"; "auto": the imported file's format, else safetensors."""
     if weights == "auto":
         weights = "bin" if record is not None and record["weights_file"].endswith(".bin") else "safetensors"
     if weights not in ("safetensors", "bin"):
         raise ValueError(f"weights={weights!r}: use safetensors, bin or auto")
-    state = {EMBED_KEY: embed}
-    state.update({k: v.detach().contiguous() for k, v in model.state_dict().items()})
+    return weights
+
+
+def _write_released(out: Path, state: dict, ref_config: dict, weights: str) -> str:
+    """Write `out` (atomically) as a released-layout folder; returns the weights file name."""
     filename = "model.safetensors" if weights == "safetensors" else "pytorch_model.bin"
 
     def write(tmp: Path):
@@ -594,14 +657,12 @@ def export_reference(
             torch.save({k: v.clone() for k, v in state.items()}, tmp / filename)
         (tmp / "config.json").write_text(json.dumps(ref_config, indent=2) + "\n")
 
-    write_atomic(Path(out), write)
-    for w in warnings:
-        log.warning("%s", w)
-    return {"out": str(out), "files": ["config.json", filename], "embed_tokens_from": embed_source,
-            "embed_rows": embed.shape[0], "warnings": warnings}
+    write_atomic(out, write)
+    return filename
 
 
-def export_msd(checkpoint: str | Path, out: str | Path, target=None, dtype: str | None = None) -> dict:
+def export_msd(checkpoint: str | Path, out: str | Path, target: TargetInfo | None = None,
+               dtype: str | None = None) -> dict:
     """Write this project's export folder from an export folder or a released-layout one,
     optionally cast to `dtype` (fp16/bf16/fp32): training exports are fp32."""
     folder = resolve_folder(checkpoint)

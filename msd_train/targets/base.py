@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from msd_train.targets.chat import IMAGE_MARKER, Segment, render_prompt, render_segments
+from msd_train.targets.chat import Segment, render_prompt, render_segments
 from msd_train.targets.tokenize import encode_segments
 
 
@@ -239,7 +239,3 @@ class Target:
         pos, deltas = self.position_ids(input_ids, attention_mask, pixel)
         hidden, _ = self.run_language_model(embeds, pos, attention_mask)
         return Features(embeds, hidden, input_ids == self.image_token_id, pos, deltas)
-
-
-def count_image_markers(messages: list[dict]) -> int:
-    return sum(m["content"].count(IMAGE_MARKER) for m in messages)

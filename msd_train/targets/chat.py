@@ -17,12 +17,23 @@ holds for Vicuna-v1, ChatML and the templates the supported targets ship.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 IMAGE_MARKER = "<image>"
+
+
+def count_image_markers(texts_or_messages: Iterable[str | dict]) -> int:
+    """How many images some turns stand for: the ``<image>`` markers in texts, or in the
+    ``content`` of messages (a message whose content is not text counts none)."""
+    n = 0
+    for x in texts_or_messages:
+        text = x.get("content") if isinstance(x, dict) else x
+        n += text.count(IMAGE_MARKER) if isinstance(text, str) else 0
+    return n
 
 # Vicuna v1 as LLaVA-1.5 and MSD use it: an empty system prompt, " " after user turns,
 # "</s>" closing each assistant turn (and taking the loss with it). Each image is rendered
