@@ -21,6 +21,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLDecoderLayer, 
 from transformers.utils import ModelOutput
 
 from msd_train.draft.config import MSDDraftConfig
+from msd_train.draft.positions import draft_position_ids
 
 # Attention implementations that honour an arbitrary 4-D additive mask exactly (tree
 # drafting needs it); flash-attention variants only take padding masks.
@@ -170,6 +171,21 @@ class MSDDraftModel(PreTrainedModel):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """`align_inputs(self.config, ...)`: see the module-level function."""
         return align_inputs(self.config, inputs_embeds, hidden_states, visual_mask)
+
+    def target_inputs(self, features) -> dict[str, torch.Tensor | None]:
+        """`forward`'s inputs over one target pass of L tokens, as keyword arguments.
+
+        ``features`` holds ``inputs_embeds``, ``hidden_states``, ``visual_mask`` and
+        ``position_ids`` (a ``msd_train.targets.Features``). Returns the L-1 aligned pairs
+        with their decoupled visual slots (`align_inputs`) at the head's own position ids
+        (`draft_position_ids`: the config's convention), so every caller (training,
+        validation, decoding) feeds the head the same way: ``draft(**draft.target_inputs(f))``.
+        """
+        embeds, hidden, replace, raw = self.align_inputs(
+            features.inputs_embeds, features.hidden_states, features.visual_mask)
+        pos = features.position_ids
+        return {"input_embeds": embeds, "hidden_states": hidden, "replace_mask": replace, "raw_embeds": raw,
+                "position_ids": None if pos is None else draft_position_ids(self.config, pos)[..., :-1]}
 
     def fuse(
         self,

@@ -20,6 +20,7 @@ the engine state to continue bit-for-bit where it stopped.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -191,7 +192,7 @@ class TrainRecipe:
                 raise TrainingError(
                     f"{init} was trained for a target with hidden size {draft.config.target_hidden_size}, "
                     f"but {self.target.name} has {self.target.hidden_size}")
-            for key in ("decouple_visual", "visual_offset"):
+            for key in ("decouple_visual", "visual_offset", "draft_positions"):
                 if key in overrides and getattr(draft.config, key) != overrides[key]:
                     log.info("draft.%s=%s overrides the stage-1 value %s", key, overrides[key],
                              getattr(draft.config, key))
@@ -349,10 +350,10 @@ class TrainRecipe:
             feats = self.features(batch)
             ok = torch.isfinite(feats.hidden_states).all() & torch.isfinite(feats.inputs_embeds).all()
             target_hidden = _finite(feats.hidden_states)
-            embeds, hidden, replace, raw = self.engine.module.align_inputs(
-                _finite(feats.inputs_embeds), target_hidden, feats.visual_mask)
-            hidden = self._noise(hidden, micro)
-            out = self.engine(embeds, hidden, replace, raw, position_ids=feats.position_ids[..., :-1])
+            inputs = self.engine.module.target_inputs(
+                dataclasses.replace(feats, inputs_embeds=_finite(feats.inputs_embeds), hidden_states=target_hidden))
+            inputs["hidden_states"] = self._noise(inputs["hidden_states"], micro)
+            out = self.engine(**inputs)
             loss, parts = msd_loss(out.last_hidden_state, target_hidden[:, 1:], self.target.lm_head,
                                    None, n_global, tc.w_feat, tc.w_tok, index=index)
             ok = ok & torch.isfinite(loss)

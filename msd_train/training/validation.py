@@ -26,8 +26,8 @@ from msd_train.training.loss import draft_loss_mask, msd_loss
 @torch.no_grad()
 def rollout_stats(draft, target, feats, loss_mask: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
     """Counts for one batch: per step j, valid chains, correct-so-far chains, correct at j."""
-    embeds, hidden, replace, raw = draft.align_inputs(feats.inputs_embeds, feats.hidden_states, feats.visual_mask)
-    pos = feats.position_ids[..., :-1]
+    inputs = draft.target_inputs(feats)
+    hidden = inputs["hidden_states"]
     mask = draft_loss_mask(loss_mask.to(hidden.device)).bool()
     target_top = target.lm_head(feats.hidden_states[:, 1:]).argmax(-1)
     B, T = mask.shape
@@ -39,7 +39,7 @@ def rollout_stats(draft, target, feats, loss_mask: torch.Tensor, k: int) -> dict
     chain_ok = torch.ones(B, T, dtype=torch.bool, device=hidden.device)  # indexed by anchor
     anchor_valid = mask.clone()
     for j in range(k):
-        out = draft(embeds, h_in.to(embeds.dtype), replace, raw, position_ids=pos).last_hidden_state
+        out = draft(**{**inputs, "hidden_states": h_in.to(inputs["input_embeds"].dtype)}).last_hidden_state
         top = target.lm_head(out.to(target.dtype)).argmax(-1)
         hit = top == target_top  # at position t: step j of the chain anchored at t - j
         # Re-index by anchor a = t - j: positions j..T-1 map to anchors 0..T-1-j.
@@ -78,8 +78,7 @@ def evaluate_split(draft, target, batches, feature_source, k: int) -> dict[str, 
     loss_sum, n_tok = 0.0, 0.0
     for batch in batches:
         feats = feature_source(batch)
-        embeds, hidden, replace, raw = draft.align_inputs(feats.inputs_embeds, feats.hidden_states, feats.visual_mask)
-        out = draft(embeds, hidden, replace, raw, position_ids=feats.position_ids[..., :-1]).last_hidden_state
+        out = draft(**draft.target_inputs(feats)).last_hidden_state
         dmask = draft_loss_mask(batch["loss_mask"].to(out.device))
         n = float(dmask.sum())
         loss, _ = msd_loss(out, feats.hidden_states[:, 1:], target.lm_head, dmask, n_tokens=1.0)
