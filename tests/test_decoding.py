@@ -31,8 +31,8 @@ from msd_train.decoding import (
     tree_attention_bias,
     verify,
 )
-from msd_train.decoding.transfers import HostReads
 from msd_train.decoding.stopping import StopCriteria, find_stop
+from msd_train.decoding.transfers import HostReads
 from msd_train.draft import MSDDraftConfig, MSDDraftModel
 from msd_train.targets import Encoded
 

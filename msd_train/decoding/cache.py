@@ -66,11 +66,12 @@ class PositionCache(Cache):
     def capacity(self) -> int:
         return self._capacity
 
-    def grow(self, capacity: int) -> None:
-        """Reallocate to at least ``capacity`` positions (doubling), keeping the contents.
-        Rare: ``generate`` sizes caches for the whole generation up front."""
+    def grow(self, capacity: int) -> bool:
+        """Reallocate to at least ``capacity`` positions (doubling), keeping the contents;
+        True when it did (captured graphs hold the old buffers). Rare: ``generate`` sizes
+        caches for the whole generation up front."""
         if capacity <= self.capacity:
-            return
+            return False
         capacity = max(capacity, 2 * self.capacity)
         self._capacity = capacity
         for layer in self.layers:
@@ -79,6 +80,7 @@ class PositionCache(Cache):
                 new = old.new_zeros(*old.shape[:2], capacity, old.shape[-1])
                 new[:, :, : old.shape[2]] = old
                 setattr(layer, name, new)
+        return True
 
     def clone(self) -> PositionCache:
         out = copy.copy(self)

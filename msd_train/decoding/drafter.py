@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from msd_train.decoding.cache import PositionCache, key_mask
+from msd_train.decoding.graphs import StepGraphs
 from msd_train.decoding.sampling import SamplingParams, log_probs, logits_to_probs, sample
 from msd_train.decoding.tree import Tree, chain
 
@@ -49,10 +50,12 @@ class HeadDrafter:
     def __init__(self, draft):
         self.draft = draft
         self.cache: PositionCache | None = None  # committed draft positions [0, cache.length)
+        self.graphs = StepGraphs(False)  # the decoder hands its captured steps over
 
     def clone(self) -> HeadDrafter:
         out = copy.copy(self)
         out.cache = self.cache.clone()
+        out.graphs = StepGraphs(False)  # the decoder of the clone hands its own over
         return out
 
     # ----- the interface ----------------------------------------------------------------
@@ -101,13 +104,19 @@ class HeadDrafter:
             embeds = embeds.expand(rows, -1, -1)
             pos = pos.expand(*pos.shape[:-2], rows, pos.shape[-1])
         past, (t, a) = self.cache.length, queries.shape
-        self.cache.write_index = torch.arange(past + a - t, past + a, device=embeds.device)
         mask = key_mask(past, self.cache.capacity, queries, self.draft.dtype)
         pad = self.key_bias()
         if pad is not None:
             mask = mask + pad
-        return self.draft(embeds, hidden, position_ids=pos, attention_mask=mask, past_key_values=self.cache,
-                          use_cache=True).last_hidden_state
+        write_index = torch.arange(past + a - t, past + a, device=embeds.device)
+        return self.graphs.run("head", self._step, embeds=embeds, hidden=hidden, pos=pos, mask=mask,
+                               write_index=write_index)[0]
+
+    def _step(self, embeds, hidden, pos, mask, write_index):
+        """The head forward as a function of tensors only (what a captured graph replays)."""
+        self.cache.write_index = write_index
+        return (self.draft(embeds, hidden, position_ids=pos, attention_mask=mask, past_key_values=self.cache,
+                           use_cache=True).last_hidden_state,)
 
     def distribution(self, target, out: torch.Tensor, sampling: SamplingParams, log: bool = False) -> torch.Tensor:
         """The draft distribution (T, V) after the head's outputs ``out`` (R, T, H):

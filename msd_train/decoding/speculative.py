@@ -35,6 +35,7 @@ import torch
 from msd_train.decoding.cache import PositionCache, key_mask
 from msd_train.decoding.config import METHODS, DecodeConfig, build_drafter
 from msd_train.decoding.drafter import HeadDrafter, PromptPass, draft_chain, draft_tree
+from msd_train.decoding.graphs import StepGraphs, resolve
 from msd_train.decoding.sampling import logits_to_probs, sample
 from msd_train.decoding.stopping import StopCriteria, find_stop
 from msd_train.decoding.tree import Tree
@@ -54,6 +55,7 @@ class DecodeState:
     pending_hidden: torch.Tensor  # (n, H) target features h_{m-n} .. h_{m-1} not yet fed to the head
     drafter: HeadDrafter | None = None
     tokens: list[int] = field(default_factory=list)  # new tokens; tokens[-1] is the root x_m
+    graphs: StepGraphs = field(default_factory=lambda: StepGraphs(False))  # captured steps over these caches
 
     def clone(self) -> DecodeState:
         """An independent copy (caches included), e.g. to decode one prompt many times."""
@@ -61,13 +63,22 @@ class DecodeState:
         out.target_cache = self.target_cache.clone()
         out.drafter = self.drafter.clone() if self.drafter is not None else None
         out.tokens = list(self.tokens)
+        out.graphs = StepGraphs(self.graphs.enabled)  # graphs write into their own state's caches
         return out
 
     def reserve(self, slots: int) -> None:
         """Make room for ``slots`` more cache entries (host arithmetic, no device read)."""
-        self.target_cache.grow(self.cache_len + slots)
+        grew = self.target_cache.grow(self.cache_len + slots)
         if self.drafter is not None:
-            self.drafter.cache.grow(self.drafter.cache.length + slots)
+            grew |= self.drafter.cache.grow(self.drafter.cache.length + slots)
+        if grew:
+            self.graphs.clear()
+
+    def use_graphs(self, enabled: bool) -> None:
+        if enabled != self.graphs.enabled:
+            self.graphs = StepGraphs(enabled)
+        if self.drafter is not None:
+            self.drafter.graphs = self.graphs
 
 
 @dataclass
@@ -180,9 +191,20 @@ def verify(target, state: DecodeState, tree: Tree) -> tuple[torch.Tensor, torch.
     pos = target.continue_positions(m, 1, state.rope_deltas) + tree.depths
     seen = (torch.ones(n, n, dtype=torch.bool, device=target.device).tril() if tree.is_chain
             else tree.ancestor_mask())
-    hidden, _ = target.run_language_model(embeds, pos, key_mask(m, cache.capacity, seen, target.dtype),
-                                          past_key_values=cache, use_cache=True)
-    return target.lm_head(hidden[0]), hidden[0]
+    mask = key_mask(m, cache.capacity, seen, target.dtype)
+    return state.graphs.run("verify", _target_step(target, cache), embeds=embeds, pos=pos, mask=mask,
+                            write_index=cache.write_index)
+
+
+def _target_step(target, cache: PositionCache):
+    """The target forward as a function of tensors only (what a captured graph replays):
+    logits (T, V) and features (T, H) of T tokens written at ``write_index``."""
+    def step(embeds, pos, mask, write_index):
+        cache.write_index = write_index
+        hidden, _ = target.run_language_model(embeds, pos, mask, past_key_values=cache, use_cache=True)
+        return target.lm_head(hidden[0]), hidden[0]
+
+    return step
 
 
 # ----- acceptance -----------------------------------------------------------------------
@@ -314,16 +336,18 @@ def decode_plain(target, state: DecodeState, config: DecodeConfig, generator: to
     stop = find_stop(state.tokens, 0, criteria, tokenizer)
     cycles = []
     cache = state.target_cache
+    one = torch.ones(1, 1, dtype=torch.bool, device=target.device)
+    state.use_graphs(resolve(config.cuda_graphs, target.device))
     while stop is None:
         state.reserve(2)
         m = state.cache_len
-        cache.write_index = torch.arange(m, m + 1, device=target.device)
         token = torch.as_tensor([[state.tokens[-1]]], device=target.device)
-        mask = key_mask(m, cache.capacity, torch.ones(1, 1, dtype=torch.bool, device=target.device), target.dtype)
-        hidden, _ = target.run_language_model(target.embed_tokens(token), target.continue_positions(
-            m, 1, state.rope_deltas), mask, past_key_values=cache, use_cache=True)
+        logits, _ = state.graphs.run(
+            "plain", _target_step(target, cache), embeds=target.embed_tokens(token),
+            pos=target.continue_positions(m, 1, state.rope_deltas), mask=key_mask(m, cache.capacity, one, target.dtype),
+            write_index=torch.arange(m, m + 1, device=target.device))
         state.cache_len = cache.length = m + 1
-        state.tokens.append(int(_first_token(target.lm_head(hidden[0, -1]), sampling, generator)))
+        state.tokens.append(int(_first_token(logits[-1], sampling, generator)))
         stop = find_stop(state.tokens, len(state.tokens) - 1, criteria, tokenizer)
         cycles.append(CycleStats(0, 0, 1, 1))
     if stop[0] < len(state.tokens):
@@ -343,6 +367,7 @@ def decode(target, draft, state: DecodeState, config: DecodeConfig,
     sampling, drafter = config.sampling, state.drafter
     criteria, tokenizer = _criteria(target, config), getattr(target, "tokenizer", None)
     clock = Clock(target.device, config.timing)
+    state.use_graphs(resolve(config.cuda_graphs, target.device))
 
     state.tokens.append(int(_first_token(state.next_logits, sampling, generator)))
     stop = find_stop(state.tokens, 0, criteria, tokenizer)
