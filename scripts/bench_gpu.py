@@ -735,6 +735,8 @@ def main(argv=None) -> dict:
     draft = build_draft(target, device, dtype)
     prompt = build_prompt(target)
     draft_params_m = round(sum(p.numel() for p in draft.parameters()) / 1e6, 2)
+    draft_bytes = {"head": round(sum(p.numel() * p.element_size() for p in draft.parameters()) / 1e9, 3),
+                   "lm_head": round(target.lm_head.weight.numel() * target.lm_head.weight.element_size() / 1e9, 3)}
     print(f"built {target.name} on {device} ({dtype}) in {time.time() - t0:.1f}s", flush=True)
 
     bandwidth = bench_bandwidth(device, args)
@@ -780,7 +782,9 @@ def main(argv=None) -> dict:
                               ("hidden_size", "num_hidden_layers", "image_size", "patch_size")},
                    "attn_implementation": target.model.config._attn_implementation,
                    "params_m": round(sum(p.numel() for p in target.model.parameters()) / 1e6, 2)},
-        "draft": {"params_m": draft_params_m, "weights": "random"},
+        "draft": {"params_m": draft_params_m, "weights": "random", "bytes_per_step_gb": draft_bytes,
+                  "note": "one head step reads the head's own weights (layer + fc) and the target's lm_head; "
+                          "with a 152k vocabulary (Qwen2-VL) the lm_head outweighs the layer"},
         "prompt_tokens": int(prompt.input_ids.shape[0]),
         "repeats": args.repeats, "warmup": args.warmup,
         "bandwidth": bandwidth, "plain_decoding": plain, "cycle": cycle, "ensemble": ensemble, "training": train,
