@@ -340,6 +340,17 @@ def test_one_host_read_per_greedy_cycle(llava_setup, method):
     assert old.count == 3
 
 
+def test_cuda_graphs_setting(llava_setup):
+    """auto decodes on a CPU (no capture); asking for graphs on a CPU says what to do."""
+    target, head, prompts = llava_setup
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        DecodeConfig(cuda_graphs="sometimes")
+    with pytest.raises(ValueError, match="cuda_graphs=auto"):
+        run(target, head, prompts["text"], cuda_graphs=True, **TREE)
+    assert run(target, head, prompts["text"], cuda_graphs=False, max_new_tokens=6, **TREE).tokens == \
+        run(target, head, prompts["text"], max_new_tokens=6, **TREE).tokens
+
+
 # ----- stopping -----------------------------------------------------------------------
 
 

@@ -50,6 +50,8 @@ class DecodeConfig:
         self.variants = tuple(self.variants or ("M",))
         if self.ensemble is not None:
             check_ensemble(self)
+        if self.cuda_graphs not in ("auto", True, False, "true", "false", "on", "off"):
+            raise ValueError(f"decoding.cuda_graphs must be auto, true or false, got {self.cuda_graphs!r}")
 
     @property
     def block_size(self) -> int:
