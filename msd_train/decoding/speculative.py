@@ -9,9 +9,10 @@ One cycle, each phase one function below, all over device tensors::
     commit(...)                               caches keep exactly the accepted path
 
 Stop checks run on the host from that one transfer. Sampling acceptance
-(``accept_sampling``) keeps its exact rule over the host: it reads the tree's tokens and
-parents (2 transfers), then one ``u < ratio`` and one residual-mass test per sibling it
-tries, and the final draw (1): 3 + 2 * tried transfers per cycle.
+(``accept_sampling``) keeps its exact rule over the host: it reads the tree's tokens,
+parents and validity (3 transfers), then one ``u < ratio`` and one residual-mass test per
+sibling it tries, and the final draw (1), and the commit reads the accepted tokens and
+whether the last node has children (2): at most 6 + 2 * (siblings tried) per cycle.
 
 Plain decoding (the baseline) is ``decode_plain``: a one-token loop over the same static
 cache, one transfer per token.
@@ -237,7 +238,8 @@ def accept_greedy(tree: Tree, logits: torch.Tensor) -> torch.Tensor:
     ok = (~tree.ancestor_mask() | match[None, :]).all(-1)
     leaf = torch.where(ok, tree.depths, -1).argmax()
     nodes = tree.paths()[leaf]
-    has_children = (tree.parents == leaf).any()
+    children = tree.parents == leaf
+    has_children = (children if tree.valid is None else children & tree.valid).any()
     tokens = tree.tokens[nodes.clamp_min(0)]
     return torch.cat([best[leaf].view(1), has_children.long().view(1), nodes, tokens])
 

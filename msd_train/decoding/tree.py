@@ -13,7 +13,7 @@ on the device without reading it back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,15 +35,19 @@ class Tree:
     valid: torch.Tensor | None = None
     #: the largest depth a node can have (static: the drafting settings), None: len - 1
     max_depth: int | None = None
+    _paths: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
     def children(self) -> list[list[int]]:
-        """Children of every node, in index (= trial) order."""
+        """Children of every node, in index (= trial) order; padding nodes are nobody's.
+        On the host (sampling acceptance): one read of the parents, one of ``valid``."""
         kids: list[list[int]] = [[] for _ in range(len(self))]
+        valid = self.valid.tolist() if self.valid is not None else [True] * len(self)
         for i, p in enumerate(self.parents.tolist()[1:], start=1):
-            kids[p].append(i)
+            if valid[i]:
+                kids[p].append(i)
         return kids
 
     @property
@@ -53,7 +57,10 @@ class Tree:
     def paths(self) -> torch.Tensor:
         """(N, D + 1) long, the root-to-node path matrix: ``[i, d]`` is the node at depth
         d on the path from the root to i (``[i, depths[i]] = i``), -1 below i's depth.
-        Built on the device by climbing one level per step, all nodes at once."""
+        Built on the device by climbing one level per step, all nodes at once (once per
+        tree: verification and acceptance share it)."""
+        if self._paths is not None:
+            return self._paths
         n, d = len(self), self.depth_bound
         out = torch.full((n, d + 2), -1, dtype=torch.long, device=self.tokens.device)
         node = torch.arange(n, device=self.tokens.device)
@@ -62,7 +69,8 @@ class Tree:
             col = torch.where(ok, self.depths[node.clamp_min(0)], d + 1)  # column d + 1 collects the misses
             out.scatter_(1, col[:, None], torch.where(ok, node, -1)[:, None])
             node = torch.where(ok, self.parents[node.clamp_min(0)], -1)
-        return out[:, : d + 1]
+        self._paths = out[:, : d + 1]
+        return self._paths
 
     def ancestor_mask(self) -> torch.Tensor:
         """(N, N) bool: ``[i, j]`` is True when j is i itself or one of its ancestors."""
