@@ -244,7 +244,7 @@ def main(argv=None):
         "draft": {"path": draft_path, "note": draft_note,
                   "params_m": round(sum(p.numel() for p in draft.parameters()) / 1e6, 2)},
         "prompts": len(items), "max_new_tokens": args.max_new_tokens, "warmup_items": args.warmup,
-        "notes": "ms_per_cycle: mean wall time of each phase per verification cycle (device synchronised); "
+        "notes": "ms_per_cycle: mean time of each phase per verification cycle (DecodeConfig.timing: CUDA events on a GPU, perf_counter on a CPU); "
                  "accept = acceptance + KV-cache bookkeeping + stop check. tau: tokens per verification "
                  "(bonus included). speedup: ratio of total tokens/s over plain decoding, prefill included.",
         "runs": runs,
