@@ -64,7 +64,9 @@ def test_small_config_writes_every_field(tmp_path):
     # 1. plain decoding: the project's loop, generate() with both caches, the bandwidth limit
     p = r["plain_decoding"]
     assert p["outputs_match"] and p["hf_static_outputs_match"]  # same tokens as generate(), graphs or not
-    assert p["hf_generate_ms_per_token"] > 0 and p["hf_generate_static_ms_per_token"] > 0
+    # both generate() modes ran (timings of one repeat of 3 tokens are noise: not asserted)
+    assert p["hf_generate_ms_per_token"] is not None and p["hf_generate_static_ms_per_token"] is not None
+    assert p["hf_static_note"] is None
     # the limit counts what one step reads: the language model (fp32 here) and the lm_head, not the embeddings
     t = bench.CONFIGS["small"]["text"]
     h, inter, layers, vocab = t["hidden_size"], t["intermediate_size"], t["num_hidden_layers"], t["vocab_size"]

@@ -113,7 +113,7 @@ class EnsembleDrafter(HeadDrafter):
         weight is zero (TABED often picks a vertex of the simplex) cost no lm_head."""
         if self.mode == "tabed":
             self.block_out.append(out)
-        if self.active is None:
+        if self.active is None:  # a host read (nonzero), once per change of weights: TABED's blocks
             self.active = self.weights.nonzero().flatten()
         active = None if self.active.numel() == self.rows else self.active
         logits = lm_head(out if active is None else out[active]).float()
@@ -314,7 +314,7 @@ def choose_weights(grid: torch.Tensor, match: torch.Tensor, kl: torch.Tensor) ->
     then the smallest summed KL; remaining ties go to the earlier grid point."""
     count = match.sum(0)
     total = kl.sum(0).masked_fill(count != count.max(), float("inf"))
-    return grid[int(total.argmin())]  # argmin returns the first of equal minima
+    return grid[total.argmin()]  # argmin returns the first of equal minima; a device index, no host read
 
 
 def tabed_weights(rows: torch.Tensor, target: torch.Tensor, step: float = 0.1) -> torch.Tensor:
