@@ -21,6 +21,11 @@ left-padded to a common length; the padding is masked by an additive per-row key
 ``EnsembleDrafter`` is a ``drafter.HeadDrafter`` whose rows are the variants: the decoder
 sees the same interface (prefill, draft a block, record what was verified).
 
+Host reads: ``ibed`` adds none per cycle to the decoder's one (the active rows are read
+once); ``tabed`` adds three (the active rows of each block's new weights, and two
+data-sized selections of the verified nodes whose children were drafted, in
+``record_verified``), measured with ``transfers.HostReads``.
+
 At each draft step (chain or tree, see ``drafter.draft_chain`` / ``draft_tree``) the
 rows' next-token probabilities are mixed, ``q = sum_r w_r p_r``, and every row continues
 from the same tokens: the argmax of q or a draw from it (chain), or q's top-k (tree).
