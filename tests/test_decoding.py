@@ -335,6 +335,7 @@ def test_one_host_read_per_greedy_cycle(llava_setup, method):
         out = decode(target, head, state, config)
     assert len(out.cycles) >= 5 and sum(c.accepted for c in out.cycles) > 0 or method["method"] == "ar"
     assert reads.count == 1 + len(out.cycles), reads.names  # the first token, then one per cycle
+    assert reads.uploads == []  # and no host data copied to the device (a stream sync on a GPU)
     with HostReads() as old:  # the counter sees the reads the decoder no longer makes
         bool(torch.ones(1).any()), torch.arange(3).tolist(), torch.arange(4)[torch.arange(4) > 1]
     assert old.count == 3

@@ -132,13 +132,21 @@ class HeadDrafter:
         them to its cache. Returns (R, H), the head's output at the newest position of each
         row: its prediction of the root's feature."""
         n = state.pending_hidden.shape[0]
-        tokens = torch.as_tensor(state.tokens[-n:], device=target.device)
+        tokens = _pending_tokens(target, state)
         pos = target.continue_positions(self.cache.length, n, state.rope_deltas)
         hidden = state.pending_hidden[None].expand(self.rows, -1, -1)
         causal = torch.ones(n, n, dtype=torch.bool, device=target.device).tril()
         out = self.head(target.embed_tokens(tokens)[None], hidden, pos, causal)
         self.cache.length += n
         return out[:, -1]
+
+
+def _pending_tokens(target, state) -> torch.Tensor:
+    """(n,) the tokens paired with the pending features, the root last: the device copy the
+    decoder keeps, else (a state prepared by hand) from the host list."""
+    if state.pending_tokens is not None and state.pending_tokens.shape[0] == state.pending_hidden.shape[0]:
+        return state.pending_tokens
+    return torch.as_tensor(state.tokens[-state.pending_hidden.shape[0]:], device=target.device)
 
 
 def _node_positions(target, state, depth: int, n: int) -> torch.Tensor:
@@ -167,7 +175,7 @@ def draft_chain(drafter: HeadDrafter, target, state, k: int, sampling: SamplingP
                              _node_positions(target, state, i + 1, 1), seen)[:, -1]
     index = torch.arange(k + 1, device=target.device)  # node i's children came from the i-th distribution
     drafter.children_index(torch.where(index < k, index, -1))  # the last node has none
-    root = torch.as_tensor([state.tokens[-1]], device=target.device)
+    root = _pending_tokens(target, state)[-1:]
     return chain(root, torch.stack(tokens), torch.stack(probs) if probs else None)
 
 
@@ -235,7 +243,7 @@ def draft_tree(drafter: HeadDrafter, target, state, depth: int, top_k: int, tota
     for step, idx in enumerate(expanded):  # where each kept node's children distribution sits (the root's: 0)
         flat[idx] = 1 + step * k + torch.arange(k, device=device)
     drafter.children_index(torch.cat([torch.zeros(1, dtype=torch.long, device=device), flat[keep]]))
-    root = torch.as_tensor([state.tokens[-1]], device=device)
+    root = _pending_tokens(target, state)[-1:]
     zero = torch.zeros(1, dtype=torch.long, device=device)
     kept_scores = scores[keep]
     return Tree(

@@ -22,7 +22,8 @@ target's KV cache holds ``x_0 .. x_{m-1}`` at slots ``[0, m)``; the root of the 
 is ``x_m``; tree nodes are written at ``[m, m + N)`` and the accepted path moved to
 ``[m, m + a + 1)``. Draft position ``t`` pairs the target feature ``h_t`` with the
 embedding ``e_{t+1}`` and predicts ``h_{t+1}``; its position id is the target's position
-of ``x_t``. The features the last verification produced wait in ``pending_hidden``.
+of ``x_t``. The features the last verification produced wait in ``pending_hidden``, their
+tokens (the root last) in ``pending_tokens``, on the device.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ class DecodeState:
     rope_deltas: torch.Tensor | None  # M-RoPE: text position minus token index
     next_logits: torch.Tensor  # (V,) target logits after the prompt (the first new token)
     pending_hidden: torch.Tensor  # (n, H) target features h_{m-n} .. h_{m-1} not yet fed to the head
+    #: (n,) on the device: the tokens x_{m-n+1} .. x_m paired with ``pending_hidden`` (the root
+    #: last). Kept on the device so that no cycle copies host tokens back (a pageable
+    #: host-to-device copy synchronises the stream); None: read from ``tokens``
+    pending_tokens: torch.Tensor | None = None
     drafter: HeadDrafter | None = None
     tokens: list[int] = field(default_factory=list)  # new tokens; tokens[-1] is the root x_m
     graphs: StepGraphs = field(default_factory=lambda: StepGraphs(False))  # captured steps over these caches
@@ -219,6 +224,7 @@ class Acceptance:
     tokens: list[int]  # the accepted draft tokens, then the bonus token
     tried: int  # draft positions tested
     nodes: torch.Tensor  # (D + 1,) device: the path's nodes, padded (commit moves these)
+    device_tokens: torch.Tensor  # (len(tokens),) device: the same tokens, for the next block
 
 
 def accept_greedy(tree: Tree, logits: torch.Tensor) -> torch.Tensor:
@@ -250,7 +256,8 @@ def read_acceptance(tree: Tree, packet: torch.Tensor) -> Acceptance:
     d = (len(values) - 2) // 2
     nodes, tokens = values[2 : 2 + d], values[2 + d :]
     a = sum(x >= 0 for x in nodes) - 1
-    return Acceptance(nodes[: a + 1], tokens[1 : a + 1] + [values[0]], a + values[1], packet[2 : 2 + d])
+    on_device = torch.cat([packet[2 + d + 1 : 2 + d + 1 + a], packet[:1]])  # accepted tokens, bonus
+    return Acceptance(nodes[: a + 1], tokens[1 : a + 1] + [values[0]], a + values[1], packet[2 : 2 + d], on_device)
 
 
 def accept_sampling(tree: Tree, target_probs: torch.Tensor,
@@ -310,16 +317,25 @@ def commit(state: DecodeState, acc: Acceptance, hidden: torch.Tensor) -> list[in
     state.target_cache.length = state.cache_len
     state.tokens.extend(acc.tokens)
     state.pending_hidden = hidden[nodes[:n]]
+    state.pending_tokens = acc.device_tokens
     return acc.tokens
 
 
 # ----- the loops ------------------------------------------------------------------------
 
 
-def _first_token(logits: torch.Tensor, sampling, generator) -> torch.Tensor:
+def _next_token(logits: torch.Tensor, sampling, generator) -> torch.Tensor:
+    """(1,) on the device: the argmax, or a draw from the warped distribution."""
     if sampling.greedy:
-        return logits.argmax(-1)
-    return sample(logits_to_probs(logits, sampling), generator)
+        return logits.argmax(-1).view(1)
+    return sample(logits_to_probs(logits, sampling), generator).view(1)
+
+
+def _first_token(state: DecodeState, sampling, generator) -> None:
+    """The token after the prompt: one host read, and the device copy kept for drafting."""
+    token = _next_token(state.next_logits, sampling, generator)
+    state.tokens.append(int(token))
+    state.pending_tokens = token
 
 
 def _criteria(target, config: DecodeConfig) -> StopCriteria:
@@ -334,7 +350,7 @@ def decode_plain(target, state: DecodeState, config: DecodeConfig, generator: to
     transfer (the token) per step."""
     criteria, tokenizer = _criteria(target, config), getattr(target, "tokenizer", None)
     sampling = config.sampling
-    state.tokens.append(int(_first_token(state.next_logits, sampling, generator)))
+    _first_token(state, sampling, generator)
     stop = find_stop(state.tokens, 0, criteria, tokenizer)
     cycles = []
     cache = state.target_cache
@@ -343,13 +359,13 @@ def decode_plain(target, state: DecodeState, config: DecodeConfig, generator: to
     while stop is None:
         state.reserve(2)
         m = state.cache_len
-        token = torch.as_tensor([[state.tokens[-1]]], device=target.device)
         logits, _ = state.graphs.run(
-            "plain", _target_step(target, cache), embeds=target.embed_tokens(token),
+            "plain", _target_step(target, cache), embeds=target.embed_tokens(state.pending_tokens)[None],
             pos=target.continue_positions(m, 1, state.rope_deltas), mask=key_mask(m, cache.capacity, one, target.dtype),
             write_index=torch.arange(m, m + 1, device=target.device))
         state.cache_len = cache.length = m + 1
-        state.tokens.append(int(_first_token(logits[-1], sampling, generator)))
+        state.pending_tokens = _next_token(logits[-1], sampling, generator)
+        state.tokens.append(int(state.pending_tokens))  # the step's one host read
         stop = find_stop(state.tokens, len(state.tokens) - 1, criteria, tokenizer)
         cycles.append(CycleStats(0, 0, 1, 1))
     if stop[0] < len(state.tokens):
@@ -371,7 +387,7 @@ def decode(target, draft, state: DecodeState, config: DecodeConfig,
     clock = Clock(target.device, config.timing)
     state.use_graphs(resolve(config.cuda_graphs, target.device))
 
-    state.tokens.append(int(_first_token(state.next_logits, sampling, generator)))
+    _first_token(state, sampling, generator)
     stop = find_stop(state.tokens, 0, criteria, tokenizer)
     cycles, marks = [], []
     while stop is None:
@@ -404,9 +420,11 @@ def decode(target, draft, state: DecodeState, config: DecodeConfig,
 def _sampled_acceptance(tree: Tree, path: list[int], bonus: int) -> Acceptance:
     d = tree.depth_bound
     tokens = tree.tokens[path[1:]].tolist() + [bonus]
-    tried = len(path) - 1 + int(bool((tree.parents == path[-1]).any()))
-    nodes = torch.as_tensor(path + [-1] * (d + 1 - len(path)), device=tree.tokens.device)
-    return Acceptance(path, tokens, tried, nodes)
+    children = tree.parents == path[-1]
+    tried = len(path) - 1 + int(bool((children if tree.valid is None else children & tree.valid).any()))
+    device = tree.tokens.device
+    nodes = torch.as_tensor(path + [-1] * (d + 1 - len(path)), device=device)
+    return Acceptance(path, tokens, tried, nodes, torch.as_tensor(tokens, device=device))
 
 
 def generate(target, draft, prompt, config: DecodeConfig, generator: torch.Generator | None = None,

@@ -6,6 +6,9 @@ A read is any operation whose result the host must wait for: ``.item()``, ``.tol
 output size depends on the data. Counted with a ``TorchFunctionMode``, so the count is
 deterministic and device-independent: on a CPU it says how many syncs the same code
 would make on a GPU.
+
+``uploads`` lists the tensors built from host data (``torch.tensor``, ``torch.as_tensor``):
+on a GPU each is a pageable host-to-device copy, which synchronises the stream too.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _SCALAR = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero",
-           "masked_select", "argwhere", "unique", "__len__"}
+           "masked_select", "argwhere", "unique"}
 
 
 def _is_bool_index(index) -> bool:
@@ -28,6 +31,7 @@ class HostReads(TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self.names: list[str] = []
+        self.uploads: list[str] = []
 
     @property
     def count(self) -> int:
@@ -36,8 +40,10 @@ class HostReads(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name in _SCALAR and name != "__len__":
+        if name in _SCALAR:
             self.names.append(name)
+        elif name in ("tensor", "as_tensor"):
+            self.uploads.append(name)
         elif name in ("__getitem__", "__setitem__") and len(args) > 1 and _is_bool_index(args[1]):
             self.names.append(f"{name}[bool]")
         elif name == "to" and any(_is_cpu(a) for a in list(args[1:]) + list(kwargs.values())) \
