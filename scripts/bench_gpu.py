@@ -443,8 +443,9 @@ def bench_cycle(target, draft, prompt, args, device, step_s: float) -> dict:
         forced.append(parents[forced[-1]])
     forced = forced[::-1]
     pad = [-1] * (tree.depth_bound + 1 - len(forced))
-    forced_acc = Acceptance(forced, tree.tokens[forced[1:]].tolist() + [0], len(forced),
-                            torch.as_tensor(forced + pad, device=device))
+    forced_tokens = tree.tokens[forced[1:]].tolist() + [0]
+    forced_acc = Acceptance(forced, forced_tokens, len(forced), torch.as_tensor(forced + pad, device=device),
+                            torch.as_tensor(forced_tokens, device=device))
 
     def commit_with(a):
         return lambda: commit(state, a, hidden)
