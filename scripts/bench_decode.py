@@ -4,6 +4,13 @@
     python scripts/bench_decode.py --tree 5,10,60 --tree 3,4,16 --chain 5 --chain 3
     python scripts/bench_decode.py --target llava15_7b --random-shape --device cuda   # random 7B-shaped LLaVA
     python scripts/bench_decode.py --target qwen2vl_7b --random-shape --num-layers 2  # M-RoPE, on a CPU
+    python scripts/bench_decode.py --host-reads --out benchmarks/decode/host-reads-after.json
+
+``--host-reads`` counts, instead of timing, the device-to-host reads one ``decode`` makes
+per cycle (``msd_train.decoding.transfers.HostReads``: ``.item()``, ``.tolist()``,
+``bool()``/``int()`` of tensors, ``nonzero``, masked indexing), for the same settings,
+on the first prompt of each category. It uses only ``prefill``/``decode``/``DecodeConfig``,
+so the same command counts an older checkout (copy ``transfers.py`` into it).
 
 ``--target`` is a conf/target/*.yaml name (tiny, llava15_7b, qwen2vl_7b, ...), a model folder
 or a Hub id. ``--random-shape`` builds a randomly initialised model of that target's shape
@@ -155,7 +162,9 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--note", default=None, help="free text stored in the JSON (e.g. what the machine was doing)")
-    ap.add_argument("--out", default=None, help="JSON file (default benchmarks/decode/<target>-<device>.json)")
+    ap.add_argument("--out", default=None, help="JSON file (default benchmarks/decode/<target>-<device>.json); "
+                                                "a Markdown table goes next to it")
+    ap.add_argument("--host-reads", action="store_true", help="count device-to-host reads per cycle, no timing")
     args = ap.parse_args(argv)
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -198,6 +207,9 @@ def main(argv=None):
                for d, k, n in trees]
     configs += [DecodeConfig(method="chain", k=k, max_new_tokens=args.max_new_tokens) for (k,) in chains]
 
+    if args.host_reads:
+        return count_host_reads(target, draft, items, configs, args, draft_path, device)
+
     runs = []
     t0 = time.time()
     for c in configs:
@@ -232,7 +244,7 @@ def main(argv=None):
         "draft": {"path": draft_path, "note": draft_note,
                   "params_m": round(sum(p.numel() for p in draft.parameters()) / 1e6, 2)},
         "prompts": len(items), "max_new_tokens": args.max_new_tokens, "warmup_items": args.warmup,
-        "notes": "ms_per_cycle: mean wall time of each phase per verification cycle (device synchronised); "
+        "notes": "ms_per_cycle: mean time of each phase per verification cycle (DecodeConfig.timing: CUDA events on a GPU, perf_counter on a CPU); "
                  "accept = acceptance + KV-cache bookkeeping + stop check. tau: tokens per verification "
                  "(bonus included). speedup: ratio of total tokens/s over plain decoding, prefill included.",
         "runs": runs,
@@ -243,6 +255,78 @@ def main(argv=None):
     }
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "decode" / (
         f"{target.name.split('/')[-1]}-{device.type}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(timing_markdown(result))
+    print(f"wrote {out} and {out.with_suffix('.md')}")
+    return result
+
+
+def _settings(r: dict) -> str:
+    return (f"tree {r['depth']},{r['top_k']},{r['total_tokens']}" if r["method"] == "tree"
+            else f"chain {r['k']}" if r["method"] == "chain" else "ar")
+
+
+def timing_markdown(r: dict) -> str:
+    lines = [f"# Decoder time split: {r['target']['name']} on {r['device']}", "",
+             f"- command: `{r['command']}`", f"- created: {r['created']}; torch {r['torch']}, transformers "
+             f"{r['transformers']}; head: {r['draft']['path']} ({r['draft']['note']})",
+             f"- {r['prompts']} prompts, {r['max_new_tokens']} new tokens; load average {r['load_average']} on "
+             f"{r['cpu_count']} CPUs (shared machine)", "",
+             "| settings | tau | draft ms | verify ms | accept ms | ms/token in cycles | AR ms/token | speedup |"
+             " outputs match AR |", "|---" * 9 + "|"]
+    for x in r["runs"]:
+        c = x["ms_per_cycle"]
+        lines.append(f"| {_settings(x)} | {x['tau']:.3f} | {c['draft']:.2f} | {c['verify']:.2f} | {c['accept']:.2f} "
+                     f"| {x['ms_per_token_in_cycles']:.2f} | {x['ar_ms_per_token']:.2f} | {x['speedup']:.2f} | "
+                     f"{x['outputs_match_ar']} |")
+    return "\n".join(lines + ["", r["notes"]]) + "\n"
+
+
+def count_host_reads(target, draft, items, configs, args, draft_path, device) -> dict:
+    """Device-to-host reads per decode cycle, counted (deterministic, not timed)."""
+    import dataclasses
+    from collections import Counter
+
+    from msd_train.decoding import decode, prefill
+    from msd_train.decoding.transfers import HostReads
+
+    firsts = {}
+    for item in items:  # the first prompt of each category
+        firsts.setdefault(item.category, item)
+    prompts = []
+    for item in firsts.values():
+        images = item.load_images()
+        prompts.append(target.encode_prompt([{"role": "user", "content": item.turns[0]}], images))
+    configs = [*configs, DecodeConfig(method="ar", max_new_tokens=args.max_new_tokens)]
+    runs = []
+    for c in configs:
+        c = dataclasses.replace(c, eos_token_ids=())  # every prompt decodes max_new_tokens: comparable counts
+        reads, cycles, kinds, tau = 0, 0, Counter(), []
+        for prompt in prompts:
+            state = prefill(target, draft if c.method != "ar" else None, prompt)
+            with HostReads() as counter:
+                out = decode(target, draft, state, c)
+            reads += counter.count
+            cycles += len(out.cycles)
+            kinds.update(counter.names)
+            tau += [a.accepted + 1 for a in out.cycles]
+        run = {"settings": _settings(dataclasses.asdict(c) | {"method": c.method}), "reads": reads, "cycles": cycles,
+               "prompts": len(prompts), "reads_per_cycle": round((reads - len(prompts)) / cycles, 3),
+               "kinds": dict(kinds), "tau": round(sum(tau) / len(tau), 4)}
+        runs.append(run)
+        print(f"{run['settings']}: {run['reads_per_cycle']} host reads per cycle ({run['kinds']}), tau {run['tau']}")
+    result = {
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python scripts/bench_decode.py " + " ".join(sys.argv[1:]),
+        "target": target.name, "draft": draft_path, "device": describe_device(device),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "max_new_tokens": args.max_new_tokens,
+        "notes": "reads_per_cycle = (reads during decode() - one per prompt for the first token) / cycles; "
+                 "counted with msd_train.decoding.transfers.HostReads (a TorchFunctionMode), EOS off",
+        "runs": runs,
+    }
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "decode" / "host-reads.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

@@ -53,8 +53,8 @@ def main() -> None:
         sys.exit(f"--draft {args.draft}: no such folder; train the tiny head first (README)")
     from PIL import Image
 
-    from msd_train.decoding.ensemble import prefill_ensemble
-    from msd_train.decoding.speculative import _head
+    from msd_train.decoding import prefill
+    from msd_train.decoding.ensemble import EnsembleDrafter
     from msd_train.hub.load import load_head
     from msd_train.targets import load_target
 
@@ -65,17 +65,16 @@ def main() -> None:
 
     steps = {}
     for rows in (1, 2, 3, 4):
-        state = prefill_ensemble(target, draft, prompt, ("M",) * rows, "ibed", 32)
+        state = prefill(target, None, prompt, drafter=EnsembleDrafter(draft, ("M",) * rows, "ibed", 32))
         e = target.embed_tokens(torch.tensor([[5]]))
         h = state.pending_hidden[None].expand(rows, -1, -1)
-        pos = target.continue_positions(state.draft_len, 1, None)
+        pos = target.continue_positions(state.drafter.cache.length, 1, None)
+        one = torch.ones(1, 1, dtype=torch.bool)
 
-        def step(state=state, e=e, h=h, pos=pos):
-            out = _head(draft, state, e, h, pos)
+        def step(state=state, e=e, h=h, pos=pos, one=one):
+            # writes one slot past the committed length; the cache's length does not move
+            out = state.drafter.head(e, h, pos, one)
             target.lm_head(out).softmax(-1)
-            from msd_train.draft import crop_cache
-
-            crop_cache(state.draft_cache, state.draft_len)
 
         steps[rows] = step
     step_ms = _median_ms(steps, args.repeats)

@@ -4,7 +4,7 @@
 #
 #   here:  bash scripts/gpu_session.sh pack              # wheels into .whl/ (git-ignored)
 #   there: bash scripts/gpu_session.sh run [PART] [--dry-run]
-#            PART: all (default) | readme | throughput
+#            PART: all (default: readme and throughput) | readme | throughput | decode
 #
 # `run` installs .whl/ into /tmp/site and writes everything under $OUT (default /tmp/gpu-out):
 #   readme/      the README's commands on CUDA with the tiny target, bf16: `deepspeed train.py
@@ -13,9 +13,11 @@
 #   train-<shape>-<gpu>.json/.md   7B-shape throughput (scripts/bench_train.py): online features,
 #                ZeRO-2, sequence 2048 with one image, micro-batch 1, 2, 4; a profile table per
 #                size; sizes that run out of memory are measured again with gradient checkpointing
+#   decode-<shape>-<gpu>.json/.md  issue 13's decoder table (scripts/bench_gpu.py) for each shape in
+#                DECODE_SHAPES (default: llava15_7b llava15_13b qwen2vl_7b; about 5 minutes each)
 #   env.txt      nvidia-smi, versions
-# With a 10-minute limit per call, run `run readme` and `run throughput` as two calls
-# (about 5 and 8 minutes on an H100). --dry-run prints the plan and checks the wheels (CPU).
+# With a 10-minute limit per call, run `run readme`, `run throughput` and, one shape per call,
+# `DECODE_SHAPES=llava15_7b run decode` (and 13B, Qwen2-VL-7B) as separate calls. --dry-run prints the plan and checks the wheels (CPU).
 # --local runs with this machine's packages (no install), for a CPU check of the flow with
 #   EXTRA="train.max_steps=4 checkpoint.every=2" KILL_AT=2 EVAL_EXTRA="bench.max_items=2"
 set -euo pipefail
@@ -155,6 +157,15 @@ throughput() {
   fi
 }
 
+decode() {
+  local gpu c log="$OUT/decode-log.txt"
+  gpu=$(gpu_slug)
+  for c in ${DECODE_SHAPES:-llava15_7b llava15_13b qwen2vl_7b}; do
+    step "$log" python scripts/bench_gpu.py --config "$c" --device "${DEVICE:-cuda}" \
+      --out "$OUT/decode-$c-$gpu.json" --note "random bf16 weights; scripts/gpu_session.sh"
+  done
+}
+
 main() {
   local cmd=${1:-} part=all
   shift || true
@@ -162,7 +173,7 @@ main() {
     case $a in
       --dry-run) DRY=1 ;;
       --local) LOCAL=1 ;;
-      all|readme|throughput) part=$a ;;
+      all|readme|throughput|decode) part=$a ;;
       *) echo "unknown argument $a"; exit 2 ;;
     esac
   done
@@ -174,6 +185,7 @@ main() {
       install
       if [ $part = all ] || [ $part = readme ]; then readme; fi
       if [ $part = all ] || [ $part = throughput ]; then throughput; fi
+      if [ $part = decode ]; then decode; fi
       echo "results under $OUT"
       if [ -f "$OUT/failures.txt" ]; then cat "$OUT/failures.txt"; exit 1; fi ;;
     *) sed -n '2,20p' "$0"; exit 2 ;;

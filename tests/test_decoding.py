@@ -14,9 +14,11 @@ import sys
 import pytest
 import torch
 from builders import random_image
+from transformers import DynamicCache
 
 from msd_train.decoding import (
     DecodeConfig,
+    PositionCache,
     Tree,
     accept_greedy,
     commit,
@@ -24,12 +26,13 @@ from msd_train.decoding import (
     draft_chain,
     draft_tree,
     generate,
-    keep_cache_entries,
     prefill,
+    read_acceptance,
     tree_attention_bias,
     verify,
 )
 from msd_train.decoding.stopping import StopCriteria, find_stop
+from msd_train.decoding.transfers import HostReads
 from msd_train.draft import MSDDraftConfig, MSDDraftModel
 from msd_train.targets import Encoded
 
@@ -149,7 +152,8 @@ def test_tree_verification_matches_sequential_forward(setup):
     target, head, prompts = setup
     state = prefill(target, head, prompts["image"])
     state.tokens.append(int(state.next_logits.argmax()))
-    tree = draft_tree(head, target, state, depth=3, top_k=3, total_tokens=14, sampling=DecodeConfig().sampling)
+    tree = draft_tree(state.drafter, target, state, depth=3, top_k=3, total_tokens=14,
+                      sampling=DecodeConfig().sampling)
     assert len(tree) == 14 and not tree.is_chain
     base = state.clone()
     logits, _ = verify(target, state, tree)
@@ -159,10 +163,14 @@ def test_tree_verification_matches_sequential_forward(setup):
         while parents[path[-1]] >= 0:
             path.append(parents[path[-1]])
         seq = base.clone()
+        cache = DynamicCache()
+        for i in range(len(seq.target_cache.layers)):
+            keys, values = seq.target_cache.committed(i)
+            cache.update(keys.clone(), values.clone(), i)
         for depth, n in enumerate(reversed(path)):
             emb = target.embed_tokens(torch.tensor([[tokens[n]]]))
             pos = target.continue_positions(seq.cache_len + depth, 1, seq.rope_deltas)
-            hidden, seq.target_cache = target.run_language_model(emb, pos, None, seq.target_cache, use_cache=True)
+            hidden, cache = target.run_language_model(emb, pos, None, cache, use_cache=True)
         torch.testing.assert_close(target.lm_head(hidden[0, -1]), logits[node], atol=1e-5, rtol=1e-4)
 
 
@@ -175,19 +183,23 @@ def test_caches_hold_exactly_the_committed_tokens(setup):
     state.tokens.append(int(state.next_logits.argmax()))
     reordered = 0
     for _ in range(12):
-        tree = draft_tree(head, target, state, depth=3, top_k=4, total_tokens=16, sampling=DecodeConfig().sampling)
+        state.reserve(40)
+        tree = draft_tree(state.drafter, target, state, depth=3, top_k=4, total_tokens=16,
+                          sampling=DecodeConfig().sampling)
         logits, hidden = verify(target, state, tree)
-        path, bonus = accept_greedy(tree, logits)
+        acc = read_acceptance(tree, accept_greedy(tree, logits))
+        path = acc.path
         reordered += path != list(range(len(path)))
-        commit(state, tree, path, bonus, hidden)
+        commit(state, acc, hidden)
     assert reordered > 0, "no cycle accepted a path that needed moving in the cache"
     new = torch.tensor(state.tokens)
     assert state.cache_len == len(prompt.input_ids) + len(new) - 1
 
     plain = prefill(target, None, Encoded(torch.cat([prompt.input_ids, new[:-1]]), prompt.loss_mask, prompt.pixel))
-    for ours, ref in zip(state.target_cache.layers, plain.target_cache.layers):
-        torch.testing.assert_close(ours.keys, ref.keys, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(ours.values, ref.values, atol=1e-5, rtol=1e-4)
+    assert plain.target_cache.length == state.target_cache.length
+    for i in range(len(state.target_cache.layers)):
+        for ours, ref in zip(state.target_cache.committed(i), plain.target_cache.committed(i)):
+            torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4)
 
     # The head over the committed sequence in one pass (features from one target forward).
     ids = torch.cat([prompt.input_ids, new])[None]
@@ -197,12 +209,12 @@ def test_caches_hold_exactly_the_committed_tokens(setup):
     hidden, _ = target.run_language_model(embeds, pos)
     e, h, replace, raw = head.align_inputs(embeds, hidden, ids == target.image_token_id)
     ref = head(e, h, replace, raw, position_ids=pos[..., :-1], use_cache=True).past_key_values
-    n = state.draft_len
+    n = state.drafter.cache.length
     assert n == state.cache_len - 1 - len(path) + 1  # pending: the last cycle's path
-    for ours, theirs in zip(state.draft_cache.layers, ref.layers):
-        assert ours.keys.shape[-2] == n
-        torch.testing.assert_close(ours.keys, theirs.keys[..., :n, :], atol=1e-4, rtol=1e-3)
-        torch.testing.assert_close(ours.values, theirs.values[..., :n, :], atol=1e-4, rtol=1e-3)
+    for i, theirs in enumerate(ref.layers):
+        keys, values = state.drafter.cache.committed(i)
+        torch.testing.assert_close(keys, theirs.keys[..., :n, :], atol=1e-4, rtol=1e-3)
+        torch.testing.assert_close(values, theirs.values[..., :n, :], atol=1e-4, rtol=1e-3)
 
 
 def _head_logits_after(target, head, prompt, first: int, path: list[int]) -> torch.Tensor:
@@ -240,7 +252,8 @@ def test_draft_tree_children_are_the_heads_top_k(setup):
     state = prefill(target, head, prompt)
     first = int(state.next_logits.argmax())
     state.tokens.append(first)
-    tree = draft_tree(head, target, state, depth=2, top_k=3, total_tokens=12, sampling=DecodeConfig().sampling)
+    tree = draft_tree(state.drafter, target, state, depth=2, top_k=3, total_tokens=12,
+                      sampling=DecodeConfig().sampling)
     parents, tokens, kids = tree.parents.tolist(), tree.tokens.tolist(), tree.children()
     checked = 0
     for node in range(len(tree)):
@@ -262,15 +275,16 @@ def test_chain_draft_leaves_head_cache_at_committed_length(llava_setup):
     target, head, prompts = llava_setup
     state = prefill(target, head, prompts["text"])
     state.tokens.append(int(state.next_logits.argmax()))
-    tree = draft_chain(head, target, state, k=5, sampling=DecodeConfig().sampling)
+    tree = draft_chain(state.drafter, target, state, k=5, sampling=DecodeConfig().sampling)
     assert tree.is_chain and len(tree) == 6 and tree.draft_probs is None
-    assert state.draft_cache.get_seq_length() == state.draft_len == len(prompts["text"].input_ids)
+    assert state.drafter.cache.get_seq_length() == len(prompts["text"].input_ids)
 
 
 def test_tree_shape():
     """Ancestor mask, additive bias and the cache move on a hand-made tree."""
     # 0 -> 1 -> 3 ; 0 -> 2 -> 4 -> 5
-    tree = Tree(torch.tensor([9, 8, 7, 6, 5, 4]), torch.tensor([-1, 0, 0, 1, 2, 4]), torch.tensor([0, 1, 1, 2, 2, 3]))
+    tree = Tree(torch.tensor([9, 8, 7, 6, 5, 4]), torch.tensor([-1, 0, 0, 1, 2, 4]), torch.tensor([0, 1, 1, 2, 2, 3]),
+                max_depth=3)
     anc = tree.ancestor_mask()
     assert anc[5].tolist() == [True, False, True, False, True, True]
     assert anc[3].tolist() == [True, True, False, True, False, False]
@@ -279,32 +293,63 @@ def test_tree_shape():
     assert bias.shape == (1, 1, 6, 9) and (bias[0, 0, :, :3] == 0).all()
     assert (bias[0, 0, :, 3:] == 0).equal(anc)
 
-    from transformers import DynamicCache
+    assert tree.paths()[5].tolist() == [0, 2, 4, 5] and tree.paths()[3].tolist() == [0, 1, 3, -1]
 
-    cache = DynamicCache()
+    dynamic = DynamicCache()
     kv = torch.arange(10.0).view(1, 1, 10, 1).expand(1, 2, 10, 4).contiguous()
-    cache.update(kv, kv + 100, 0)
-    keep_cache_entries(cache, 4, [0, 2, 5])
-    assert cache.layers[0].keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 6, 9]
-    assert cache.layers[0].values[0, 1, :, 0].tolist() == [100, 101, 102, 103, 104, 106, 109]
+    dynamic.update(kv, kv + 100, 0)
+    cache = PositionCache.from_cache(dynamic, 16)
+    cache.keep(4, torch.tensor([0, 2, 5]))
+    cache.length = 7
+    keys, values = cache.committed(0)
+    assert keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 6, 9]
+    assert values[0, 1, :, 0].tolist() == [100, 101, 102, 103, 104, 106, 109]
 
 
 def test_draft_tree_is_a_valid_eagle2_tree(llava_setup):
     target, head, prompts = llava_setup
     state = prefill(target, head, prompts["image"])
     state.tokens.append(int(state.next_logits.argmax()))
-    before = state.draft_cache.get_seq_length()
-    tree = draft_tree(head, target, state, depth=2, top_k=3, total_tokens=10, sampling=DecodeConfig().sampling)
+    before = state.drafter.cache.get_seq_length()
+    tree = draft_tree(state.drafter, target, state, depth=2, top_k=3, total_tokens=10,
+                      sampling=DecodeConfig().sampling)
     assert len(tree) == 10 and tree.tokens[0] == state.tokens[-1]
     assert (tree.parents[1:] < torch.arange(1, 10)).all()  # parents come first
     assert (tree.depths[1:] == tree.depths[tree.parents[1:]] + 1).all()
     assert tree.depths.max() <= 3  # depth 2: up to 3 draft tokens on a path
-    assert state.draft_cache.get_seq_length() == before + 1 == state.draft_len  # pending fed, tree dropped
+    assert state.drafter.cache.get_seq_length() == before + 1  # pending fed, tree entries beyond the length
     # depth 0 is just the root's top_k children
     state = prefill(target, head, prompts["image"])
     state.tokens.append(int(state.next_logits.argmax()))
-    small = draft_tree(head, target, state, depth=0, top_k=3, total_tokens=10, sampling=DecodeConfig().sampling)
+    small = draft_tree(state.drafter, target, state, depth=0, top_k=3, total_tokens=10, sampling=DecodeConfig().sampling)
     assert len(small) == 4 and small.depths.tolist() == [0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("method", [TREE, CHAIN, dict(method="ar")], ids=["tree", "chain", "ar"])
+def test_one_host_read_per_greedy_cycle(llava_setup, method):
+    """A greedy cycle reads the device once (the accepted tokens); counted, not timed."""
+    target, head, prompts = llava_setup
+    state = prefill(target, head, prompts["image"], capacity=200)
+    config = DecodeConfig(max_new_tokens=24, eos_token_ids=(), **method)
+    with HostReads() as reads:
+        out = decode(target, head, state, config)
+    assert len(out.cycles) >= 5 and sum(c.accepted for c in out.cycles) > 0 or method["method"] == "ar"
+    assert reads.count == 1 + len(out.cycles), reads.names  # the first token, then one per cycle
+    assert reads.uploads == []  # and no host data copied to the device (a stream sync on a GPU)
+    with HostReads() as old:  # the counter sees the reads the decoder no longer makes
+        bool(torch.ones(1).any()), torch.arange(3).tolist(), torch.arange(4)[torch.arange(4) > 1]
+    assert old.count == 3
+
+
+def test_cuda_graphs_setting(llava_setup):
+    """auto decodes on a CPU (no capture); asking for graphs on a CPU says what to do."""
+    target, head, prompts = llava_setup
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        DecodeConfig(cuda_graphs="sometimes")
+    with pytest.raises(ValueError, match="cuda_graphs=auto"):
+        run(target, head, prompts["text"], cuda_graphs=True, **TREE)
+    assert run(target, head, prompts["text"], cuda_graphs=False, max_new_tokens=6, **TREE).tokens == \
+        run(target, head, prompts["text"], max_new_tokens=6, **TREE).tokens
 
 
 # ----- stopping -----------------------------------------------------------------------

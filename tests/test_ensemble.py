@@ -8,9 +8,8 @@ import torch
 from builders import random_image, tiny_llava_target
 from test_sampling import TinyHead, TinyTarget, assert_same_distribution, bad_head, exact_continuations
 
-from msd_train.decoding import DecodeConfig, SamplingParams, decode, generate
-from msd_train.decoding.ensemble import PromptPass, prefill_ensemble, simplex_grid, tabed_weights, variant_inputs
-from msd_train.decoding.speculative import _head
+from msd_train.decoding import DecodeConfig, PromptPass, SamplingParams, decode, generate, prefill
+from msd_train.decoding.ensemble import EnsembleDrafter, simplex_grid, tabed_weights, variant_inputs
 from msd_train.draft import MSDDraftConfig, MSDDraftModel
 from msd_train.targets import Encoded
 
@@ -61,6 +60,20 @@ def test_single_m_row_is_the_plain_decoder(llava, method):
         assert [c.tree_size for c in one.cycles] == [c.tree_size for c in plain.cycles]
 
 
+def prefill_ensemble(target, draft, prompt, variants, mode, window, captions=None):
+    """A prefilled state whose drafter is the head over ``variants``."""
+    return prefill(target, None, prompt, capacity=256,
+                   drafter=EnsembleDrafter(draft, variants, mode, window, captions))
+
+
+def _head(state, embeds, hidden, pos, seen=None):
+    """The drafter's rows over T new positions; ``seen`` (T, A) which of the A newest
+    slots each query sees (default: causal over the T)."""
+    t = embeds.shape[1]
+    seen = torch.ones(t, t, dtype=torch.bool).tril() if seen is None else seen
+    return state.drafter.head(embeds, hidden, pos, seen)
+
+
 def _target_pass(target, prompt) -> PromptPass:
     ids = prompt.input_ids[None]
     embeds = target.embed(ids, prompt.pixel)
@@ -77,23 +90,23 @@ def test_batched_rows_match_each_variant_alone(llava):
     variants = ("M", "T", "P", "C")
     for prompt, captions in zip(prompts[:2], CAPTIONS):
         batch = prefill_ensemble(target, draft, prompt, variants, "ibed", 8, captions)
-        assert batch.ensemble.key_bias is not None  # the rows differ in length: padding is exercised
+        assert batch.drafter.pad_bias is not None  # the rows differ in length: padding is exercised
         singles = [prefill_ensemble(target, draft, prompt, (v,), "ibed", 8, captions) for v in variants]
         x = torch.tensor([[5]])
         e, h = target.embed_tokens(x), batch.pending_hidden[None]
-        pos = target.continue_positions(batch.draft_len, 1, None)
-        got = _head(draft, batch, e, h.expand(4, -1, -1), pos)[:, -1]
+        pos = target.continue_positions(batch.drafter.cache.length, 1, None)
+        got = _head(batch, e, h.expand(4, -1, -1), pos)[:, -1]
         # a tree step: 3 nodes that see the step above and themselves
         nodes = torch.tensor([[7, 8, 9]])
         anc = torch.cat([torch.ones(3, 1, dtype=torch.bool), torch.eye(3, dtype=torch.bool)], 1)
-        tree_pos = target.continue_positions(batch.draft_len + 1, 1, None).expand(1, 3)
-        got_tree = _head(draft, batch, target.embed_tokens(nodes), got[:, None].expand(-1, 3, -1), tree_pos, anc)
+        tree_pos = target.continue_positions(batch.drafter.cache.length + 1, 1, None).expand(1, 3)
+        got_tree = _head(batch, target.embed_tokens(nodes), got[:, None].expand(-1, 3, -1), tree_pos, anc)
         for i, s in enumerate(singles):
-            want = _head(draft, s, e, h, target.continue_positions(s.draft_len, 1, None))[:, -1]
+            want = _head(s, e, h, target.continue_positions(s.drafter.cache.length, 1, None))[:, -1]
             torch.testing.assert_close(target.lm_head(got[i]).softmax(-1), target.lm_head(want[0]).softmax(-1),
                                        atol=1e-5, rtol=1e-4)
-            want_tree = _head(draft, s, target.embed_tokens(nodes), want[:, None].expand(-1, 3, -1),
-                              target.continue_positions(s.draft_len, 1, None).expand(1, 3), anc)
+            want_tree = _head(s, target.embed_tokens(nodes), want[:, None].expand(-1, 3, -1),
+                              target.continue_positions(s.drafter.cache.length, 1, None).expand(1, 3), anc)
             torch.testing.assert_close(target.lm_head(got_tree[i]).softmax(-1),
                                        target.lm_head(want_tree[0]).softmax(-1), atol=1e-5, rtol=1e-4)
         # the variants really differ: T drops the image positions, P keeps a quarter, C the caption's tokens
@@ -216,7 +229,7 @@ def test_tabed_history_follows_the_rule(llava, method):
                           tabed_window=5, **METHODS[method])
     state = prefill_ensemble(target, draft, prompts[0], config.variants, "tabed", 5)
     decode(target, draft, state, config)
-    ens = state.ensemble
+    ens = state.drafter
     assert 0 < ens.history_match.shape[0] <= 5
     assert torch.isclose(ens.weights.sum(), torch.tensor(1.0))
     # recompute one block's scores from scratch through tabed_weights

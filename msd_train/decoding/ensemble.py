@@ -18,7 +18,15 @@ it ends where the target's prompt ends: RoPE only sees distances, so the row's o
 attention is unchanged), so after the prompt all rows share the same positions. Rows are
 left-padded to a common length; the padding is masked by an additive per-row key bias.
 
-At each draft step (chain or tree, see ``speculative.draft_chain`` / ``draft_tree``) the
+``EnsembleDrafter`` is a ``drafter.HeadDrafter`` whose rows are the variants: the decoder
+sees the same interface (prefill, draft a block, record what was verified).
+
+Host reads: ``ibed`` adds none per cycle to the decoder's one (the active rows are read
+once); ``tabed`` adds three (the active rows of each block's new weights, and two
+data-sized selections of the verified nodes whose children were drafted, in
+``record_verified``), measured with ``transfers.HostReads``.
+
+At each draft step (chain or tree, see ``drafter.draft_chain`` / ``draft_tree``) the
 rows' next-token probabilities are mixed, ``q = sum_r w_r p_r``, and every row continues
 from the same tokens: the argmax of q or a draw from it (chain), or q's top-k (tree).
 Under sampling q is also what the acceptance test divides by, so decoding stays lossless.
@@ -32,10 +40,11 @@ scores are summed per block (the search costs a sum, not a pass over the window)
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field, replace
 
 import torch
 
+from msd_train.decoding.cache import PositionCache
+from msd_train.decoding.drafter import HeadDrafter, PromptPass
 from msd_train.decoding.sampling import SamplingParams, logits_to_probs
 from msd_train.draft import attention_bias
 
@@ -43,49 +52,64 @@ VARIANTS = ("M", "T", "P", "C")
 ENSEMBLES = ("ibed", "tabed")
 
 
-@dataclass
-class EnsembleState:
-    """The ensemble's part of a ``DecodeState`` (the rows' head cache is ``state.draft_cache``)."""
+class EnsembleDrafter(HeadDrafter):
+    """One head over several input variants of the prompt, one batch row each (the head's
+    cache holds R rows)."""
 
-    variants: tuple[str, ...]
-    mode: str  # ibed | tabed
-    window: int  # tabed: verified positions the weight search looks back over
-    weights: torch.Tensor  # (R,) the mixture weights of the current draft block
-    #: (R, capacity) additive key bias: dtype-min at each row's left padding, 0 elsewhere
-    #: (preallocated so that a one-query draft step's mask is a view, not a new tensor)
-    key_bias: torch.Tensor | None = None
-    grid: torch.Tensor | None = None  # tabed: (G, R) the candidate weights
-    #: tabed history, oldest first, one row per verified position: whether each grid
-    #: point's mixture argmax matched the target's (N, G), and KL(target || mixture) (N, G)
-    history_match: torch.Tensor | None = None
-    history_kl: torch.Tensor | None = None
-    #: the rows with a non-zero weight this block: only their logits enter the mixture
-    active: torch.Tensor | None = None
-    #: tabed, the current block: the rows' head outputs of every mixing call, in call order
-    #: ((R, T, H) each; their distributions are computed only for the verified nodes), and
-    #: for each tree node the index of its children's distribution in their concatenation
-    #: along T (-1: the node was not expanded)
-    block_out: list[torch.Tensor] = field(default_factory=list)
-    block_index: torch.Tensor | None = None
+    def __init__(self, draft, variants, mode: str, window: int, captions: list[str] | None = None):
+        super().__init__(draft)
+        self.variants = tuple(variants)
+        self.mode = mode  # ibed | tabed
+        self.window = window  # tabed: verified positions the weight search looks back over
+        self.captions = captions  # variant C: one per image of the prompt
+        self.weights: torch.Tensor | None = None  # (R,) the mixture weights of the current draft block
+        #: (R, capacity) additive key bias: dtype-min at each row's left padding, 0 elsewhere
+        self.pad_bias: torch.Tensor | None = None
+        self.grid: torch.Tensor | None = None  # tabed: (G, R) the candidate weights
+        #: tabed history, oldest first, one row per verified position: whether each grid
+        #: point's mixture argmax matched the target's (N, G), and KL(target || mixture) (N, G)
+        self.history_match: torch.Tensor | None = None
+        self.history_kl: torch.Tensor | None = None
+        #: the rows with a non-zero weight this block: only their logits enter the mixture
+        self.active: torch.Tensor | None = None
+        #: tabed, the current block: the rows' head outputs of every mixing call, in call order
+        #: ((R, T, H) each; their distributions are computed only for the verified nodes), and
+        #: for each tree node the index of its children's distribution in their concatenation
+        #: along T (-1: the node was not expanded)
+        self.block_out: list[torch.Tensor] = []
+        self.block_index: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
         return len(self.variants)
 
-    def clone(self) -> EnsembleState:
-        return replace(self, weights=self.weights.clone(), block_out=list(self.block_out))
+    def clone(self) -> EnsembleDrafter:
+        out = super().clone()
+        out.weights, out.block_out = self.weights.clone(), list(self.block_out)
+        return out
 
-    def head_bias(self, keys: int) -> torch.Tensor | None:
-        """(R, 1, 1, keys) key bias of a one-query step, or None when no row is padded."""
-        if self.key_bias is None:
+    def key_bias(self) -> torch.Tensor | None:
+        """(R, 1, 1, capacity) key bias, or None when no row is padded."""
+        if self.pad_bias is None:
             return None
-        if keys > self.key_bias.shape[1]:  # grow (doubling): steps keep returning views
-            grown = torch.zeros(self.rows, 2 * keys, dtype=self.key_bias.dtype, device=self.key_bias.device)
-            grown[:, : self.key_bias.shape[1]] = self.key_bias
-            self.key_bias = grown
-        return self.key_bias[:, None, None, :keys]
+        if self.pad_bias.shape[1] < self.cache.capacity:  # the cache grew
+            grown = self.pad_bias.new_zeros(self.rows, self.cache.capacity)
+            grown[:, : self.pad_bias.shape[1]] = self.pad_bias
+            self.pad_bias = grown
+        return self.pad_bias[:, None, None, :]
+
+    def children_index(self, index: torch.Tensor | None) -> None:
+        self.block_index = index
+
+    def prefill(self, target, prompt: PromptPass, capacity: int) -> None:
+        _prefill_rows(self, target, prompt, capacity)
 
     # ----- mixing -----------------------------------------------------------------------
+
+    def distribution(self, target, out: torch.Tensor, sampling: SamplingParams, log: bool = False) -> torch.Tensor:
+        """The rows' mixture (T, V), or its log."""
+        q = self.mix(out.to(target.dtype), target.lm_head, sampling)
+        return q.log() if log else q
 
     def mix(self, out: torch.Tensor, lm_head, sampling: SamplingParams) -> torch.Tensor:
         """The rows' mixture q (T, V) after their head outputs ``out`` (R, T, H): warped
@@ -94,7 +118,7 @@ class EnsembleState:
         weight is zero (TABED often picks a vertex of the simplex) cost no lm_head."""
         if self.mode == "tabed":
             self.block_out.append(out)
-        if self.active is None:
+        if self.active is None:  # a host read (nonzero), once per change of weights: TABED's blocks
             self.active = self.weights.nonzero().flatten()
         active = None if self.active.numel() == self.rows else self.active
         logits = lm_head(out if active is None else out[active]).float()
@@ -129,18 +153,6 @@ class EnsembleState:
 
 
 # ----- input variants -------------------------------------------------------------------
-
-
-@dataclass
-class PromptPass:
-    """One target pass over a prompt (batch 1), as ``speculative.prefill_target`` makes it."""
-
-    ids: torch.Tensor  # (1, L)
-    embeds: torch.Tensor  # (1, L, H)
-    hidden: torch.Tensor  # (1, L, H)
-    pos: torch.Tensor  # (1, L) or (3, 1, L)
-    visual: torch.Tensor  # (1, L) bool: image tokens
-    pixel: dict  # the processor's image tensors (only their grid shapes are read)
 
 
 def image_blocks(target, prompt: PromptPass) -> list[tuple[int, int, int]]:
@@ -244,44 +256,37 @@ def _left_pad(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def prefill_ensemble(target, draft, prompt, variants, mode: str, window: int, captions: list[str] | None = None):
-    """``prefill`` with the head's prefix built once per variant, as one left-padded batch.
-
-    ``captions``: one per image of the prompt, for variant C.
-    """
+def _prefill_rows(self: EnsembleDrafter, target, p: PromptPass, capacity: int) -> None:
+    """The head's prefix built once per variant, as one left-padded batch of rows."""
     from transformers import DynamicCache
 
-    from msd_train.decoding.speculative import prefill_target
-
-    device = target.device
-    state, ids, embeds, hidden, pos = prefill_target(target, prompt)
-    if bool(ids[0, -1] == target.image_token_id):
+    device, draft, variants = target.device, self.draft, self.variants
+    if bool(p.ids[0, -1] == target.image_token_id):
         raise ValueError("ensemble drafting needs a prompt that ends in text, not in image tokens")
-    p = PromptPass(ids, embeds, hidden, pos, ids == target.image_token_id, prompt.pixel or {})
-    rows = [variant_inputs(target, draft, v, p, captions) for v in variants]
+    rows = [variant_inputs(target, draft, v, p, self.captions) for v in variants]
     n = max(r[0].shape[1] for r in rows)
     valid = torch.zeros(len(variants), n, dtype=torch.bool, device=device)
     for i, r in enumerate(rows):
         valid[i, n - r[0].shape[1]:] = True
-    ens = EnsembleState(tuple(variants), mode, window, torch.full((len(variants),), 1.0 / len(variants), device=device))
-    if mode == "tabed":
-        ens.grid = simplex_grid(len(variants), device=device)
+    self.weights = torch.full((len(variants),), 1.0 / len(variants), device=device)
+    if self.mode == "tabed":
+        self.grid = simplex_grid(len(variants), device=device)
+    capacity = max(capacity, n + 64)
     if not bool(valid.all()):
-        ens.key_bias = torch.zeros(len(variants), 2 * n + 64, dtype=draft.dtype, device=device)
-        ens.key_bias[:, :n].masked_fill_(~valid, torch.finfo(draft.dtype).min)
-    state.ensemble = ens
-    state.draft_cache = DynamicCache()
+        self.pad_bias = torch.zeros(len(variants), capacity, dtype=draft.dtype, device=device)
+        self.pad_bias[:, :n].masked_fill_(~valid, torch.finfo(draft.dtype).min)
+    cache = DynamicCache()
     if n > 0:
         e, h, replace_mask, raw = (torch.cat([_left_pad(t, n - t.shape[1], 1) for t in part])
                                    for part in zip(*[r[:4] for r in rows]))
         pos_rows = torch.cat([_left_pad(r[4], n - r[4].shape[-1], -1) for r in rows], dim=-2)
         # causal and no padded keys, as the head builds it from a padding mask (padded
-        # positions are never read: they stay masked as keys by ``key_bias`` later)
-        mask = attention_bias(valid, len(variants), n, 0, draft.dtype, device) if ens.key_bias is not None else None
-        draft(e, h, replace_mask, raw, position_ids=pos_rows, attention_mask=mask,
-              past_key_values=state.draft_cache, use_cache=True)
-    state.draft_len = n
-    return state
+        # positions are never read: they stay masked as keys by ``pad_bias`` later)
+        mask = attention_bias(valid, len(variants), n, 0, draft.dtype, device) if self.pad_bias is not None else None
+        draft(e, h, replace_mask, raw, position_ids=pos_rows, attention_mask=mask, past_key_values=cache,
+              use_cache=True)
+    self.cache = PositionCache.from_cache(cache, capacity)
+    self.cache.length = n
 
 
 # ----- mixture weights ------------------------------------------------------------------
@@ -314,7 +319,7 @@ def choose_weights(grid: torch.Tensor, match: torch.Tensor, kl: torch.Tensor) ->
     then the smallest summed KL; remaining ties go to the earlier grid point."""
     count = match.sum(0)
     total = kl.sum(0).masked_fill(count != count.max(), float("inf"))
-    return grid[int(total.argmin())]  # argmin returns the first of equal minima
+    return grid[total.argmin()]  # argmin returns the first of equal minima; a device index, no host read
 
 
 def tabed_weights(rows: torch.Tensor, target: torch.Tensor, step: float = 0.1) -> torch.Tensor:

@@ -4,11 +4,16 @@ Node 0 is the root, the newest committed token (not yet in the target's cache). 
 other node is a drafted token; ``parents[i] < i``, so nodes are in topological order and
 a chain is the special case ``parents = [-1, 0, 1, ...]``. Siblings are tried in index
 order by the acceptance rules, most likely first.
+
+Shapes are fixed by the drafting settings, not by the data: a drafted tree always has
+``total_tokens`` nodes (padding nodes, whose draft score is -inf, are marked invalid and
+never accepted) and ``max_depth`` is the deepest a node can be, so everything below runs
+on the device without reading it back.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,28 +31,54 @@ class Tree:
     is_chain: bool = False
     #: (N,) cumulative draft log-probability of each node's path (root 0), when drafted by score
     scores: torch.Tensor | None = None
+    #: (N,) bool: nodes the acceptance rules may accept (False: shape padding); None: all
+    valid: torch.Tensor | None = None
+    #: the largest depth a node can have (static: the drafting settings), None: len - 1
+    max_depth: int | None = None
+    _paths: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
     def children(self) -> list[list[int]]:
-        """Children of every node, in index (= trial) order."""
+        """Children of every node, in index (= trial) order; padding nodes are nobody's.
+        On the host (sampling acceptance): one read of the parents, one of ``valid``."""
         kids: list[list[int]] = [[] for _ in range(len(self))]
+        valid = self.valid.tolist() if self.valid is not None else [True] * len(self)
         for i, p in enumerate(self.parents.tolist()[1:], start=1):
-            kids[p].append(i)
+            if valid[i]:
+                kids[p].append(i)
         return kids
+
+    @property
+    def depth_bound(self) -> int:
+        return len(self) - 1 if self.max_depth is None else self.max_depth
+
+    def paths(self) -> torch.Tensor:
+        """(N, D + 1) long, the root-to-node path matrix: ``[i, d]`` is the node at depth
+        d on the path from the root to i (``[i, depths[i]] = i``), -1 below i's depth.
+        Built on the device by climbing one level per step, all nodes at once (once per
+        tree: verification and acceptance share it)."""
+        if self._paths is not None:
+            return self._paths
+        n, d = len(self), self.depth_bound
+        out = torch.full((n, d + 2), -1, dtype=torch.long, device=self.tokens.device)
+        node = torch.arange(n, device=self.tokens.device)
+        for _ in range(d + 1):
+            ok = node >= 0
+            col = torch.where(ok, self.depths[node.clamp_min(0)], d + 1)  # column d + 1 collects the misses
+            out.scatter_(1, col[:, None], torch.where(ok, node, -1)[:, None])
+            node = torch.where(ok, self.parents[node.clamp_min(0)], -1)
+        self._paths = out[:, : d + 1]
+        return self._paths
 
     def ancestor_mask(self) -> torch.Tensor:
         """(N, N) bool: ``[i, j]`` is True when j is i itself or one of its ancestors."""
         n = len(self)
-        mask = torch.eye(n, dtype=torch.bool, device=self.tokens.device)
-        rows = torch.arange(n, device=self.tokens.device)
-        anc = self.parents.clone()
-        for _ in range(int(self.depths.max())):  # climb one level per step, all nodes at once
-            ok = anc >= 0
-            mask[rows[ok], anc[ok]] = True
-            anc = torch.where(ok, self.parents[anc.clamp_min(0)], anc)
-        return mask
+        paths = self.paths()
+        mask = torch.zeros(n, n + 1, dtype=torch.bool, device=self.tokens.device)
+        mask.scatter_(1, torch.where(paths >= 0, paths, n), True)  # column n collects the padding
+        return mask[:, :n]
 
 
 def chain(root: torch.Tensor, tokens: torch.Tensor | None = None, draft_probs: torch.Tensor | None = None) -> Tree:
@@ -57,7 +88,7 @@ def chain(root: torch.Tensor, tokens: torch.Tensor | None = None, draft_probs: t
     idx = torch.arange(toks.shape[0], device=toks.device)
     if draft_probs is not None:
         draft_probs = torch.cat([torch.zeros_like(draft_probs[:1]), draft_probs], dim=0)
-    return Tree(toks, idx - 1, idx, draft_probs, is_chain=True)
+    return Tree(toks, idx - 1, idx, draft_probs, is_chain=True, max_depth=toks.shape[0] - 1)
 
 
 def tree_attention_bias(tree_mask: torch.Tensor, past: int, dtype: torch.dtype) -> torch.Tensor:

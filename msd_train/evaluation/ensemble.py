@@ -20,7 +20,9 @@ from msd_train.formatting import fmt
 
 def variant_configs(config: DecodeConfig) -> dict[str, DecodeConfig]:
     """``{name: config}``: each variant alone (M is the plain decoder, the others a one-row
-    ensemble), then the ensemble itself under ``<ensemble>-<variants>``."""
+    ensemble), then the ensemble itself under ``<ensemble>-<variants>``; all time their
+    phases (``DecodeConfig.timing``), the drafting time is what this report compares."""
+    config = dataclasses.replace(config, timing=True)
     out = {}
     for v in config.variants:
         if v == "M":

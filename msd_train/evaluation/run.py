@@ -37,6 +37,7 @@ def decode_config(d: dict) -> DecodeConfig:
         # ensemble drafting (msd_train/decoding/ensemble.py)
         ensemble=d.get("ensemble"), variants=tuple(d.get("variants") or ("M",)),
         tabed_window=int(d.get("tabed_window", 32)),
+        cuda_graphs=d.get("cuda_graphs", "auto"),
     )
 
 

@@ -1,0 +1,138 @@
+"""A KV cache of fixed capacity, written by position: the decoder's caches (target and head).
+
+Why not transformers' ``StaticCache``: its layers write at a running device counter
+(``cumulative_length``) that every forward advances, and report that counter as their
+length. A speculative cycle needs three things it does not offer: (1) write the N tree
+nodes at ``[m, m + N)`` and then rewind to ``m + accepted``, (2) move the accepted
+path's entries into place with one gather/``index_copy_`` over all layers, (3) a length
+the host knows without reading the device (the draft head asks for the cache length on
+every forward; a device counter read there is one sync per head step). This cache is
+that, in a few lines: per layer one preallocated ``(B, heads, capacity, dim)`` buffer
+pair; every forward writes at ``write_index`` (a device tensor the decoder fills, a
+static buffer when the forward is replayed from a captured graph) and attends over the
+whole buffer, so queries see only what their 4-D additive mask allows (the decoder
+always passes one; unwritten slots are masked). ``length`` is the committed length,
+kept on the host.
+
+It subclasses transformers' ``Cache`` so that models treat it like their own: attention
+layers call ``update(keys, values, layer_idx)``; mask builders see a 4-D mask and
+return it as is.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers.cache_utils import Cache
+
+
+class _Buffers:
+    """One layer's key and value buffers (the attributes transformers' helpers read)."""
+
+    is_sliding = False
+    is_compileable = True
+    is_initialized = True
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values = keys, values
+
+
+class PositionCache(Cache):
+    def __init__(self, layers: list[_Buffers], length: int, capacity: int):
+        super().__init__(layers=layers)
+        self._capacity = capacity
+        self.length = length  # committed entries [0, length); host-side, never read from the device
+        self.write_index: torch.Tensor | None = None  # (T,) where the next forward's T entries go
+
+    # ----- construction ---------------------------------------------------------------
+
+    @classmethod
+    def from_cache(cls, cache, capacity: int) -> PositionCache:
+        """Copy a filled cache (e.g. the ``DynamicCache`` of a prefill) into buffers of
+        ``capacity`` positions."""
+        layers = []
+        for layer in cache.layers:
+            b, h, n, d = layer.keys.shape
+            if n > capacity:
+                raise ValueError(f"cache of {n} positions does not fit a capacity of {capacity}")
+            keys = layer.keys.new_zeros(b, h, capacity, d)
+            values = layer.values.new_zeros(b, h, capacity, layer.values.shape[-1])
+            keys[:, :, :n], values[:, :, :n] = layer.keys, layer.values
+            layers.append(_Buffers(keys, values))
+        return cls(layers, cache.layers[0].keys.shape[-2] if cache.layers else 0, capacity)
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def grow(self, capacity: int) -> bool:
+        """Reallocate to at least ``capacity`` positions (doubling), keeping the contents;
+        True when it did (captured graphs hold the old buffers). Rare: ``generate`` sizes
+        caches for the whole generation up front."""
+        if capacity <= self.capacity:
+            return False
+        capacity = max(capacity, 2 * self.capacity)
+        self._capacity = capacity
+        for layer in self.layers:
+            for name in ("keys", "values"):
+                old = getattr(layer, name)
+                new = old.new_zeros(*old.shape[:2], capacity, old.shape[-1])
+                new[:, :, : old.shape[2]] = old
+                setattr(layer, name, new)
+        return True
+
+    def clone(self) -> PositionCache:
+        out = copy.copy(self)
+        out.layers = [_Buffers(layer.keys.clone(), layer.values.clone()) for layer in self.layers]
+        return out
+
+    # ----- the Cache interface models call --------------------------------------------
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        while len(self.layers) <= layer_idx:  # a cache that started empty (a one-token prompt's head)
+            b, h, _, d = key_states.shape
+            self.layers.append(_Buffers(key_states.new_zeros(b, h, self.capacity, d),
+                                        value_states.new_zeros(b, h, self.capacity, value_states.shape[-1])))
+        layer = self.layers[layer_idx]
+        layer.keys.index_copy_(2, self.write_index, key_states.to(layer.keys.dtype))
+        layer.values.index_copy_(2, self.write_index, value_states.to(layer.values.dtype))
+        return layer.keys, layer.values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.capacity, 0
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    # ----- the decoder's operations ---------------------------------------------------
+
+    def keep(self, start: int, index: torch.Tensor) -> None:
+        """Entries ``start + index`` (device tensor, in order) move to ``start, start+1,
+        ...``: one gather and one ``index_copy_`` per buffer, shapes fixed by ``index``.
+        The caller sets ``length``."""
+        dest = torch.arange(start, start + index.shape[0], device=index.device)
+        src = index + start
+        for layer in self.layers:
+            layer.keys.index_copy_(2, dest, layer.keys.index_select(2, src))
+            layer.values.index_copy_(2, dest, layer.values.index_select(2, src))
+
+    def committed(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The committed keys and values of one layer (views), e.g. to compare with a prefill."""
+        layer = self.layers[layer_idx]
+        return layer.keys[:, :, : self.length], layer.values[:, :, : self.length]
+
+
+def key_mask(past: int, capacity: int, queries: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask (1, 1, N, capacity) for N queries written at ``[past, past + A)``:
+    every query sees the committed prefix ``[0, past)`` and, of the A newest slots, those
+    ``queries`` (N, A) bool allows; nothing beyond ``past + A``."""
+    n, a = queries.shape
+    allowed = torch.zeros(n, capacity, dtype=torch.bool, device=queries.device)
+    allowed[:, :past] = True
+    allowed[:, past : past + a] = queries
+    bias = torch.zeros(n, capacity, dtype=dtype, device=queries.device)
+    return bias.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]

@@ -1,0 +1,71 @@
+"""Decoding settings, and the drafter they ask for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from msd_train.decoding.drafter import HeadDrafter
+from msd_train.decoding.ensemble import EnsembleDrafter, check_ensemble
+from msd_train.decoding.sampling import SamplingParams
+
+METHODS = ("tree", "chain", "ar")
+
+
+@dataclass
+class DecodeConfig:
+    method: str = "tree"  # tree (EAGLE-2 dynamic tree) | chain | ar (plain decoding)
+    #: tree: frontier expansions after the root's children (EAGLE-2's convention), so a
+    #: path holds up to depth + 1 draft tokens
+    depth: int = 5
+    top_k: int = 10  # tree: frontier width and children per expanded node
+    total_tokens: int = 60  # tree: nodes verified per cycle, root included
+    k: int = 5  # chain: draft tokens per cycle
+    max_new_tokens: int = 64
+    stop_strings: tuple[str, ...] = ()
+    #: None: the target's own EOS ids (generation config, else tokenizer); () never stops on EOS
+    eos_token_ids: tuple[int, ...] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    #: per-phase times in ``Generation.cycles`` (CUDA events on a GPU: no synchronisation
+    #: per phase, one at the end); off, the cycle runs with no timing at all
+    timing: bool = False
+    #: capture the verify forward, the head's draft step and the plain one-token step in
+    #: CUDA graphs (msd_train/decoding/graphs.py): auto = on for CUDA targets, off on CPU
+    cuda_graphs: str | bool = "auto"
+    # --- drafting with input variants (msd_train/decoding/ensemble.py) ---
+    ensemble: str | None = None  # None: the head alone (variant M) | ibed | tabed
+    variants: tuple[str, ...] = ("M",)  # the head's input variants, one batch row each
+    tabed_window: int = 32  # tabed: verified positions the weight search looks back over
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"decoding.method must be one of {METHODS}, got {self.method!r}")
+        if self.method == "tree" and (self.depth < 0 or self.top_k < 1 or self.total_tokens < 2):
+            raise ValueError(
+                f"tree decoding needs depth >= 0, top_k >= 1, total_tokens >= 2; got depth={self.depth}, "
+                f"top_k={self.top_k}, total_tokens={self.total_tokens}"
+            )
+        if self.method == "chain" and self.k < 1:
+            raise ValueError(f"chain decoding needs k >= 1, got k={self.k}")
+        self.stop_strings = tuple(self.stop_strings or ())
+        self.variants = tuple(self.variants or ("M",))
+        if self.ensemble is not None:
+            check_ensemble(self)
+        if self.cuda_graphs not in ("auto", True, False, "true", "false", "on", "off"):
+            raise ValueError(f"decoding.cuda_graphs must be auto, true or false, got {self.cuda_graphs!r}")
+
+    @property
+    def block_size(self) -> int:
+        """Cache slots one cycle may write beyond the committed length (target or head)."""
+        if self.method == "tree":
+            return max(self.total_tokens, min(self.top_k, 1 << 20) * (self.depth + 1)) + self.depth + 2
+        return self.k + 2
+
+
+def build_drafter(draft, config: DecodeConfig, captions: list[str] | None = None) -> HeadDrafter | None:
+    """The drafter ``config`` asks for: None for plain decoding, one head, or one head over
+    several input variants. ``captions`` (one per image) are read only by variant C."""
+    if config.method == "ar" or draft is None:
+        return None
+    if config.ensemble is None:
+        return HeadDrafter(draft)
+    return EnsembleDrafter(draft, config.variants, config.ensemble, config.tabed_window, captions)

@@ -1,0 +1,256 @@
+"""The drafter: what proposes the tokens a cycle verifies.
+
+One interface, two implementations: ``HeadDrafter`` (one MSD head over the prompt as it
+was trained) here, and ``EnsembleDrafter`` (the same head over several input variants of
+the prompt, one batch row each) in ``ensemble.py``. The decoder calls three methods:
+
+    drafter.prefill(target, prompt_pass, capacity)    the head reads the prompt
+    tree = drafter.draft_block(target, state, ...)    a tree (or chain) of proposals
+    drafter.record_verified(path, logits)             what the target said about them
+
+``draft_tree`` and ``draft_chain`` below are the block drafters; they call the drafter's
+row hooks (``head``, ``distribution``, ``begin_block``), which is all an ensemble changes.
+
+Indexing (see ``speculative.py``): draft position t pairs the target feature h_t with the
+embedding e_{t+1}; its position id is the target's position of x_t. The head's cache holds
+the committed draft positions; the pairs the last verification produced (``pending``)
+are the first thing the next block feeds it.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from msd_train.decoding.cache import PositionCache, key_mask
+from msd_train.decoding.graphs import StepGraphs
+from msd_train.decoding.sampling import SamplingParams, log_probs, logits_to_probs, sample
+from msd_train.decoding.tree import Tree, chain
+
+
+@dataclass
+class PromptPass:
+    """One target pass over a prompt (batch 1), as ``speculative.prefill_target`` makes it."""
+
+    ids: torch.Tensor  # (1, L)
+    embeds: torch.Tensor  # (1, L, H)
+    hidden: torch.Tensor  # (1, L, H)
+    pos: torch.Tensor  # (1, L) or (3, 1, L)
+    visual: torch.Tensor  # (1, L) bool: image tokens
+    pixel: dict  # the processor's image tensors (only their grid shapes are read)
+
+
+class HeadDrafter:
+    """One MSD head drafting over the prompt as it was trained (variant M)."""
+
+    rows = 1
+
+    def __init__(self, draft):
+        self.draft = draft
+        self.cache: PositionCache | None = None  # committed draft positions [0, cache.length)
+        self.graphs = StepGraphs(False)  # the decoder hands its captured steps over
+
+    def clone(self) -> HeadDrafter:
+        out = copy.copy(self)
+        out.cache = self.cache.clone()
+        out.graphs = StepGraphs(False)  # the decoder of the clone hands its own over
+        return out
+
+    # ----- the interface ----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, target, prompt: PromptPass, capacity: int) -> None:
+        """The head over the prompt through ``draft.align_inputs``, exactly as in training,
+        so decoupled visual slots match the head's ``visual_offset``."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        if prompt.ids.shape[1] > 1:
+            e, h, replace, raw = self.draft.align_inputs(prompt.embeds, prompt.hidden, prompt.visual)
+            self.draft(e, h, replace, raw, position_ids=prompt.pos[..., :-1], past_key_values=cache, use_cache=True)
+        self.cache = PositionCache.from_cache(cache, capacity)
+
+    def draft_block(self, target, state, config, generator: torch.Generator | None = None) -> Tree:
+        if config.method == "tree":
+            return draft_tree(self, target, state, config.depth, config.top_k, config.total_tokens, config.sampling)
+        return draft_chain(self, target, state, config.k, config.sampling, generator)
+
+    def record_verified(self, path: list[int], logits: torch.Tensor, lm_head) -> None:
+        """A single head keeps no history."""
+
+    # ----- row hooks (an ensemble overrides these) -----------------------------------
+
+    def begin_block(self) -> None:
+        pass
+
+    def children_index(self, index: torch.Tensor | None) -> None:
+        """Where each tree node's children distribution came from (ensembles keep it)."""
+
+    def key_bias(self) -> torch.Tensor | None:
+        """(R, 1, 1, capacity) additive bias on the rows' padded keys, or None."""
+        return None
+
+    def head(self, embeds: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+        """Run the head over T new positions of every row; returns (R, T, H).
+
+        ``embeds`` (1, T, H) are shared by the rows, ``hidden`` (R, T, H) is each row's,
+        ``pos`` batch-1 position ids. ``queries`` (T, A) bool: which of the A newest cache
+        slots (after the committed ones; these T queries are the last T) each query sees.
+        """
+        rows = hidden.shape[0]
+        if rows > 1:
+            embeds = embeds.expand(rows, -1, -1)
+            pos = pos.expand(*pos.shape[:-2], rows, pos.shape[-1])
+        past, (t, a) = self.cache.length, queries.shape
+        mask = key_mask(past, self.cache.capacity, queries, self.draft.dtype)
+        pad = self.key_bias()
+        if pad is not None:
+            mask = mask + pad
+        write_index = torch.arange(past + a - t, past + a, device=embeds.device)
+        return self.graphs.run("head", self._step, embeds=embeds, hidden=hidden, pos=pos, mask=mask,
+                               write_index=write_index)[0]
+
+    def _step(self, embeds, hidden, pos, mask, write_index):
+        """The head forward as a function of tensors only (what a captured graph replays)."""
+        self.cache.write_index = write_index
+        return (self.draft(embeds, hidden, position_ids=pos, attention_mask=mask, past_key_values=self.cache,
+                           use_cache=True).last_hidden_state,)
+
+    def distribution(self, target, out: torch.Tensor, sampling: SamplingParams, log: bool = False) -> torch.Tensor:
+        """The draft distribution (T, V) after the head's outputs ``out`` (R, T, H):
+        probabilities (sampling: warped; greedy: any distribution with the right argmax),
+        or log-probabilities with ``log``."""
+        logits = target.lm_head(out[0].to(target.dtype))
+        return log_probs(logits, sampling) if log else logits_to_probs(logits, sampling)
+
+    # ----- shared steps -------------------------------------------------------------
+
+    def feed_pending(self, target, state) -> torch.Tensor:
+        """Feed the head the pairs (h_t, e_{t+1}) the last verification produced and commit
+        them to its cache. Returns (R, H), the head's output at the newest position of each
+        row: its prediction of the root's feature."""
+        n = state.pending_hidden.shape[0]
+        tokens = _pending_tokens(target, state)
+        pos = target.continue_positions(self.cache.length, n, state.rope_deltas)
+        hidden = state.pending_hidden[None].expand(self.rows, -1, -1)
+        causal = torch.ones(n, n, dtype=torch.bool, device=target.device).tril()
+        out = self.head(target.embed_tokens(tokens)[None], hidden, pos, causal)
+        self.cache.length += n
+        return out[:, -1]
+
+
+def _pending_tokens(target, state) -> torch.Tensor:
+    """(n,) the tokens paired with the pending features, the root last: the device copy the
+    decoder keeps, else (a state prepared by hand) from the host list."""
+    if state.pending_tokens is not None and state.pending_tokens.shape[0] == state.pending_hidden.shape[0]:
+        return state.pending_tokens
+    return torch.as_tensor(state.tokens[-state.pending_hidden.shape[0]:], device=target.device)
+
+
+def _node_positions(target, state, depth: int, n: int) -> torch.Tensor:
+    """Draft position ids of n nodes at tree depth ``depth`` (draft index m - 1 + depth)."""
+    pos = target.continue_positions(state.cache_len - 1 + depth, 1, state.rope_deltas)
+    return pos.expand(*pos.shape[:-1], n)
+
+
+@torch.inference_mode()
+def draft_chain(drafter: HeadDrafter, target, state, k: int, sampling: SamplingParams,
+                generator: torch.Generator | None = None) -> Tree:
+    """k draft tokens, one after another: the argmax of the draft distribution q when
+    greedy, else a draw from it (q kept, for the acceptance test)."""
+    drafter.begin_block()
+    h = drafter.feed_pending(target, state)  # (R, H)
+    tokens, probs = [], []
+    for i in range(k):
+        q = drafter.distribution(target, h[:, None], sampling)[0]
+        x = q.argmax(-1) if sampling.greedy else sample(q, generator)
+        if not sampling.greedy:
+            probs.append(q)
+        tokens.append(x)
+        if i + 1 < k:  # each row's next input: (its own predicted feature, e(x)), causal over the chain
+            seen = torch.ones(1, i + 1, dtype=torch.bool, device=target.device)
+            h = drafter.head(target.embed_tokens(x.view(1, 1)), h[:, None],
+                             _node_positions(target, state, i + 1, 1), seen)[:, -1]
+    index = torch.arange(k + 1, device=target.device)  # node i's children came from the i-th distribution
+    drafter.children_index(torch.where(index < k, index, -1))  # the last node has none
+    root = _pending_tokens(target, state)[-1:]
+    return chain(root, torch.stack(tokens), torch.stack(probs) if probs else None)
+
+
+@torch.inference_mode()
+def draft_tree(drafter: HeadDrafter, target, state, depth: int, top_k: int, total_tokens: int,
+               sampling: SamplingParams) -> Tree:
+    """EAGLE-2 dynamic draft tree, built on the device with fixed shapes.
+
+    The root's top_k children start the frontier. Each of ``depth`` steps runs the head
+    once over the frontier (tree attention over the head's cache), gives every frontier
+    node its top_k children, and keeps the top_k of those by cumulative log-probability
+    as the next frontier. Finally all generated nodes are re-ranked by cumulative score
+    and the best ``total_tokens - 1`` are verified. A child's score never exceeds its
+    parent's and ties go to the earlier (parent) node, so the kept set contains every
+    kept node's ancestors. Children are deterministic proposals (``draft_probs`` None).
+
+    Shapes depend only on the settings: the pool has k + depth * k * k nodes, the tree
+    min(total_tokens, pool + 1); nodes with score -inf (the warpers removed them) pad the
+    tree and are marked invalid, so no count is read back from the device.
+    """
+    device = target.device
+    drafter.begin_block()
+    out = drafter.feed_pending(target, state)  # (R, H)
+    lp = drafter.distribution(target, out[:, None], sampling, log=True)[0].clamp_max(0)
+    k = min(top_k, lp.shape[-1])
+    scores, tokens = lp.topk(k)
+    pool_tokens, pool_scores = [tokens], [scores]
+    pool_parents = [torch.full((k,), -1, device=device)]
+    pool_depths = [torch.ones(k, dtype=torch.long, device=device)]
+    front_idx = torch.arange(k, device=device)  # pool indices of the frontier
+    front_tokens, front_scores = tokens, scores
+    front_in = out[:, None].expand(-1, k, -1)  # (R, k, H) each frontier node's parent output, per row
+    front_anc = torch.zeros(k, 0, dtype=torch.bool, device=device)  # ancestor slots among the head's tree entries
+    expanded = []  # pool indices of the frontier nodes, step by step (their children's distributions)
+    for step in range(depth):
+        anc = torch.cat([front_anc, torch.eye(k, dtype=torch.bool, device=device)], dim=1)
+        out = drafter.head(target.embed_tokens(front_tokens)[None], front_in,
+                           _node_positions(target, state, step + 1, k), anc)
+        expanded.append(front_idx)
+        lp = drafter.distribution(target, out, sampling, log=True).clamp_max(0)
+        child_lp, child_tokens = lp.topk(k, dim=-1)  # (k, k)
+        cand_scores = (front_scores[:, None] + child_lp).flatten()
+        cand_tokens = child_tokens.flatten()
+        base = k + step * k * k
+        pool_tokens.append(cand_tokens)
+        pool_scores.append(cand_scores)
+        pool_parents.append(front_idx.repeat_interleave(k))
+        pool_depths.append(torch.full((k * k,), step + 2, device=device))
+        best = cand_scores.topk(k).indices
+        parent = best // k
+        front_idx, front_tokens, front_scores = base + best, cand_tokens[best], cand_scores[best]
+        front_in, front_anc = out[:, parent], anc[parent]
+
+    scores, tokens = torch.cat(pool_scores), torch.cat(pool_tokens)
+    parents, depths = torch.cat(pool_parents), torch.cat(pool_depths)
+    n_keep = min(total_tokens - 1, scores.shape[0])
+    order = torch.sort(scores, descending=True, stable=True).indices
+    keep = order[:n_keep].sort().values  # pool order: parents before children
+    new_index = torch.full((scores.shape[0] + 1,), -1, dtype=torch.long, device=device)
+    new_index[keep + 1] = torch.arange(1, n_keep + 1, device=device)
+    new_index[0] = 0  # pool parent -1 is the root
+    # a kept node's parent is always kept (scores are monotone along paths, ties keep the parent)
+    tree_parents = new_index[parents[keep] + 1]
+    flat = torch.full((scores.shape[0],), -1, dtype=torch.long, device=device)
+    for step, idx in enumerate(expanded):  # where each kept node's children distribution sits (the root's: 0)
+        flat[idx] = 1 + step * k + torch.arange(k, device=device)
+    drafter.children_index(torch.cat([torch.zeros(1, dtype=torch.long, device=device), flat[keep]]))
+    root = _pending_tokens(target, state)[-1:]
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    kept_scores = scores[keep]
+    return Tree(
+        tokens=torch.cat([root, tokens[keep]]),
+        parents=torch.cat([zero - 1, tree_parents]),
+        depths=torch.cat([zero, depths[keep]]),
+        scores=torch.cat([zero.to(scores.dtype), kept_scores]),
+        valid=torch.cat([torch.ones(1, dtype=torch.bool, device=device), torch.isfinite(kept_scores)]),
+        max_depth=depth + 1,
+    )
