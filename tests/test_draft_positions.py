@@ -118,3 +118,34 @@ def test_imported_qwen_head_says_1d(qwen_target, tmp_path):
     assert report.config["draft_positions"] == "1d"
     assert MSDDraftModel.from_pretrained(tmp_path / "imported").config.draft_positions == "1d"
     assert load_head(tmp_path / "released", target=qwen_target).config.draft_positions == "1d"
+
+
+@pytest.mark.parametrize("positions", ["1d", "mrope"])
+def test_the_decoder_drafts_at_the_heads_positions(qwen_target, positions):
+    """After the prefill, the head's prediction for the root's children is what the head
+    gives over the whole sequence at its own convention's ids (a "1d" head: token indices,
+    as the released Qwen heads run), and decoding stays exact."""
+    from msd_train.decoding import DecodeConfig, generate, prefill
+    from msd_train.targets import Features
+
+    enc = qwen_target.encode_prompt(PROMPT, [random_image(1, 32), random_image(2, 24)])
+    torch.manual_seed(0)
+    head = MSDDraftModel(qwen_config(qwen_target, positions)).eval()
+    state = prefill(qwen_target, head, enc)
+    root = int(state.next_logits.argmax())
+    state.tokens.append(root)
+    state.pending_tokens = None
+    with torch.inference_mode():  # the pending pair (h at the prompt's end, e(root))
+        out = state.drafter.feed_pending(qwen_target, state)[0]
+
+    ids = torch.cat([enc.input_ids, torch.tensor([root])])[None]  # its last draft pair is that same pair
+    f = qwen_target.features(ids, None, enc.pixel)
+    f = Features(f.inputs_embeds, f.hidden_states, f.visual_mask, f.position_ids)
+    with torch.no_grad():
+        whole = head(**head.target_inputs(f)).last_hidden_state[0, -1]
+    torch.testing.assert_close(out, whole, atol=1e-5, rtol=1e-4)
+
+    plain = generate(qwen_target, None, enc, DecodeConfig(method="ar", max_new_tokens=12, eos_token_ids=()))
+    for method in ({"method": "tree", "depth": 2, "top_k": 3, "total_tokens": 8}, {"method": "chain", "k": 3}):
+        out = generate(qwen_target, head, enc, DecodeConfig(max_new_tokens=12, eos_token_ids=(), **method))
+        assert out.tokens == plain.tokens

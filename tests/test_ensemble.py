@@ -77,9 +77,9 @@ def _head(state, embeds, hidden, pos, seen=None):
 def _target_pass(target, prompt) -> PromptPass:
     ids = prompt.input_ids[None]
     embeds = target.embed(ids, prompt.pixel)
-    pos, _ = target.position_ids(ids, None, prompt.pixel)
+    pos, deltas = target.position_ids(ids, None, prompt.pixel)
     hidden, _ = target.run_language_model(embeds, pos)
-    return PromptPass(ids, embeds, hidden, pos, ids == target.image_token_id, prompt.pixel)
+    return PromptPass(ids, embeds, hidden, pos, ids == target.image_token_id, prompt.pixel, deltas)
 
 
 @torch.inference_mode()

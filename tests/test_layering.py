@@ -141,18 +141,9 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(out)
 
 
-# The decoder's own circle (speculative.py <-> ensemble.py, both function-level imports) is
-# being taken apart with the decoder rebuild of issue 16; delete this entry then. The test
-# fails when the entry is no longer a circle, so the allowance cannot outlive its reason.
-KNOWN_CIRCLES = [["msd_train.decoding.ensemble", "msd_train.decoding.speculative"]]
-
-
 def test_no_import_circles_between_modules():
     circles = _circles(_import_graph())
-    new = [c for c in circles if c not in KNOWN_CIRCLES]
-    assert not new, f"import circles among msd_train modules: {new}; move what both sides need into a leaf module"
-    gone = [c for c in KNOWN_CIRCLES if c not in circles]
-    assert not gone, f"no longer circles, delete them from KNOWN_CIRCLES: {gone}"
+    assert not circles, f"import circles among msd_train modules: {circles}; move what both sides need into a leaf module"
 
 
 def test_packages_depend_one_way():

@@ -106,13 +106,16 @@ class TinyHead:
     """
 
     dtype = torch.float32
+    config = SimpleNamespace(draft_positions="mrope", decouple_visual=False, visual_offset="released")
 
     def __init__(self, lm: TinyLM, shift: int = 1):
         self.lm, self.shift = lm, shift
 
-    def align_inputs(self, inputs_embeds, hidden_states, visual_mask):
-        e = inputs_embeds[:, 1:]
-        return e, hidden_states[:, :-1], torch.zeros(e.shape[:2], dtype=torch.bool), e
+    def target_inputs(self, features):
+        e = features.inputs_embeds[:, 1:]
+        return {"input_embeds": e, "hidden_states": features.hidden_states[:, :-1],
+                "replace_mask": torch.zeros(e.shape[:2], dtype=torch.bool), "raw_embeds": e,
+                "position_ids": features.position_ids[..., :-1]}
 
     def __call__(self, input_embeds, hidden_states, replace_mask=None, raw_embeds=None, position_ids=None,
                  attention_mask=None, past_key_values=None, use_cache=False):

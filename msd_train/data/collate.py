@@ -101,15 +101,31 @@ def _unbatched(item):
     return item
 
 
-def _ignore_stop_signals(worker_id: int) -> None:
-    """Loader workers leave stopping to the trainer. Ctrl-C and SIGTERM sent to the launcher's
-    process group reach the workers too; if they died, the trainer's next DataLoader call
-    (or torch's SIGCHLD check) would raise while it saves its checkpoint. The trainer ends
-    them itself, and each exits on its own when the trainer's process is gone."""
-    import signal
+def _stop_signals_from_the_trainer_only(worker_id: int) -> None:
+    """Loader workers leave stopping to the trainer.
 
+    Ctrl-C reaches the whole process group, and the ``deepspeed`` launcher answers a signal
+    with SIGTERM to the trainer's whole process tree: workers that died of it would make the
+    trainer's next DataLoader call (or torch's SIGCHLD check) raise while it saves its
+    checkpoint. So a worker ignores SIGINT, and SIGTERM unless the trainer itself sent it
+    (``multiprocessing`` ends workers that way at exit). The sender is only known to
+    ``sigwaitinfo``, hence a thread waiting for the blocked signal. A worker whose trainer is
+    killed outright still exits: torch's worker loop checks that its parent is alive.
+    """
+    import os
+    import signal
+    import threading
+
+    trainer = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def wait_for_the_trainer():
+        while True:
+            if signal.sigwaitinfo({signal.SIGTERM}).si_pid == trainer:
+                os._exit(0)
+
+    threading.Thread(target=wait_for_the_trainer, daemon=True, name="stop-signals").start()
 
 
 def step_loader(dataset: StepBatches, curriculum, start: int, stop: int, workers: int, pin_memory: bool,
@@ -123,6 +139,6 @@ def step_loader(dataset: StepBatches, curriculum, start: int, stop: int, workers
     kw = {"num_workers": workers, "pin_memory": pin_memory}
     if workers > 0:
         kw.update(prefetch_factor=prefetch, multiprocessing_context="fork", persistent_workers=False,
-                  worker_init_fn=_ignore_stop_signals)
+                  worker_init_fn=_stop_signals_from_the_trainer_only)
     return torch.utils.data.DataLoader(dataset, sampler=StepSampler(curriculum, start, stop), batch_size=None,
                                        collate_fn=_unbatched, **kw)

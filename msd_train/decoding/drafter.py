@@ -28,6 +28,8 @@ from msd_train.decoding.cache import PositionCache, key_mask
 from msd_train.decoding.graphs import StepGraphs
 from msd_train.decoding.sampling import SamplingParams, log_probs, logits_to_probs, sample
 from msd_train.decoding.tree import Tree, chain
+from msd_train.draft import draft_rope_deltas
+from msd_train.targets import Features
 
 
 @dataclass
@@ -40,6 +42,7 @@ class PromptPass:
     pos: torch.Tensor  # (1, L) or (3, 1, L)
     visual: torch.Tensor  # (1, L) bool: image tokens
     pixel: dict  # the processor's image tensors (only their grid shapes are read)
+    rope_deltas: torch.Tensor | None = None  # M-RoPE: the target's text position minus token index
 
 
 class HeadDrafter:
@@ -50,6 +53,9 @@ class HeadDrafter:
     def __init__(self, draft):
         self.draft = draft
         self.cache: PositionCache | None = None  # committed draft positions [0, cache.length)
+        #: added to token indices for the head's position ids after the prompt: the target's
+        #: rope deltas, or zeros for a head with draft_positions="1d" (see msd_train.draft.positions)
+        self.rope_deltas: torch.Tensor | None = None
         self.graphs = StepGraphs(False)  # the decoder hands its captured steps over
 
     def clone(self) -> HeadDrafter:
@@ -62,14 +68,16 @@ class HeadDrafter:
 
     @torch.inference_mode()
     def prefill(self, target, prompt: PromptPass, capacity: int) -> None:
-        """The head over the prompt through ``draft.align_inputs``, exactly as in training,
-        so decoupled visual slots match the head's ``visual_offset``."""
+        """The head over the prompt through ``draft.target_inputs``, exactly as in training:
+        decoupled visual slots match the head's ``visual_offset``, positions its
+        ``draft_positions``."""
         from transformers import DynamicCache
 
         cache = DynamicCache()
+        self.rope_deltas = draft_rope_deltas(self.draft.config, prompt.rope_deltas)
         if prompt.ids.shape[1] > 1:
-            e, h, replace, raw = self.draft.align_inputs(prompt.embeds, prompt.hidden, prompt.visual)
-            self.draft(e, h, replace, raw, position_ids=prompt.pos[..., :-1], past_key_values=cache, use_cache=True)
+            features = Features(prompt.embeds, prompt.hidden, prompt.visual, prompt.pos)
+            self.draft(**self.draft.target_inputs(features), past_key_values=cache, use_cache=True)
         self.cache = PositionCache.from_cache(cache, capacity)
 
     def draft_block(self, target, state, config, generator: torch.Generator | None = None) -> Tree:
@@ -133,7 +141,7 @@ class HeadDrafter:
         row: its prediction of the root's feature."""
         n = state.pending_hidden.shape[0]
         tokens = _pending_tokens(target, state)
-        pos = target.continue_positions(self.cache.length, n, state.rope_deltas)
+        pos = target.continue_positions(self.cache.length, n, self.rope_deltas)
         hidden = state.pending_hidden[None].expand(self.rows, -1, -1)
         causal = torch.ones(n, n, dtype=torch.bool, device=target.device).tril()
         out = self.head(target.embed_tokens(tokens)[None], hidden, pos, causal)
@@ -149,9 +157,9 @@ def _pending_tokens(target, state) -> torch.Tensor:
     return torch.as_tensor(state.tokens[-state.pending_hidden.shape[0]:], device=target.device)
 
 
-def _node_positions(target, state, depth: int, n: int) -> torch.Tensor:
+def _node_positions(drafter: HeadDrafter, target, state, depth: int, n: int) -> torch.Tensor:
     """Draft position ids of n nodes at tree depth ``depth`` (draft index m - 1 + depth)."""
-    pos = target.continue_positions(state.cache_len - 1 + depth, 1, state.rope_deltas)
+    pos = target.continue_positions(state.cache_len - 1 + depth, 1, drafter.rope_deltas)
     return pos.expand(*pos.shape[:-1], n)
 
 
@@ -172,7 +180,7 @@ def draft_chain(drafter: HeadDrafter, target, state, k: int, sampling: SamplingP
         if i + 1 < k:  # each row's next input: (its own predicted feature, e(x)), causal over the chain
             seen = torch.ones(1, i + 1, dtype=torch.bool, device=target.device)
             h = drafter.head(target.embed_tokens(x.view(1, 1)), h[:, None],
-                             _node_positions(target, state, i + 1, 1), seen)[:, -1]
+                             _node_positions(drafter, target, state, i + 1, 1), seen)[:, -1]
     index = torch.arange(k + 1, device=target.device)  # node i's children came from the i-th distribution
     drafter.children_index(torch.where(index < k, index, -1))  # the last node has none
     root = _pending_tokens(target, state)[-1:]
@@ -213,7 +221,7 @@ def draft_tree(drafter: HeadDrafter, target, state, depth: int, top_k: int, tota
     for step in range(depth):
         anc = torch.cat([front_anc, torch.eye(k, dtype=torch.bool, device=device)], dim=1)
         out = drafter.head(target.embed_tokens(front_tokens)[None], front_in,
-                           _node_positions(target, state, step + 1, k), anc)
+                           _node_positions(drafter, target, state, step + 1, k), anc)
         expanded.append(front_idx)
         lp = drafter.distribution(target, out, sampling, log=True).clamp_max(0)
         child_lp, child_tokens = lp.topk(k, dim=-1)  # (k, k)

@@ -39,6 +39,7 @@ scores are summed per block (the search costs a sum, not a pass over the window)
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import torch
@@ -46,7 +47,7 @@ import torch
 from msd_train.decoding.cache import PositionCache
 from msd_train.decoding.drafter import HeadDrafter, PromptPass
 from msd_train.decoding.sampling import SamplingParams, logits_to_probs
-from msd_train.draft import attention_bias
+from msd_train.draft import align_inputs, attention_bias, draft_position_ids, draft_rope_deltas
 
 VARIANTS = ("M", "T", "P", "C")
 ENSEMBLES = ("ibed", "tabed")
@@ -227,7 +228,13 @@ def _captioned(target, p: PromptPass, captions: list[str] | None):
 
 def variant_inputs(target, draft, variant: str, prompt: PromptPass, captions: list[str] | None = None):
     """The head's prefill inputs for one variant of a prompt: (embeds, hidden,
-    replace_mask, raw, position_ids), each over the variant's draft positions."""
+    replace_mask, raw, position_ids), each over the variant's draft positions.
+
+    The variants edit the prompt's positions (T drops the image's, P keeps each window's
+    first, C ends where the prompt ends), so they start from the head's positions of the
+    whole prompt (``draft_position_ids``) and use ``align_inputs`` rather than
+    ``draft.target_inputs``, which would derive positions from each variant alone."""
+    prompt = dataclasses.replace(prompt, pos=draft_position_ids(draft.config, prompt.pos))
     if variant == "M":
         embeds, hidden, pos, visual = prompt.embeds, prompt.hidden, prompt.pos, prompt.visual
     elif variant == "T":
@@ -240,7 +247,7 @@ def variant_inputs(target, draft, variant: str, prompt: PromptPass, captions: li
         embeds, hidden, pos, visual = _captioned(target, prompt, captions)
     else:
         raise ValueError(f"decoding.variants: unknown variant {variant!r}; choose from {VARIANTS}")
-    e, h, replace_mask, raw = draft.align_inputs(embeds, hidden, visual)
+    e, h, replace_mask, raw = align_inputs(draft.config, embeds, hidden, visual)
     return e, h, replace_mask, raw, pos[..., :-1]
 
 
@@ -261,6 +268,7 @@ def _prefill_rows(self: EnsembleDrafter, target, p: PromptPass, capacity: int) -
     from transformers import DynamicCache
 
     device, draft, variants = target.device, self.draft, self.variants
+    self.rope_deltas = draft_rope_deltas(draft.config, p.rope_deltas)
     if bool(p.ids[0, -1] == target.image_token_id):
         raise ValueError("ensemble drafting needs a prompt that ends in text, not in image tokens")
     rows = [variant_inputs(target, draft, v, p, self.captions) for v in variants]

@@ -168,7 +168,7 @@ def prefill_target(target, prompt, capacity: int | None = None) -> tuple[DecodeS
         target_cache=PositionCache.from_cache(cache, capacity or length + 128), cache_len=length, prompt_len=length,
         rope_deltas=deltas, next_logits=target.lm_head(hidden[0, -1]), pending_hidden=hidden[0, -1:],
     )
-    return state, PromptPass(ids, embeds, hidden, pos, ids == target.image_token_id, prompt.pixel or {})
+    return state, PromptPass(ids, embeds, hidden, pos, ids == target.image_token_id, prompt.pixel or {}, deltas)
 
 
 @torch.inference_mode()

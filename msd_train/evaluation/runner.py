@@ -15,7 +15,7 @@ import torch
 
 from msd_train.decoding import DecodeConfig, Generation, generate
 from msd_train.evaluation.bench import BenchItem
-from msd_train.targets.chat import IMAGE_MARKER
+from msd_train.targets.chat import count_image_markers
 
 
 def answer_turns(target, draft, item: BenchItem, config: DecodeConfig, images: list,
@@ -24,7 +24,7 @@ def answer_turns(target, draft, item: BenchItem, config: DecodeConfig, images: l
     messages, out = [], []
     for turn in item.turns:
         messages.append({"role": "user", "content": turn})
-        n_images = sum(m["content"].count(IMAGE_MARKER) for m in messages)
+        n_images = count_image_markers(messages)
         prompt = target.encode_prompt(messages, images[:n_images])
         gen = generate(target, draft, prompt, config, generator, captions=item.captions[:n_images])
         out.append((int(prompt.input_ids.shape[0]), gen))

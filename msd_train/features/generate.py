@@ -45,6 +45,7 @@ from msd_train.features.store import (
     write_shard,
 )
 from msd_train.runtime import Group, atomic_write_text, local_device, resolve_dtype
+from msd_train.targets.lora import adapter_identity
 
 log = logging.getLogger("msd_train.features")
 
@@ -52,14 +53,6 @@ SPLITS = _SPLITS  # the data.* lists a store can hold (stage.splits names them t
 
 
 # ----------------------------------------------------------------------------- identity
-
-
-def _adapter_identity(adapter: str | None) -> dict | None:
-    if not adapter:
-        return None
-    weights = [p for p in (Path(adapter) / "adapter_model.safetensors", Path(adapter) / "adapter_model.bin")
-               if p.is_file()]
-    return {"path": str(adapter), "sha256": sha256_file(weights[0]) if weights else None}
 
 
 def target_identity(target, adapter: str | None = None, weights: bool = True) -> dict:
@@ -75,7 +68,7 @@ def target_identity(target, adapter: str | None = None, weights: bool = True) ->
     return {
         "name": target.name, "family": target.family, "hidden_size": target.hidden_size,
         "vocab_size": target.vocab_size, "tokenizer_size": len(target.tokenizer),
-        "image_token_id": target.image_token_id, "adapter": _adapter_identity(adapter),
+        "image_token_id": target.image_token_id, "adapter": adapter_identity(adapter),
         "chat_template_sha1": hashlib.sha1(target.chat_template.encode()).hexdigest(),
         "weights_sha256": digest,
     }
