@@ -74,9 +74,10 @@ def tiny_llava(seed: int = 0):
     return model, proc
 
 
-def tiny_qwen2vl(seed: int = 0):
-    """A random tiny Qwen2VLForConditionalGeneration with M-RoPE and a real processor."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+def _tiny_qwen(config_class, model_class, vision: dict, seed: int):
+    """A random tiny Qwen-VL of ``model_class``: M-RoPE text model, the given vision tower,
+    and the processor pieces the adapter reads (``Qwen2VLProcessor`` itself insists on a
+    torchvision video processor; a namespace stands in for it here)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     specials = ["<unk>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -87,19 +88,23 @@ def tiny_qwen2vl(seed: int = 0):
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
                 eos_token_id=ids["<|im_end|>"], bos_token_id=None, pad_token_id=0)
-    vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, patch_size=4,
-                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
-    cfg = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                        vision_end_token_id=ids["<|vision_end|>"])
+    cfg = config_class(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                       video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                       vision_end_token_id=ids["<|vision_end|>"])
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(cfg).eval()
+    model = model_class(cfg).eval()
     improc = Qwen2VLImageProcessorPil(min_pixels=16 * 16, max_pixels=32 * 32, patch_size=4,
                                       temporal_patch_size=2, merge_size=2)
-    # Qwen2VLProcessor itself insists on a torchvision video processor; the adapter only
-    # reads these three attributes, so a namespace stands in for it here.
-    proc = SimpleNamespace(image_processor=improc, tokenizer=tok, image_token="<|image_pad|>")
-    return model, proc
+    return model, SimpleNamespace(image_processor=improc, tokenizer=tok, image_token="<|image_pad|>")
+
+
+def tiny_qwen2vl(seed: int = 0):
+    """A random tiny Qwen2VLForConditionalGeneration with M-RoPE and a real image processor."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    return _tiny_qwen(Qwen2VLConfig, Qwen2VLForConditionalGeneration, vision, seed)
 
 
 def tiny_llava_target(seed: int = 0):
@@ -117,30 +122,12 @@ def tiny_qwen25vl(seed: int = 0):
     window-attention vision tower (a window of 2x2 merged tokens, so a 32-pixel image's
     4x4 grid spans four windows; block 0 attends within windows, block 1 to the whole image)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    specials = ["<unk>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                "<|image_pad|>", "<|video_pad|>"]
-    tok = _tokenizer(specials, None, "<|im_end|>", CHATML_QWEN)
-    ids = {s: tok.convert_tokens_to_ids(s) for s in specials}
-    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
-                eos_token_id=ids["<|im_end|>"], bos_token_id=None, pad_token_id=0)
     # window_size is in pixels: 16 px = 2 merged tokens of 2x2 patches of 4 px
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4,
                   spatial_merge_size=2, temporal_patch_size=2, in_channels=3, out_hidden_size=32,
                   window_size=16, fullatt_block_indexes=[1], tokens_per_second=2)
-    cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                           video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                           vision_end_token_id=ids["<|vision_end|>"])
-    torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(cfg).eval()
-    improc = Qwen2VLImageProcessorPil(min_pixels=16 * 16, max_pixels=32 * 32, patch_size=4,
-                                      temporal_patch_size=2, merge_size=2)
-    # as for Qwen2-VL: the processor proper needs torchvision for its video half
-    proc = SimpleNamespace(image_processor=improc, tokenizer=tok, image_token="<|image_pad|>")
-    return model, proc
+    return _tiny_qwen(Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, vision, seed)
 
 
 def tiny_qwen25vl_target(seed: int = 0):

@@ -3,6 +3,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -68,3 +69,23 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def target_dir(mini_run) -> str:
+    """The mini run's target folder."""
+    return next(o.split("=", 1)[1] for o in mini_run if o.startswith("target.name_or_path="))
+
+
+@pytest.fixture(scope="session")
+def head_dir(target_dir, tmp_path_factory) -> str:
+    """A random head for the mini run's target, saved as an export folder."""
+    from transformers import AutoConfig
+
+    from msd_train.draft import MSDDraftConfig, MSDDraftModel
+
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("head")
+    config = MSDDraftConfig.from_target_config(AutoConfig.from_pretrained(target_dir), target_dir)
+    MSDDraftModel(config).save_pretrained(out)
+    return str(out)

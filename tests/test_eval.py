@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from builders import random_image
 
 from msd_train.evaluation import load_bench, load_hf, run_eval, summarize
@@ -17,24 +16,6 @@ from msd_train.evaluation import load_bench, load_hf, run_eval, summarize
 ROOT = Path(__file__).resolve().parent.parent
 FIELDS = ["tau", "accept_at_pos", "tokens_per_s", "ar_tokens_per_s", "speedup", "outputs_match_ar", "n_samples",
           "new_tokens"]
-
-
-@pytest.fixture(scope="module")
-def target_dir(mini_run) -> str:
-    return next(o.split("=", 1)[1] for o in mini_run if o.startswith("target.name_or_path="))
-
-
-@pytest.fixture(scope="module")
-def head_dir(target_dir, tmp_path_factory) -> str:
-    from transformers import AutoConfig
-
-    from msd_train.draft import MSDDraftConfig, MSDDraftModel
-
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("head")
-    config = MSDDraftConfig.from_target_config(AutoConfig.from_pretrained(target_dir), target_dir)
-    MSDDraftModel(config).save_pretrained(out)
-    return str(out)
 
 
 def test_eval_py_end_to_end(target_dir, head_dir, tmp_path):

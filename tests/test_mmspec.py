@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from builders import random_image
 
 from msd_train.evaluation import load_bench, run_eval
@@ -43,23 +42,6 @@ def compose_bench(*overrides: str) -> dict:
     plain = OmegaConf.to_container(cfg, resolve=True)
     del plain["draft"]  # the head is not what these tests look at
     return plain
-
-
-@pytest.fixture(scope="module")
-def target_dir(mini_run) -> str:
-    return next(o.split("=", 1)[1] for o in mini_run if o.startswith("target.name_or_path="))
-
-
-@pytest.fixture(scope="module")
-def head_dir(target_dir, tmp_path_factory) -> str:
-    from transformers import AutoConfig
-
-    from msd_train.draft import MSDDraftConfig, MSDDraftModel
-
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("head")
-    MSDDraftModel(MSDDraftConfig.from_target_config(AutoConfig.from_pretrained(target_dir), target_dir)).save_pretrained(out)
-    return str(out)
 
 
 def test_mmspec_report_is_grouped_by_topic(tmp_path, target_dir, head_dir, one_thread):
