@@ -34,7 +34,7 @@ from msd_train.decoding import (
 from msd_train.decoding.stopping import StopCriteria, find_stop
 from msd_train.decoding.transfers import HostReads
 from msd_train.draft import MSDDraftConfig, MSDDraftModel
-from msd_train.targets import Encoded
+from msd_train.targets import Encoded, Features
 
 TREE = dict(method="tree", depth=3, top_k=4, total_tokens=16)
 CHAIN = dict(method="chain", k=4)
@@ -72,15 +72,12 @@ def train_head(target, prompts: list[Encoded], steps: int = 120) -> MSDDraftMode
             hidden, _ = target.run_language_model(embeds, pos)
         assert state.prompt_len == len(enc.input_ids)
         visual = torch.cat([enc.input_ids == target.image_token_id, torch.zeros_like(new, dtype=torch.bool)])
-        e, h, replace, raw = head.align_inputs(embeds, hidden, visual[None])
-        batch.append((e, h, replace, raw, pos[..., :-1], target.lm_head(hidden[0, 1:]).argmax(-1)))
+        inputs = head.target_inputs(Features(embeds, hidden, visual[None], pos))
+        batch.append((inputs, target.lm_head(hidden[0, 1:]).argmax(-1)))
     opt = torch.optim.Adam(head.parameters(), lr=3e-3)
     for _ in range(steps):
-        loss = sum(
-            torch.nn.functional.cross_entropy(
-                target.lm_head(head(e, h, r, raw, position_ids=p).last_hidden_state[0]), y)
-            for e, h, r, raw, p, y in batch
-        )
+        loss = sum(torch.nn.functional.cross_entropy(target.lm_head(head(**inputs).last_hidden_state[0]), y)
+                   for inputs, y in batch)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -207,8 +204,8 @@ def test_caches_hold_exactly_the_committed_tokens(setup):
     pos, deltas = target.position_ids(prompt.input_ids[None], None, prompt.pixel)
     pos = torch.cat([pos, target.continue_positions(len(prompt.input_ids), len(new), deltas)], -1)
     hidden, _ = target.run_language_model(embeds, pos)
-    e, h, replace, raw = head.align_inputs(embeds, hidden, ids == target.image_token_id)
-    ref = head(e, h, replace, raw, position_ids=pos[..., :-1], use_cache=True).past_key_values
+    whole = head.target_inputs(Features(embeds, hidden, ids == target.image_token_id, pos))
+    ref = head(**whole, use_cache=True).past_key_values
     n = state.drafter.cache.length
     assert n == state.cache_len - 1 - len(path) + 1  # pending: the last cycle's path
     for i, theirs in enumerate(ref.layers):
@@ -225,13 +222,15 @@ def _head_logits_after(target, head, prompt, first: int, path: list[int]) -> tor
     embeds = target.embed(ids, prompt.pixel)
     pos, deltas = target.position_ids(ids, None, prompt.pixel)
     hidden, _ = target.run_language_model(embeds, pos)
-    e, h, replace, raw = head.align_inputs(embeds, hidden, ids == target.image_token_id)
+    x = head.target_inputs(Features(embeds, hidden, ids == target.image_token_id, pos))
+    e, h, replace, raw, p = (x[k] for k in ("input_embeds", "hidden_states", "replace_mask", "raw_embeds",
+                                            "position_ids"))
     L = ids.shape[1]
     e = torch.cat([e, target.embed_tokens(torch.tensor([[first]]))], 1)
     h = torch.cat([h, hidden[:, -1:]], 1)
     replace = torch.cat([replace, torch.zeros(1, 1, dtype=torch.bool)], 1)
     raw = torch.cat([raw, e[:, -1:]], 1)
-    p = torch.cat([pos[..., :-1], target.continue_positions(L - 1, 1, deltas)], -1)
+    p = torch.cat([p, target.continue_positions(L - 1, 1, deltas)], -1)
     out = head(e, h, replace, raw, position_ids=p).last_hidden_state
     for i, tok in enumerate(path, start=1):
         e = torch.cat([e, target.embed_tokens(torch.tensor([[tok]]))], 1)

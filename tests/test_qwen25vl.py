@@ -150,13 +150,11 @@ def fitted_head(target, encs, steps: int = 200) -> MSDDraftModel:
         ids = torch.cat([enc.input_ids, new])[None]
         with torch.no_grad():
             f = target.features(ids, None, enc.pixel)
-        e, h, replace, raw = head.align_inputs(f.inputs_embeds, f.hidden_states, f.visual_mask)
-        batch.append((e, h, replace, raw, f.position_ids[..., :-1], target.lm_head(f.hidden_states[0, 1:]).argmax(-1)))
+        batch.append((head.target_inputs(f), target.lm_head(f.hidden_states[0, 1:]).argmax(-1)))
     opt = torch.optim.Adam(head.parameters(), lr=3e-3)
     for _ in range(steps):
-        loss = sum(torch.nn.functional.cross_entropy(
-            target.lm_head(head(e, h, r, raw, position_ids=p).last_hidden_state[0]), y)
-            for e, h, r, raw, p, y in batch)
+        loss = sum(torch.nn.functional.cross_entropy(target.lm_head(head(**inputs).last_hidden_state[0]), y)
+                   for inputs, y in batch)
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -163,15 +163,6 @@ class MSDDraftModel(PreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def align_inputs(
-        self,
-        inputs_embeds: torch.Tensor,
-        hidden_states: torch.Tensor,
-        visual_mask: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`align_inputs(self.config, ...)`: see the module-level function."""
-        return align_inputs(self.config, inputs_embeds, hidden_states, visual_mask)
-
     def target_inputs(self, features) -> dict[str, torch.Tensor | None]:
         """`forward`'s inputs over one target pass of L tokens, as keyword arguments.
 
@@ -181,8 +172,8 @@ class MSDDraftModel(PreTrainedModel):
         (`draft_position_ids`: the config's convention), so every caller (training,
         validation, decoding) feeds the head the same way: ``draft(**draft.target_inputs(f))``.
         """
-        embeds, hidden, replace, raw = self.align_inputs(
-            features.inputs_embeds, features.hidden_states, features.visual_mask)
+        embeds, hidden, replace, raw = align_inputs(
+            self.config, features.inputs_embeds, features.hidden_states, features.visual_mask)
         pos = features.position_ids
         return {"input_embeds": embeds, "hidden_states": hidden, "replace_mask": replace, "raw_embeds": raw,
                 "position_ids": None if pos is None else draft_position_ids(self.config, pos)[..., :-1]}

@@ -7,6 +7,7 @@ records, rank 0 merges them into one report (totals over all ranks).
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 import platform
@@ -121,15 +122,41 @@ def run_eval(cfg: dict, command: str | None = None) -> dict | None:
 
     check_eval(cfg, (cfg.get("decoding") or {}).get("method", "tree"))
     config = bench_decoding(cfg["bench"], decode_config(cfg["decoding"]))  # a benchmark may fix its length
-    bench_name = cfg["bench"].get("name", "bench")
-    out = Path(cfg["out"]) if cfg.get("out") else default_out(cfg.get("draft"), bench_name, config.method)
+    out = Path(cfg["out"]) if cfg.get("out") else default_out(cfg.get("draft"), cfg["bench"].get("name", "bench"),
+                                                              config.method)
     check_out_dir(out)  # now, not after the decoding
+    items = _checked_items(cfg, config)  # before the target: a wrong path fails in seconds
+    target, draft = _load_models(cfg, config, device)
+    report_of = functools.partial(_report, cfg, draft, config, device, target, world, command)
 
+    shard = items[rank::world]
+    progress = bool(cfg.get("progress", True)) and rank == 0
+    records = _evaluate_shard(cfg, target, draft, shard, config, out, group, progress, report_of)
+    if world > 1:
+        group.barrier()  # every rank's samples file is complete
+        if rank != 0:
+            return None
+        records = _merge_rank_records(out, world)
+
+    report = report_of(records)
+    if config.ensemble is not None and config.method != "ar":  # ensemble drafting: each variant alone too
+        from msd_train.evaluation.ensemble import ensemble_report
+
+        report["ensemble"] = ensemble_report(target, draft, items if world > 1 else shard, config,
+                                             warmup=int(cfg["warmup"]), progress=progress)
+    paths = write_report(out, report, records)
+    log.info("wrote %s", ", ".join(str(p) for p in paths.values()))
+    _log_wandb(cfg.get("wandb") or {}, report, paths)
+    return report
+
+
+def _checked_items(cfg: dict, config: DecodeConfig) -> list:
+    """The head, the benchmark's items and their images checked, before any model loads."""
     if config.method != "ar":
         check_head(cfg.get("draft"))
-    items = load_bench(cfg["bench"])  # before the target: a wrong path fails in seconds
+    items = load_bench(cfg["bench"])
     if not items:
-        raise ValueError(f"bench={bench_name}: no items (check bench paths and max_* limits)")
+        raise ValueError(f"bench={cfg['bench'].get('name', 'bench')}: no items (check bench paths and max_* limits)")
     if config.ensemble is not None and "C" in config.variants:
         missing = [it for it in items if it.images and not it.captions]
         if missing:
@@ -138,6 +165,11 @@ def run_eval(cfg: dict, command: str | None = None) -> dict | None:
                              f"captions ({len(missing)} of {len(items)} samples lack them); give each image a caption "
                              "(a `caption` field, or bench sources' `captions: FILE.json`) or drop C from decoding.variants")
     check_images(items)
+    return items
+
+
+def _load_models(cfg: dict, config: DecodeConfig, device: torch.device):
+    """The target, and the head unless the method is plain autoregressive decoding (then None)."""
     from msd_train.targets import load_target
 
     tc = cfg["target"]
@@ -149,10 +181,15 @@ def run_eval(cfg: dict, command: str | None = None) -> dict | None:
         from msd_train.hub.load import load_head
 
         draft = load_head(str(cfg["draft"]), target)
+    return target, draft
 
-    shard = items[rank::world]
+
+def _evaluate_shard(cfg: dict, target, draft, shard: list, config: DecodeConfig, out: Path, group, progress: bool,
+                    report_of) -> list[dict]:
+    """This rank's records, each appended to its samples file as it is measured; their
+    ``item`` is the index over the whole benchmark, not the shard."""
+    rank, world = group.rank, group.world
     torch.manual_seed(int(cfg.get("seed", 0)))
-    progress = bool(cfg.get("progress", True)) and rank == 0
     partial = _Partial(out / (f"samples.rank{rank}.jsonl" if world > 1 else "samples.jsonl"), rank, world)
     try:
         records = evaluate(target, draft, shard, config, warmup=int(cfg["warmup"]),
@@ -162,36 +199,26 @@ def run_eval(cfg: dict, command: str | None = None) -> dict | None:
         if world == 1 and partial.records:
             for r in partial.records:
                 r["item"] = rank + world * r["item"]
-            kept = _report(cfg, draft, config, device, target, world, command, partial.records)
+            kept = report_of(partial.records)
             kept["interrupted"] = f"{type(e).__name__} after {len(partial.records)} turns; partial results"
             paths = write_report(out, kept, partial.records)
             log.warning("interrupted: the %d turns measured so far are in %s", len(partial.records), paths["json"])
         raise
     partial.close()
-    for r in records:  # item index over the whole benchmark, not the shard
+    for r in records:
         r["item"] = rank + world * r["item"]
+    return records
 
-    if world > 1:
-        group.barrier()  # every rank's samples file is complete
-        if rank != 0:
-            return None
-        records = []
-        for r in range(world):
-            part = out / f"samples.rank{r}.jsonl"
-            records += [json.loads(line) for line in part.read_text().splitlines() if line.strip()]
-            part.unlink()
-        records.sort(key=lambda x: (x["item"], x["turn"]))
 
-    report = _report(cfg, draft, config, device, target, world, command, records)
-    if config.ensemble is not None and config.method != "ar":  # ensemble drafting: each variant alone too
-        from msd_train.evaluation.ensemble import ensemble_report
-
-        report["ensemble"] = ensemble_report(target, draft, items if world > 1 else shard, config,
-                                             warmup=int(cfg["warmup"]), progress=progress)
-    paths = write_report(out, report, records)
-    log.info("wrote %s", ", ".join(str(p) for p in paths.values()))
-    _log_wandb(cfg.get("wandb") or {}, report, paths)
-    return report
+def _merge_rank_records(out: Path, world: int) -> list[dict]:
+    """Rank 0: every rank's samples file read, in benchmark order, and removed."""
+    records = []
+    for r in range(world):
+        part = out / f"samples.rank{r}.jsonl"
+        records += [json.loads(line) for line in part.read_text().splitlines() if line.strip()]
+        part.unlink()
+    records.sort(key=lambda x: (x["item"], x["turn"]))
+    return records
 
 
 def _report(cfg: dict, draft, config: DecodeConfig, device, target, world: int, command: str | None,

@@ -298,36 +298,22 @@ def generate(cfg, dist=None, target=None) -> dict | None:
 
     Returns the manifest on rank 0 (the estimate for a dry run), None on other ranks.
     """
-    from msd_train.targets import load_target
-
-    if not isinstance(dist, Group):  # torch.distributed (older callers) or None
-        dist = Group(dist if dist is not None and dist.is_initialized() else None)
-    group = dist
+    # torch.distributed (older callers) or None
+    group = dist if isinstance(dist, Group) else Group(dist if dist is not None and dist.is_initialized() else None)
     fc = cfg.features
     out = Path(fc.path)
     device = local_device(cfg.target.device)
-    compute_dtype = resolve_dtype(cfg.target.dtype, device)
-    dtype = resolve_store_dtype(str(fc.dtype), compute_dtype)
+    dtype = resolve_store_dtype(str(fc.dtype), resolve_dtype(cfg.target.dtype, device))
     dry = bool(cfg.get("dry_run", False))
     if target is None:
-        target = load_target_skeleton(cfg.target) if dry else load_target(
-            cfg.target.name_or_path, cfg.target.dtype, device, cfg.target.adapter, cfg.target.chat_template,
-            cfg.target.trust_remote_code, cfg.target.attn_implementation)
+        target = _load_target(cfg, device, dry)
     id_dtype = ids_dtype(max(target.vocab_size, len(target.tokenizer)))
-    names = [n for n in cfg.splits if n in SPLITS and split_sources(cfg, n)]
-    unknown = [n for n in cfg.splits if n not in SPLITS]
-    if unknown:
-        raise ValueError(f"splits={list(cfg.splits)}: unknown {unknown}; choose from {list(SPLITS)}")
+    names = _split_names(cfg)
 
     datasets = _build_splits(cfg, target, names, group)
     plans = plan_shards(datasets, int(fc.samples_per_shard))
     if dry:
-        if group.rank != 0:
-            return None
-        est = estimate(datasets, plans, target, dtype, id_dtype)
-        est["dtype"] = dtype_name(dtype)
-        _print_estimate(est, target, out)
-        return est
+        return _dry_run(datasets, plans, target, dtype, id_dtype, out) if group.rank == 0 else None
 
     header = {
         "format": FORMAT, "version": VERSION, "complete": False,
@@ -335,42 +321,17 @@ def generate(cfg, dist=None, target=None) -> dict | None:
         "ids_dtype": dtype_name(id_dtype), "samples_per_shard": int(fc.samples_per_shard),
         "data": data_fingerprint(cfg, names),
     }
-    error = None
-    if group.rank == 0:
-        error = _prepare_dir(out, header)
-    error = group.broadcast_object(error)
-    if error:
-        raise FeatureStoreError(error)
-
+    _open_store(out, header, group)
     mine = plans[group.rank::group.world]
-    records = _read_records(out)
+    done, todo = _finished_and_todo(out, mine, group.rank)
     progress = out / "progress" / f"rank-{group.rank}.jsonl"
-    todo, done = [], []
-    for p in mine:
-        state = _shard_ok(out / p.file, records.get(p.file), p)
-        if state == "ok":
-            done.append(records[p.file])
-        else:
-            if state is not None:
-                log.warning("%s: %s; regenerating it", out / p.file, state)
-            todo.append(p)
-    if done:
-        log.info("rank %d: %d shards already finished and verified, %d to go", group.rank, len(done), len(todo))
-    bar = None
-    if group.rank == 0 and cfg.get("progress", True):
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=sum(len(p.rows) for p in todo), desc=f"features (rank 0 of {group.world})",
-                   unit="sample", dynamic_ncols=True, file=sys.stdout)
+    bar = _progress_bar(cfg, group, todo)
     for p in todo:
         rows = [datasets[p.split][i] for i in p.rows]
         feats = _features_of(rows, target, int(cfg.batch_size))
         rec = write_shard(out / p.file, feats, dtype, id_dtype, target.image_token_id)
         rec.update(split=p.split, index=p.index, rank=group.rank, keys_sha1=p.keys_sha1())
-        with open(progress, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        _append_record(progress, rec)
         done.append(rec)
         if bar is not None:
             bar.update(len(p.rows))
@@ -382,13 +343,91 @@ def generate(cfg, dist=None, target=None) -> dict | None:
     if group.rank != 0:
         group.barrier()
         return None
+    manifest = _write_manifest(out, header, plans, datasets, gathered, group.world)
+    group.barrier()
+    return manifest
+
+
+def _load_target(cfg, device: torch.device, dry: bool):
+    """The configured target; for a dry run only its skeleton (no weights)."""
+    from msd_train.targets import load_target
+
+    tc = cfg.target
+    if dry:
+        return load_target_skeleton(tc)
+    return load_target(tc.name_or_path, tc.dtype, device, tc.adapter, tc.chat_template, tc.trust_remote_code,
+                       tc.attn_implementation)
+
+
+def _split_names(cfg) -> list[str]:
+    """The ``splits`` to generate that have data, in the config's order; unknown names refused."""
+    unknown = [n for n in cfg.splits if n not in SPLITS]
+    if unknown:
+        raise ValueError(f"splits={list(cfg.splits)}: unknown {unknown}; choose from {list(SPLITS)}")
+    return [n for n in cfg.splits if split_sources(cfg, n)]
+
+
+def _dry_run(datasets: dict, plans: list[ShardPlan], target, dtype: torch.dtype, id_dtype: torch.dtype,
+             out: Path) -> dict:
+    est = estimate(datasets, plans, target, dtype, id_dtype)
+    est["dtype"] = dtype_name(dtype)
+    _print_estimate(est, target, out)
+    return est
+
+
+def _open_store(out: Path, header: dict, group: Group) -> None:
+    """Rank 0 creates the folder or checks what is there; every rank raises its verdict."""
+    error = _prepare_dir(out, header) if group.rank == 0 else None
+    error = group.broadcast_object(error)
+    if error:
+        raise FeatureStoreError(error)
+
+
+def _finished_and_todo(out: Path, mine: list[ShardPlan], rank: int) -> tuple[list[dict], list[ShardPlan]]:
+    """This rank's shards split into the records of verified finished ones and those to (re)generate."""
+    records = _read_records(out)
+    todo, done = [], []
+    for p in mine:
+        state = _shard_ok(out / p.file, records.get(p.file), p)
+        if state == "ok":
+            done.append(records[p.file])
+        else:
+            if state is not None:
+                log.warning("%s: %s; regenerating it", out / p.file, state)
+            todo.append(p)
+    if done:
+        log.info("rank %d: %d shards already finished and verified, %d to go", rank, len(done), len(todo))
+    return done, todo
+
+
+def _progress_bar(cfg, group: Group, todo: list[ShardPlan]):
+    """A samples bar on rank 0 unless ``progress=false``; None elsewhere."""
+    if group.rank != 0 or not cfg.get("progress", True):
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=sum(len(p.rows) for p in todo), desc=f"features (rank 0 of {group.world})",
+                unit="sample", dynamic_ncols=True, file=sys.stdout)
+
+
+def _append_record(progress: Path, rec: dict) -> None:
+    """Record a finished shard durably: a relaunch trusts only what this file lists."""
+    with open(progress, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_manifest(out: Path, header: dict, plans: list[ShardPlan], datasets: dict, gathered: list[list[dict]],
+                    world: int) -> dict:
+    """Rank 0, once every rank is done: the complete manifest from all ranks' shard records."""
     by_file = {r["file"]: r for part in gathered for r in part}
     missing = [p.file for p in plans if p.file not in by_file]
     if missing:
         raise FeatureStoreError(f"{out}: shards {missing} were not produced; re-run the same command")
     shards = [by_file[p.file] for p in plans]
     manifest = {**header, "complete": True, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "command": " ".join(sys.argv), "world_size": group.world,
+                "command": " ".join(sys.argv), "world_size": world,
                 "splits": {n: {"samples": sum(s["n_samples"] for s in shards if s["split"] == n),
                                "shards": sum(1 for s in shards if s["split"] == n)} for n in datasets},
                 "totals": {k: sum(s[k] for s in shards) for k in ("n_samples", "n_tokens", "n_visual", "bytes")},
@@ -397,7 +436,6 @@ def generate(cfg, dist=None, target=None) -> dict | None:
     t = manifest["totals"]
     log.info("feature store %s complete: %d samples, %d tokens (%d visual), %d shards, %s", out,
              t["n_samples"], t["n_tokens"], t["n_visual"], len(shards), human_bytes(t["bytes"]))
-    group.barrier()
     return manifest
 
 
