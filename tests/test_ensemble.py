@@ -10,7 +10,7 @@ from test_sampling import TinyHead, TinyTarget, assert_same_distribution, bad_he
 
 from msd_train.decoding import DecodeConfig, PromptPass, SamplingParams, decode, generate, prefill
 from msd_train.decoding.ensemble import EnsembleDrafter, simplex_grid, tabed_weights, variant_inputs
-from msd_train.draft import MSDDraftConfig, MSDDraftModel
+from msd_train.draft import MSDDraftConfig, MSDDraftModel, align_inputs
 from msd_train.targets import Encoded
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -129,7 +129,7 @@ def test_caption_row_reads_the_captioned_prompt(llava):
     with_image = target.encode_prompt([user("<image>\nwhat colour is the circle?")], [random_image(1)])
     c = variant_inputs(target, draft, "C", _target_pass(target, with_image), ["a red circle on white"])
     plain = _target_pass(target, captioned)
-    e, h, _, _ = draft.align_inputs(plain.embeds, plain.hidden, plain.visual)
+    e, h, _, _ = align_inputs(draft.config, plain.embeds, plain.hidden, plain.visual)
     torch.testing.assert_close(c[0], e)
     torch.testing.assert_close(c[1], h)
     shift = with_image.input_ids.shape[0] - captioned.input_ids.shape[0]
