@@ -32,15 +32,14 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+import transformers
+
+from msd_train.decoding import DecodeConfig
+from msd_train.evaluation import evaluate, load_bench, summarize
+from msd_train.evaluation.run import describe_device
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-import transformers  # noqa: E402
-
-from msd_train.decoding import DecodeConfig  # noqa: E402
-from msd_train.evaluation import evaluate, load_bench, summarize  # noqa: E402
-from msd_train.evaluation.run import describe_device  # noqa: E402
 
 # Published shapes, for timing random models of the real size without downloading them.
 CLIP_L_336 = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
@@ -71,11 +70,9 @@ def target_name_or_path(name: str) -> str:
 def random_target(name: str, num_layers: int | None, device, dtype):
     """A randomly initialised target of a published shape, with a small offline tokenizer
     (ids beyond it decode to nothing; timings do not depend on the text)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from builders import _tokenizer  # the tests' character tokenizer: offline, exact round trip
-
     from msd_train.targets import wrap_target
     from msd_train.targets.chat import CHATML_QWEN, VICUNA_V1
+    from msd_train.targets.random import char_tokenizer  # offline, exact round trip
 
     s = dict(SHAPES[name])
     layers = num_layers or s["layers"]
@@ -90,7 +87,7 @@ def random_target(name: str, num_layers: int | None, device, dtype):
             LlavaProcessor,
         )
 
-        tok = _tokenizer(["<unk>", "<s>", "</s>", "<image>"], "<s>", "</s>", VICUNA_V1)
+        tok = char_tokenizer(["<unk>", "<s>", "</s>", "<image>"], "<s>", "</s>", VICUNA_V1)
         text = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"],
                            num_hidden_layers=layers, num_attention_heads=s["heads"], num_key_value_heads=s["kv"],
                            max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
@@ -115,7 +112,7 @@ def random_target(name: str, num_layers: int | None, device, dtype):
 
         specials = ["<unk>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
                     "<|video_pad|>"]
-        tok = _tokenizer(specials, None, "<|im_end|>", CHATML_QWEN)
+        tok = char_tokenizer(specials, None, "<|im_end|>", CHATML_QWEN)
         ids = {x: tok.convert_tokens_to_ids(x) for x in specials}
         text = dict(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"],
                     num_hidden_layers=layers, num_attention_heads=s["heads"], num_key_value_heads=s["kv"],

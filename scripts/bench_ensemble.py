@@ -19,21 +19,20 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
+import yaml
 
-import torch  # noqa: E402
-import yaml  # noqa: E402
-
-from msd_train.decoding import DecodeConfig  # noqa: E402
-from msd_train.evaluation import load_bench  # noqa: E402
-from msd_train.evaluation.ensemble import (  # noqa: E402
+from msd_train.decoding import DecodeConfig
+from msd_train.evaluation import load_bench
+from msd_train.evaluation.ensemble import (
     ensemble_table,
     run_variants,
     summarize_variants,
     variant_configs,
 )
-from msd_train.evaluation.run import describe_device  # noqa: E402
+from msd_train.evaluation.run import describe_device
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _conf(name: str) -> dict:

@@ -41,11 +41,10 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
+import transformers
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 TREE_SIZES = (1, 8, 16, 32, 48, 64, 96)
 DEFAULT_TREE = dict(depth=5, top_k=10, total_tokens=60)

@@ -20,12 +20,11 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from msd_train.evaluation.run import describe_device
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-from msd_train.evaluation.run import describe_device  # noqa: E402
 
 
 def _median_ms(fns: dict, repeats: int) -> dict:

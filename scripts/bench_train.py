@@ -41,10 +41,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from msd_train.config import CONF_DIR, REPO_ROOT, strip_launcher_args
 
-from msd_train.config import CONF_DIR, REPO_ROOT, strip_launcher_args  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 GOAL_TOKENS_PER_S, FIRST_BAR = 20000, 15000  # issue 12, one H100, 7B shape, seq 2048, one image
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}

@@ -28,11 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from msd_train.targets.tiny_qwen import save_tiny_qwen2vl
 
-from msd_train.targets.tiny_qwen import save_tiny_qwen2vl  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CONVENTIONS = ("1d", "mrope")
 METHODS = ("tree", "chain")

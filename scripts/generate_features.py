@@ -11,15 +11,12 @@ and data overrides. See docs/features.md.
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from msd_train.config import CONF_DIR, strip_launcher_args  # noqa: E402
+from msd_train.config import CONF_DIR, strip_launcher_args
 
 strip_launcher_args()
 
-import hydra  # noqa: E402
+import hydra  # noqa: E402  (after strip_launcher_args: Hydra must not see launcher flags)
 from omegaconf import DictConfig  # noqa: E402
 
 

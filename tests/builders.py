@@ -11,33 +11,10 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 from PIL import Image
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from msd_train.targets import wrap_target
 from msd_train.targets.chat import CHATML_QWEN, VICUNA_V1
-
-WORDS = (
-    "the a an is are what colour shape red green blue circle square how many image "
-    "describe this that there one two three four it of and in on to you assistant user "
-    "system helpful hello world python function returns value"
-).split()
-
-
-def _tokenizer(specials: list[str], bos: str | None, eos: str, template: str) -> PreTrainedTokenizerFast:
-    """A character-and-word level tokenizer: small, exact round trip of ASCII text."""
-    vocab = {}
-    for tok in specials + [chr(i) for i in range(32, 127)] + ["\n"] + ["Ġ" + w for w in WORDS] + WORDS:
-        vocab.setdefault(tok, len(vocab))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=specials[0], ignore_merges=True))
-    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token=specials[0], bos_token=bos, eos_token=eos,
-        pad_token=specials[0], additional_special_tokens=[s for s in specials if s not in (specials[0], bos, eos)],
-    )
-    fast.chat_template = template
-    return fast
+from msd_train.targets.random import char_tokenizer
 
 
 def random_image(seed: int, size: int = 32) -> Image.Image:
@@ -56,7 +33,7 @@ def tiny_llava(seed: int = 0):
         LlavaProcessor,
     )
 
-    tok = _tokenizer(["<unk>", "<s>", "</s>", "<image>"], "<s>", "</s>", VICUNA_V1)
+    tok = char_tokenizer(["<unk>", "<s>", "</s>", "<image>"], "<s>", "</s>", VICUNA_V1)
     image_token_id = tok.convert_tokens_to_ids("<image>")
     text = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -82,7 +59,7 @@ def _tiny_qwen(config_class, model_class, vision: dict, seed: int):
 
     specials = ["<unk>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                 "<|image_pad|>", "<|video_pad|>"]
-    tok = _tokenizer(specials, None, "<|im_end|>", CHATML_QWEN)
+    tok = char_tokenizer(specials, None, "<|im_end|>", CHATML_QWEN)
     ids = {s: tok.convert_tokens_to_ids(s) for s in specials}
     text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

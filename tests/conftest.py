@@ -31,7 +31,9 @@ def mini_run(tmp_path_factory):
     import json
     import random
 
-    from builders import WORDS, random_image, tiny_llava
+    from builders import random_image, tiny_llava
+
+    from msd_train.targets.random import WORDS
 
     root = tmp_path_factory.mktemp("mini")
     model, proc = tiny_llava(seed=1)

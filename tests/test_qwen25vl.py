@@ -16,11 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from builders import WORDS, random_image, tiny_qwen25vl, tiny_qwen25vl_target
+from builders import random_image, tiny_qwen25vl, tiny_qwen25vl_target
 from PIL import Image
 
 from msd_train.decoding import DecodeConfig, generate
 from msd_train.draft import MSDDraftConfig, MSDDraftModel
+from msd_train.targets.random import WORDS
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("one_thread")
