@@ -339,3 +339,23 @@ def test_ensemble_report_has_every_variant(llava):
     assert all(v > 0 for v in ms.values()) and all(t >= 1 for t in rep["tau"].values())
     assert rep["draft_overhead_vs_M"]["tabed-MTP"] == pytest.approx(ms["tabed-MTP"] / ms["M"] - 1)
     assert all(t >= 1 for t in rep["tau"].values())
+
+
+def test_ensemble_tree_ranks_by_the_raw_mixture_when_asked():
+    """Sampling with rank_by=raw: the tree ranks by the log of the rows' raw softmaxes
+    mixed (EAGLE-2's scores, per row), while the chain still samples from the warped mixture."""
+    from types import SimpleNamespace
+
+    lm_head = torch.nn.Linear(6, 11)
+    out = torch.randn(2, 3, 6)
+    ens = EnsembleDrafter(None, ("M", "T"), "ibed", 32)
+    ens.weights = torch.tensor([0.5, 0.5])
+    target = SimpleNamespace(dtype=torch.float32, lm_head=lm_head)
+    params = SamplingParams(temperature=0.3, top_k=3)
+    with torch.inference_mode():
+        raw = ens.distribution(target, out, SamplingParams(temperature=0.3, top_k=3, rank_by="raw"), log=True)
+        warped = ens.distribution(target, out, params, log=True)
+        drawn = ens.distribution(target, out, SamplingParams(temperature=0.3, top_k=3, rank_by="raw"))
+        assert torch.allclose(raw, lm_head(out).softmax(-1).mean(0).log())
+        assert warped.isinf().any() and not raw.isinf().any()  # top-k=3 removed tokens only in the warped one
+        assert torch.equal(drawn, ens.distribution(target, out, params))  # what is sampled does not change
