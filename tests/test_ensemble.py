@@ -351,7 +351,7 @@ def test_ensemble_tree_ranks_by_the_raw_mixture_when_asked():
     ens = EnsembleDrafter(None, ("M", "T"), "ibed", 32)
     ens.weights = torch.tensor([0.5, 0.5])
     target = SimpleNamespace(dtype=torch.float32, lm_head=lm_head)
-    params = SamplingParams(temperature=0.3, top_k=3)
+    params = SamplingParams(temperature=0.3, top_k=3, rank_by="warped")
     with torch.inference_mode():
         raw = ens.distribution(target, out, SamplingParams(temperature=0.3, top_k=3, rank_by="raw"), log=True)
         warped = ens.distribution(target, out, params, log=True)

@@ -1,7 +1,7 @@
 """Summarise run.sh's eval reports: tau of tree sampling ranked by warped vs raw
 log-probabilities, per decoding seed, with mean and spread.
 
-    python benchmarks/sampling_rank/collect.py /tmp/rank_by benchmarks/sampling_rank/tiny-t0.7
+    python benchmarks/sampling_rank/collect.py /tmp/rank_by benchmarks/sampling_rank/tiny-temp07
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ for report in sorted(root.glob("*-s*/report.json")):
         "draft_ms_per_cycle": r["overall"]["draft_ms_per_cycle"],
     }
     settings, device, command = r["decoding"], r["device"], r["command"]
+    size = f"{r['overall']['n_samples']} items / {r['overall']['n_turns']} turns"
 summary = {}
 for rank, by_seed in runs.items():
     taus = [v["tau"] for v in by_seed.values()]
@@ -44,5 +45,17 @@ lines += ["", "| rank_by | seeds | mean tau | sd | min | max |", "|---|---|---|-
 for rank, s in summary.items():
     lines.append(f"| {rank} | {len(s['seeds'])} | {s['tau_mean']:.3f} | {'-' if s['tau_sd'] is None else format(s['tau_sd'], '.3f')} | {s['tau_min']:.3f} | "
                  f"{s['tau_max']:.3f} |")
+head = [
+    "# Sampling trees ranked by warped vs raw log-probabilities (tiny benchmark, temperature 0.7)",
+    "",
+    "`sh benchmarks/sampling_rank/run.sh` (OUT=/tmp/rank_by) then "
+    "`python benchmarks/sampling_rank/collect.py /tmp/rank_by benchmarks/sampling_rank/tiny-temp07`.",
+    f"Each run: `{command}` with the rank and seed of its row.",
+    f"Device: {device}; OMP_NUM_THREADS=1, 2 cores shared with other engineers' jobs (times are noisy; "
+    "tau does not depend on them). Head: the stage-2 export of `python train.py stage=1 && python train.py "
+    "stage=2`. Settings: " + ", ".join(f"{k}={v}" for k, v in settings.items() if k != "rank_by") + ".",
+    f"The whole tiny benchmark ({size}). The seed seeds the per-item sampling generators, so each row is a different draw of every answer.",
+    "",
+]
 print("\n".join(lines))
-stem.with_suffix(".table.md").write_text("\n".join(lines) + "\n")
+stem.with_suffix(".md").write_text("\n".join(head + lines) + "\n")
