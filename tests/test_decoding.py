@@ -441,3 +441,31 @@ def test_decoding_needs_no_training_stack():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), str(here.parent)]))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_decoding_yaml_defaults_equal_decode_config():
+    """The settings conf/decoding/*.yaml give eval.py and the ones DecodeConfig gives
+    library users are the same: a default changed in one place and not the other fails
+    here. Method-specific values (tree depth, chain k) are compared for the method whose
+    YAML is named after it: tree.yaml and chain.yaml carry DecodeConfig's defaults."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from msd_train.decoding import SamplingParams
+    from msd_train.evaluation.run import decode_config
+
+    conf = Path(__file__).resolve().parent.parent / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        for option in ("tree", "chain"):
+            yaml = OmegaConf.to_container(compose("eval", [f"decoding={option}"]).decoding)
+            lib = DecodeConfig(method=option)
+            for key, value in yaml.items():
+                if key == "sampling":
+                    assert value == vars(SamplingParams()), f"conf/decoding sampling: {value} vs {SamplingParams()}"
+                else:
+                    mine = getattr(lib, key)
+                    assert (list(mine) if isinstance(mine, tuple) else mine) == value, (option, key, value, mine)
+            # and decode_config passes exactly that: the composed YAML builds DecodeConfig's defaults
+            assert decode_config(yaml) == lib

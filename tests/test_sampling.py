@@ -167,14 +167,18 @@ def assert_same_distribution(counts: dict[tuple, int], expected: dict[tuple, flo
 @pytest.mark.parametrize(
     "method, head, sampling",
     [
-        ("tree", "good", SamplingParams(temperature=0.8, top_k=6, top_p=0.9)),
+        ("tree", "good", SamplingParams(temperature=0.8, top_k=6, top_p=0.9, rank_by="warped")),
+        ("tree", "good", SamplingParams(temperature=0.8, top_k=6, top_p=0.9, rank_by="raw")),
         ("chain", "bad", SamplingParams(temperature=1.0)),
     ],
+    ids=["tree-warped", "tree-raw", "chain"],
 )
 def test_decode_loop_is_lossless(method, head, sampling):
     """Prefill once, then decode 3 tokens from a copy of that state, many times: the
-    tree (deterministic top-k proposals) and chain (proposals sampled from the head)
-    paths of the loop, for a head that is mostly accepted and one that is mostly not."""
+    tree (deterministic top-k proposals, ranked by warped or by raw log-probabilities:
+    raw ranking also proposes tokens the warpers removed, which must never be emitted)
+    and chain (proposals sampled from the head) paths of the loop, for a head that is
+    mostly accepted and one that is mostly not."""
     draws = DRAWS if head == "good" else DRAWS // 2  # the bad head needs ~3 cycles a draw: keep the file fast
     target = TinyTarget(seed=0)
     draft = TinyHead(target.lm) if head == "good" else bad_head(seed=1)
@@ -271,3 +275,16 @@ def test_warpers():
     assert torch.equal(p, torch.tensor([[1.0, 0, 0, 0, 0]]))  # the top token always survives
     p = logits_to_probs(logits, SamplingParams(temperature=0.5))
     assert torch.allclose(p, (logits / 0.5).softmax(-1))
+
+
+def test_tree_ranking_warped_or_raw():
+    """``rank_by`` changes what a sampling tree ranks by, not what it samples from."""
+    from msd_train.decoding.sampling import log_probs
+
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    raw = log_probs(logits, SamplingParams(temperature=0.5, top_k=2, rank_by="raw"))
+    assert torch.allclose(raw, logits.log_softmax(-1))  # no temperature, no top-k: EAGLE-2's scores
+    warped = log_probs(logits, SamplingParams(temperature=0.5, top_k=2, rank_by="warped"))
+    assert torch.allclose(warped[0, :2], (logits[0, :2] / 0.5).log_softmax(-1)) and warped[0, 2:].isinf().all()
+    with pytest.raises(ValueError, match="rank_by"):
+        SamplingParams(temperature=0.7, rank_by="tempered")

@@ -34,7 +34,9 @@ class DecodeConfig:
     # --- drafting with input variants (msd_train/decoding/ensemble.py) ---
     ensemble: str | None = None  # None: the head alone (variant M) | ibed | tabed
     variants: tuple[str, ...] = ("M",)  # the head's input variants, one batch row each
-    tabed_window: int = 32  # tabed: verified positions the weight search looks back over
+    #: tabed: the most recent verified positions the weight search looks back over, or
+    #: "all" for the whole answer so far (TABED's own choice; docs/ensembles.md)
+    tabed_window: int | str = 32
 
     def __post_init__(self):
         if self.method not in METHODS:

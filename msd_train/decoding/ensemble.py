@@ -32,7 +32,10 @@ from the same tokens: the argmax of q or a draw from it (chain), or q's top-k (t
 Under sampling q is also what the acceptance test divides by, so decoding stays lossless.
 ``ibed`` uses equal weights; ``tabed`` picks, before each draft block, the weights on the
 0.1-step simplex that make q's argmax agree with the target's argmax at the most recently
-verified positions, ties broken by the smallest KL(target || q). Each verified position's
+verified positions (``tabed_window``: a count, or ``all``, the whole answer so far), ties
+broken by the smallest KL(target || q), computed on q clamped at 1e-30 so that a grid
+point giving a target token zero mass scores a large finite KL (TABED's own code takes
+log 0 there and its comparison sees NaN/inf). Each verified position's
 score for every grid point is computed once, when it is verified, and the window's
 scores are summed per block (the search costs a sum, not a pass over the window).
 """
@@ -57,11 +60,13 @@ class EnsembleDrafter(HeadDrafter):
     """One head over several input variants of the prompt, one batch row each (the head's
     cache holds R rows)."""
 
-    def __init__(self, draft, variants, mode: str, window: int, captions: list[str] | None = None):
+    def __init__(self, draft, variants, mode: str, window: int | str, captions: list[str] | None = None):
         super().__init__(draft)
         self.variants = tuple(variants)
         self.mode = mode  # ibed | tabed
-        self.window = window  # tabed: verified positions the weight search looks back over
+        #: tabed: verified positions the weight search looks back over; None ("all"): the
+        #: whole answer so far, as TABED's own code searches
+        self.window = None if window == "all" else int(window)
         self.captions = captions  # variant C: one per image of the prompt
         self.weights: torch.Tensor | None = None  # (R,) the mixture weights of the current draft block
         #: (R, capacity) additive key bias: dtype-min at each row's left padding, 0 elsewhere
@@ -108,22 +113,23 @@ class EnsembleDrafter(HeadDrafter):
     # ----- mixing -----------------------------------------------------------------------
 
     def distribution(self, target, out: torch.Tensor, sampling: SamplingParams, log: bool = False) -> torch.Tensor:
-        """The rows' mixture (T, V), or its log."""
-        q = self.mix(out.to(target.dtype), target.lm_head, sampling)
+        """The rows' mixture (T, V), or its log (what a tree ranks by: the mixture of the
+        rows' raw distributions when ``sampling.rank_by`` is raw)."""
+        q = self.mix(out.to(target.dtype), target.lm_head, sampling, raw=log and sampling.rank_by == "raw")
         return q.log() if log else q
 
-    def mix(self, out: torch.Tensor, lm_head, sampling: SamplingParams) -> torch.Tensor:
+    def mix(self, out: torch.Tensor, lm_head, sampling: SamplingParams, raw: bool = False) -> torch.Tensor:
         """The rows' mixture q (T, V) after their head outputs ``out`` (R, T, H): warped
-        probabilities when sampling, plain softmax when greedy (the argmax and top-k of a
-        mixture need the rows' full distributions, not their one-hot argmaxes). Rows whose
-        weight is zero (TABED often picks a vertex of the simplex) cost no lm_head."""
+        probabilities when sampling, plain softmax when greedy or ``raw`` (the argmax and
+        top-k of a mixture need the rows' full distributions, not their one-hot argmaxes).
+        Rows whose weight is zero (TABED often picks a vertex of the simplex) cost no lm_head."""
         if self.mode == "tabed":
             self.block_out.append(out)
         if self.active is None:  # a host read (nonzero), once per change of weights: TABED's blocks
             self.active = self.weights.nonzero().flatten()
         active = None if self.active.numel() == self.rows else self.active
         logits = lm_head(out if active is None else out[active]).float()
-        rows = logits.softmax(-1) if sampling.greedy else logits_to_probs(logits, sampling)
+        rows = logits.softmax(-1) if sampling.greedy or raw else logits_to_probs(logits, sampling)
         return torch.einsum("r,rtv->tv", self.weights if active is None else self.weights[active], rows)
 
     def begin_block(self) -> None:
@@ -146,11 +152,16 @@ class EnsembleDrafter(HeadDrafter):
             return
         out = torch.cat(self.block_out, dim=1)[:, index[index >= 0]]  # (R, n, H)
         rows = lm_head(out).float().softmax(-1).transpose(0, 1)  # (n, R, V), unwarped
-        match, kl = position_scores(rows, logits[nodes].float().softmax(-1), self.grid)
+        self.remember(*position_scores(rows, logits[nodes].float().softmax(-1), self.grid))
+        self.block_out = []
+
+    def remember(self, match: torch.Tensor, kl: torch.Tensor) -> None:
+        """Append newly verified positions' scores (n, G) to the history, keeping the window."""
         if self.history_match is not None:
             match, kl = torch.cat([self.history_match, match]), torch.cat([self.history_kl, kl])
-        self.history_match, self.history_kl = match[-self.window :], kl[-self.window :]
-        self.block_out = []
+        if self.window is not None:
+            match, kl = match[-self.window :], kl[-self.window :]
+        self.history_match, self.history_kl = match, kl
 
 
 # ----- input variants -------------------------------------------------------------------
@@ -348,5 +359,7 @@ def check_ensemble(config) -> None:
     bad = [v for v in config.variants if v not in VARIANTS]
     if bad or not config.variants or len(set(config.variants)) != len(config.variants):
         raise ValueError(f"decoding.variants must be distinct entries of {VARIANTS}, got {list(config.variants)}")
-    if config.tabed_window < 1:
-        raise ValueError(f"decoding.tabed_window must be >= 1, got {config.tabed_window}")
+    window = config.tabed_window
+    if window != "all" and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"decoding.tabed_window must be an integer >= 1 (the most recent verified positions) "
+                         f"or 'all' (the whole verified history), got {window!r}")

@@ -6,6 +6,7 @@ records, rank 0 merges them into one report (totals over all ranks).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import json
@@ -28,18 +29,23 @@ log = logging.getLogger(__name__)
 
 
 def decode_config(d: dict) -> DecodeConfig:
-    """``conf/decoding/*.yaml`` (a plain dict) -> DecodeConfig."""
-    s = d.get("sampling") or {}
-    return DecodeConfig(
-        method=d.get("method", "tree"), depth=int(d.get("depth", 5)), top_k=int(d.get("top_k", 10)),
-        total_tokens=int(d.get("total_tokens", 60)), k=int(d.get("k", 5)),
-        max_new_tokens=int(d.get("max_new_tokens", 64)), stop_strings=tuple(d.get("stop_strings") or ()),
-        sampling=SamplingParams(float(s.get("temperature", 0.0)), float(s.get("top_p", 1.0)), int(s.get("top_k", 0))),
-        # ensemble drafting (msd_train/decoding/ensemble.py)
-        ensemble=d.get("ensemble"), variants=tuple(d.get("variants") or ("M",)),
-        tabed_window=int(d.get("tabed_window", 32)),
-        cuda_graphs=d.get("cuda_graphs", "auto"),
-    )
+    """``conf/decoding/*.yaml`` (a plain dict) -> DecodeConfig. Only the settings the YAML
+    states are passed: the defaults live in ``conf/decoding/_common.yaml`` (and, for
+    library users, in DecodeConfig's fields; a test keeps the two equal)."""
+    fields = {f.name for f in dataclasses.fields(DecodeConfig)}
+    unknown = sorted(set(d) - fields)
+    if unknown:
+        raise ConfigError(f"decoding: unknown setting(s) {unknown}; the settings are {sorted(fields)} "
+                          "(conf/decoding/_common.yaml); fix the override or the decoding YAML")
+    d = dict(d)
+    if "sampling" in d:
+        s = d["sampling"] or {}
+        known = {f.name for f in dataclasses.fields(SamplingParams)}
+        if set(s) - known:
+            raise ConfigError(f"decoding.sampling: unknown setting(s) {sorted(set(s) - known)}; "
+                              f"the settings are {sorted(known)}")
+        d["sampling"] = SamplingParams(**s)
+    return DecodeConfig(**d)
 
 
 def decoding_settings(c: DecodeConfig) -> dict:
@@ -50,6 +56,8 @@ def decoding_settings(c: DecodeConfig) -> dict:
         out.update(k=c.k)
     out.update(max_new_tokens=c.max_new_tokens, temperature=c.sampling.temperature, top_p=c.sampling.top_p,
                sampling_top_k=c.sampling.top_k, greedy=c.sampling.greedy)
+    if c.method == "tree" and not c.sampling.greedy:
+        out["rank_by"] = c.sampling.rank_by
     if c.stop_strings:
         out["stop_strings"] = list(c.stop_strings)
     if c.ensemble is not None:  # ensemble drafting
