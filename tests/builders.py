@@ -110,3 +110,17 @@ def tiny_qwen25vl(seed: int = 0):
 def tiny_qwen25vl_target(seed: int = 0):
     model, proc = tiny_qwen25vl(seed)
     return wrap_target(model, proc, "tiny-random-qwen25vl")
+
+
+def fit_head(head, target, batch, steps: int, lr: float = 3e-3):
+    """Fit ``head`` to the target's own next tokens: ``batch`` holds (``head.target_inputs``
+    of a target pass, the target's argmax after each position). A few hundred Adam steps
+    give trees that accept several tokens, which the exactness tests need to be meaningful."""
+    opt = torch.optim.Adam(head.parameters(), lr=lr)
+    for _ in range(steps):
+        loss = sum(torch.nn.functional.cross_entropy(target.lm_head(head(**inputs).last_hidden_state[0]), y)
+                   for inputs, y in batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return head.eval().requires_grad_(False)

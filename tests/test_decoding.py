@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from builders import random_image
+from builders import fit_head, random_image
 from transformers import DynamicCache
 
 from msd_train.decoding import (
@@ -74,14 +74,7 @@ def train_head(target, prompts: list[Encoded], steps: int = 120) -> MSDDraftMode
         visual = torch.cat([enc.input_ids == target.image_token_id, torch.zeros_like(new, dtype=torch.bool)])
         inputs = head.target_inputs(Features(embeds, hidden, visual[None], pos))
         batch.append((inputs, target.lm_head(hidden[0, 1:]).argmax(-1)))
-    opt = torch.optim.Adam(head.parameters(), lr=3e-3)
-    for _ in range(steps):
-        loss = sum(torch.nn.functional.cross_entropy(target.lm_head(head(**inputs).last_hidden_state[0]), y)
-                   for inputs, y in batch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return head.eval().requires_grad_(False)
+    return fit_head(head, target, batch, steps)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from builders import random_image, tiny_qwen25vl, tiny_qwen25vl_target
+from builders import fit_head, random_image, tiny_qwen25vl, tiny_qwen25vl_target
 from PIL import Image
 
 from msd_train.decoding import DecodeConfig, generate
@@ -152,14 +152,7 @@ def fitted_head(target, encs, steps: int = 200) -> MSDDraftModel:
         with torch.no_grad():
             f = target.features(ids, None, enc.pixel)
         batch.append((head.target_inputs(f), target.lm_head(f.hidden_states[0, 1:]).argmax(-1)))
-    opt = torch.optim.Adam(head.parameters(), lr=3e-3)
-    for _ in range(steps):
-        loss = sum(torch.nn.functional.cross_entropy(target.lm_head(head(**inputs).last_hidden_state[0]), y)
-                   for inputs, y in batch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return head.eval().requires_grad_(False)
+    return fit_head(head, target, batch, steps)
 
 
 @pytest.fixture(scope="module")
