@@ -124,3 +124,37 @@ def fit_head(head, target, batch, steps: int, lr: float = 3e-3):
         loss.backward()
         opt.step()
     return head.eval().requires_grad_(False)
+
+
+def write_mini_data(root, n: int, n_heldout: int, image, words: tuple[int, int, int, int]) -> list[str]:
+    """Text and image conversations of random words under ``root`` (train and held-out
+    splits of each kind, images in ``root/img`` drawn by ``image(i)``), returned as the Hydra
+    data overrides that read them. ``words``: words in the text question, text answer,
+    image question, image answer."""
+    import json
+    import random
+
+    from msd_train.targets.random import WORDS
+
+    rng = random.Random(0)
+    img = root / "img"
+    img.mkdir()
+
+    def say(k):
+        return " ".join(rng.choices(WORDS, k=k))
+
+    tq, ta, iq, ia = words
+    text = [{"id": i, "conversations": [{"from": "human", "value": say(tq)}, {"from": "gpt", "value": say(ta)}]}
+            for i in range(n)]
+    mm = []
+    for i in range(n):
+        image(i).save(img / f"{i}.png")
+        mm.append({"id": f"m{i}", "image": f"{i}.png",
+                   "conversations": [{"from": "human", "value": "<image>\n" + say(iq)}, {"from": "gpt", "value": say(ia)}]})
+    train = n - n_heldout
+    for name, recs in {"t": text[:train], "th": text[train:], "m": mm[:train], "mh": mm[train:]}.items():
+        (root / f"{name}.json").write_text(json.dumps(recs))
+    return [f"data.text.0.path={root / 't.json'}", f"data.heldout_text.0.path={root / 'th.json'}",
+            f"data.multimodal.0.path={root / 'm.json'}", f"data.multimodal.0.image_root={img}",
+            f"data.heldout_multimodal.0.path={root / 'mh.json'}", f"data.heldout_multimodal.0.image_root={img}",
+            f"data.cache_dir={root / 'cache'}"]

@@ -28,38 +28,14 @@ def qwen_target():
 @pytest.fixture(scope="session")
 def mini_run(tmp_path_factory):
     """A saved random tiny LLaVA and a few conversations of each kind: Hydra overrides."""
-    import json
-    import random
-
-    from builders import random_image, tiny_llava
-
-    from msd_train.targets.random import WORDS
+    from builders import random_image, tiny_llava, write_mini_data
 
     root = tmp_path_factory.mktemp("mini")
     model, proc = tiny_llava(seed=1)
     model.save_pretrained(root / "target")
     proc.save_pretrained(root / "target")
-    rng = random.Random(0)
-    (root / "img").mkdir()
-
-    def say(k):
-        return " ".join(rng.choices(WORDS, k=k))
-
-    text = [{"id": i, "conversations": [{"from": "human", "value": say(5)}, {"from": "gpt", "value": say(8)}]}
-            for i in range(40)]
-    mm = []
-    for i in range(40):
-        random_image(100 + i, 16).save(root / "img" / f"{i}.png")
-        mm.append({"id": f"m{i}", "image": f"{i}.png",
-                   "conversations": [{"from": "human", "value": "<image>\n" + say(3)}, {"from": "gpt", "value": say(6)}]})
-    for name, recs in {"t": text[:32], "th": text[32:], "m": mm[:32], "mh": mm[32:]}.items():
-        (root / f"{name}.json").write_text(json.dumps(recs))
-    img = root / "img"
-    return [f"target.name_or_path={root / 'target'}",
-            f"data.text.0.path={root / 't.json'}", f"data.heldout_text.0.path={root / 'th.json'}",
-            f"data.multimodal.0.path={root / 'm.json'}", f"data.multimodal.0.image_root={img}",
-            f"data.heldout_multimodal.0.path={root / 'mh.json'}", f"data.heldout_multimodal.0.image_root={img}",
-            f"data.cache_dir={root / 'cache'}", "logging.wandb.mode=disabled", "logging.progress=false"]
+    data = write_mini_data(root, 40, 8, lambda i: random_image(100 + i, 16), (5, 8, 3, 6))
+    return [f"target.name_or_path={root / 'target'}", *data, "logging.wandb.mode=disabled", "logging.progress=false"]
 
 
 @pytest.fixture(scope="module")

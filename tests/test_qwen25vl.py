@@ -16,12 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from builders import fit_head, random_image, tiny_qwen25vl, tiny_qwen25vl_target
+from builders import fit_head, random_image, tiny_qwen25vl, tiny_qwen25vl_target, write_mini_data
 from PIL import Image
 
 from msd_train.decoding import DecodeConfig, generate
 from msd_train.draft import MSDDraftConfig, MSDDraftModel
-from msd_train.targets.random import WORDS
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -195,8 +194,6 @@ def test_two_training_stages(tmp_path, target):
     """``python train.py stage=1`` then ``stage=2`` on a Qwen2.5-VL folder laid out as on the
     Hub (loaded through ``load_target``, no torchvision): both stages train, export and
     validate, stage 2 on image conversations too."""
-    import random
-
     from msd_train.targets import load_target
 
     model, proc = tiny_qwen25vl(seed=1)
@@ -212,27 +209,10 @@ def test_two_training_stages(tmp_path, target):
     assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.loss_mask, want.loss_mask)
     assert torch.equal(got.pixel["pixel_values"], want.pixel["pixel_values"])
     assert type(loaded.model).__name__ == "Qwen2_5_VLForConditionalGeneration"
-    rng = random.Random(0)
-    (tmp_path / "img").mkdir()
-
-    def say(k):
-        return " ".join(rng.choices(WORDS, k=k))
-
-    text = [{"id": i, "conversations": [{"from": "human", "value": say(4)}, {"from": "gpt", "value": say(6)}]}
-            for i in range(12)]
-    mm = []
-    for i in range(12):
-        (wide_image(i) if i % 2 else random_image(100 + i, 32)).save(tmp_path / "img" / f"{i}.png")
-        mm.append({"id": f"m{i}", "image": f"{i}.png",
-                   "conversations": [{"from": "human", "value": "<image>\n" + say(3)}, {"from": "gpt", "value": say(5)}]})
-    for name, recs in {"t": text[:8], "th": text[8:], "m": mm[:8], "mh": mm[8:]}.items():
-        (tmp_path / f"{name}.json").write_text(json.dumps(recs))
-    img = tmp_path / "img"
-    common = [f"target.name_or_path={tmp_path / 'target'}", "target.chat_template=chatml_qwen",
-              f"data.text.0.path={tmp_path / 't.json'}", f"data.heldout_text.0.path={tmp_path / 'th.json'}",
-              f"data.multimodal.0.path={tmp_path / 'm.json'}", f"data.multimodal.0.image_root={img}",
-              f"data.heldout_multimodal.0.path={tmp_path / 'mh.json'}", f"data.heldout_multimodal.0.image_root={img}",
-              f"data.cache_dir={tmp_path / 'cache'}", "logging.wandb.mode=disabled", "logging.progress=false",
+    data = write_mini_data(tmp_path, 12, 4, lambda i: wide_image(i) if i % 2 else random_image(100 + i, 32),
+                           (4, 6, 3, 5))
+    common = [f"target.name_or_path={tmp_path / 'target'}", "target.chat_template=chatml_qwen", *data,
+              "logging.wandb.mode=disabled", "logging.progress=false",
               f"run_dir={tmp_path / 'run'}", "train.micro_batch_size=2", "train.max_steps=3", "eval.every=100",
               "checkpoint.every=100", "eval.batch_size=4"]
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
