@@ -7,8 +7,6 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from msd_train.runtime import pick_device  # noqa: F401  (re-exported for older imports)
-
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO_ROOT / "conf"
 
@@ -47,7 +45,7 @@ def strip_launcher_args(argv: list[str] | None = None) -> None:
     argv[:] = out
 
 
-# The data.* lists a stage may read (stage.splits); feature stores hold the same names.
+#: the data.* lists of conversations a stage (``stage.splits``) or a feature store reads
 SPLITS = ("text", "multimodal", "heldout_text", "heldout_multimodal")
 
 

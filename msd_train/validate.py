@@ -153,10 +153,12 @@ def check_train(cfg) -> None:
     resume = _get(cfg, "resume")
     if resume is not _MISSING and str(resume).lower() not in ("auto", "true", "false", "0", "1", "yes", "no"):
         raise ConfigError(f"resume={resume!r}: use auto (continue from the newest checkpoint) or false (start over)")
-    stage = str(_get(cfg, "stage.id"))
-    groups = ["text", "heldout_text"] + (["multimodal", "heldout_multimodal"] if stage == "2" else [])
-    for g in groups:
-        _sources(cfg, g, need_images=g.endswith("multimodal"))
+    from msd_train.config import SPLITS
+
+    splits = _get(cfg, "stage.splits")  # what the stage's YAML says it reads (all four if unset)
+    for g in SPLITS if splits is _MISSING or splits is None else splits:
+        if g in SPLITS:
+            _sources(cfg, g, need_images=g.endswith("multimodal"))
     _wandb(cfg, "logging.wandb")
 
 
@@ -221,8 +223,8 @@ def check_generate(cfg) -> None:
     _choice(cfg, "data.on_bad_sample", ("skip", "error"))
     if not _get(cfg, "features.path") or _get(cfg, "features.path") is _MISSING:
         raise ConfigError("features.path is not set; give the folder to write the store into: features.path=DIR")
-    names = {"text": "text", "multimodal": "multimodal", "heldout_text": "heldout_text",
-             "heldout_multimodal": "heldout_multimodal"}
+    from msd_train.config import SPLITS
+
     for split in _get(cfg, "splits") or []:
-        if split in names:
-            _sources(cfg, names[split], need_images=split.endswith("multimodal"))
+        if split in SPLITS:
+            _sources(cfg, split, need_images=split.endswith("multimodal"))

@@ -55,7 +55,7 @@ def run(cfg) -> None:
             recipe.setup()
             recipe.train()
         finally:
-            if recipe is not None and hasattr(recipe, "dist"):
+            if recipe is not None and hasattr(recipe, "group"):
                 recipe.cleanup()
             if lock is not None:
                 lock.release()

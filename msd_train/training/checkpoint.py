@@ -56,11 +56,6 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=_step_of)
 
 
-def newest_checkpoint(root: Path) -> Path | None:
-    done = complete_checkpoints(root)
-    return done[-1] if done else None
-
-
 def read_state(ckpt: Path) -> dict:
     return json.loads((ckpt / STATE_FILE).read_text())
 

@@ -85,13 +85,11 @@ class TrainRecipe:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         import deepspeed
-        import torch.distributed as dist
 
         cfg = self.cfg
         self.device = runtime.local_device(cfg.target.device)
         self.group = runtime.setup_group(self.device, deepspeed=True)
         self.rank, self.world, self.local_rank = self.group.rank, self.group.world, self.group.local_rank
-        self.dist = dist  # torch.distributed; collectives go through self.group
         self.main = self.group.main
         self.stage_dir.mkdir(parents=True, exist_ok=True)
 

@@ -27,6 +27,8 @@ import threading
 import time
 from pathlib import Path
 
+from msd_train.runtime import atomic_write_text
+
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
@@ -185,9 +187,7 @@ def truncate_metrics(path: Path, step: int) -> None:
             continue  # a line cut by the kill
         if step > 0 and isinstance(rec, dict) and rec.get("step", 0) <= step:
             keep.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(line + "\n" for line in keep))
 
 
 def _is_launcher(argv: list[str]) -> bool:
