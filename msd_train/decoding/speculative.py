@@ -241,11 +241,11 @@ def accept_greedy(tree: Tree, logits: torch.Tensor) -> torch.Tensor:
     if tree.valid is not None:
         match &= tree.valid
     match[0] = True  # the root is committed already
-    ok = (~tree.ancestor_mask() | match[None, :]).all(-1)
+    paths = tree.paths()  # padding (-1) below a node's depth reads the root's match: True
+    ok = match[paths.clamp_min(0)].all(-1)
     leaf = torch.where(ok, tree.depths, -1).argmax()
-    nodes = tree.paths()[leaf]
-    children = tree.parents == leaf
-    has_children = (children if tree.valid is None else children & tree.valid).any()
+    nodes = paths[leaf]
+    has_children = tree.has_children(leaf)
     tokens = tree.tokens[nodes.clamp_min(0)]
     return torch.cat([best[leaf].view(1), has_children.long().view(1), nodes, tokens])
 
@@ -368,8 +368,7 @@ def decode_plain(target, state: DecodeState, config: DecodeConfig, generator: to
         state.tokens.append(int(state.pending_tokens))  # the step's one host read
         stop = find_stop(state.tokens, len(state.tokens) - 1, criteria, tokenizer)
         cycles.append(CycleStats(0, 0, 1, 1))
-    if stop[0] < len(state.tokens):
-        del state.tokens[stop[0]:]
+    del state.tokens[stop[0]:]
     text = tokenizer.decode(state.tokens, skip_special_tokens=True) if tokenizer is not None else ""
     return Generation(list(state.tokens), text, stop[1], state.prompt_len, cycles=cycles)
 
@@ -420,8 +419,7 @@ def decode(target, draft, state: DecodeState, config: DecodeConfig,
 def _sampled_acceptance(tree: Tree, path: list[int], bonus: int) -> Acceptance:
     d = tree.depth_bound
     tokens = tree.tokens[path[1:]].tolist() + [bonus]
-    children = tree.parents == path[-1]
-    tried = len(path) - 1 + int(bool((children if tree.valid is None else children & tree.valid).any()))
+    tried = len(path) - 1 + int(bool(tree.has_children(path[-1])))
     device = tree.tokens.device
     nodes = torch.as_tensor(path + [-1] * (d + 1 - len(path)), device=device)
     return Acceptance(path, tokens, tried, nodes, torch.as_tensor(tokens, device=device))

@@ -40,6 +40,11 @@ class Tree:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
+    def has_children(self, node) -> torch.Tensor:
+        """On the device: whether ``node`` (an index or a 0-d tensor) has a real child."""
+        kids = self.parents == node
+        return (kids if self.valid is None else kids & self.valid).any()
+
     def children(self) -> list[list[int]]:
         """Children of every node, in index (= trial) order; padding nodes are nobody's.
         On the host (sampling acceptance): one read of the parents, one of ``valid``."""

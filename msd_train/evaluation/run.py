@@ -104,7 +104,8 @@ def check_images(items) -> None:
 
 
 class _Partial:
-    """Records appended to a JSONL file as they are measured, so an interruption keeps them."""
+    """Records appended to a JSONL file as they are measured, so an interruption keeps them;
+    each record's ``item`` becomes its index over the whole benchmark, not the shard."""
 
     def __init__(self, path: Path, rank: int, world: int):
         self.path, self.rank, self.world = path, rank, world
@@ -112,8 +113,9 @@ class _Partial:
         self.f = open(path, "w", encoding="utf-8")
 
     def __call__(self, rec: dict) -> None:
+        rec["item"] = self.rank + self.world * rec["item"]  # the runner keeps this same dict
         self.records.append(rec)
-        self.f.write(json.dumps({**rec, "item": self.rank + self.world * rec["item"]}, ensure_ascii=False) + "\n")
+        self.f.write(json.dumps(rec, ensure_ascii=False) + "\n")
         self.f.flush()
 
     def close(self) -> None:
@@ -205,16 +207,12 @@ def _evaluate_shard(cfg: dict, target, draft, shard: list, config: DecodeConfig,
     except BaseException as e:  # Ctrl-C, an error mid-benchmark: keep a report of what was measured
         partial.close()
         if world == 1 and partial.records:
-            for r in partial.records:
-                r["item"] = rank + world * r["item"]
             kept = report_of(partial.records)
             kept["interrupted"] = f"{type(e).__name__} after {len(partial.records)} turns; partial results"
             paths = write_report(out, kept, partial.records)
             log.warning("interrupted: the %d turns measured so far are in %s", len(partial.records), paths["json"])
         raise
     partial.close()
-    for r in records:
-        r["item"] = rank + world * r["item"]
     return records
 
 
