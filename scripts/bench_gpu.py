@@ -84,7 +84,7 @@ CONFIGS = {
         vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
                     image_size=336, patch_size=14, projection_dim=768, hidden_act="quick_gelu",
                     layer_norm_eps=1e-5),
-        image_token_id=32000, projector_hidden_act="gelu", train_seq_len=1024,
+        image_token_id=32000, projector_hidden_act="gelu",
     ),
     # Qwen/Qwen2-VL-7B-Instruct: Qwen2 28 x 3584, intermediate 18944, 28 heads / 4 KV heads,
     # vocabulary 152064, M-RoPE sections [16, 24, 24]; a 672x672 image gives 48x48 patches,
@@ -98,7 +98,6 @@ CONFIGS = {
         vision=dict(depth=32, embed_dim=1280, hidden_size=3584, num_heads=16, mlp_ratio=4, patch_size=14,
                     spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
         image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
-        train_seq_len=1024,
     ),
     # small widths of the Qwen2-VL shape, same prompt (576 visual tokens, M-RoPE) and vocabulary: CPU check
     "small_qwen": dict(
@@ -110,7 +109,6 @@ CONFIGS = {
         vision=dict(depth=2, embed_dim=64, hidden_size=256, num_heads=4, mlp_ratio=4, patch_size=14,
                     spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
         image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
-        train_seq_len=704,
     ),
 }
 

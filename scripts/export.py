@@ -16,17 +16,16 @@ import hydra
 from omegaconf import DictConfig
 
 from msd_train.config import CONF_DIR
-from msd_train.hub.cli import require_arguments, resolve_target
+from msd_train.hub.cli import require_arguments, target_info
 
 
 @hydra.main(config_path=str(CONF_DIR / "hub"), config_name="export", version_base=None)
 def main(cfg: DictConfig) -> None:
     require_arguments(cfg, "export")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from msd_train.hub import TargetInfo, export_msd, export_reference
+    from msd_train.hub import export_msd, export_reference
 
-    name_or_path, _ = resolve_target(cfg.target)
-    target = TargetInfo.from_files(name_or_path) if name_or_path else None
+    target = target_info(cfg.target)
     if cfg.format == "msd":
         summary = export_msd(cfg.checkpoint, cfg.out, target=target, dtype=cfg.dtype)
     elif cfg.format == "reference":

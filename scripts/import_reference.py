@@ -16,17 +16,16 @@ import hydra
 from omegaconf import DictConfig
 
 from msd_train.config import CONF_DIR
-from msd_train.hub.cli import require_arguments, resolve_target
+from msd_train.hub.cli import require_arguments, target_info
 
 
 @hydra.main(config_path=str(CONF_DIR / "hub"), config_name="import_reference", version_base=None)
 def main(cfg: DictConfig) -> None:
     require_arguments(cfg, "import_reference")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from msd_train.hub import TargetInfo, import_reference
+    from msd_train.hub import import_reference
 
-    name_or_path, _ = resolve_target(cfg.target)
-    target = TargetInfo.from_files(name_or_path) if name_or_path else None
+    target = target_info(cfg.target)
     report = import_reference(cfg.src, cfg.out, target=target, revision=cfg.revision)
     print(f"imported {cfg.src} -> {cfg.out}")
     print(json.dumps({"config": report.config, "dropped_keys": report.dropped_keys,

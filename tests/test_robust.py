@@ -122,14 +122,14 @@ def test_exports_are_readable_like_config_json(tmp_path):
     from transformers import AutoConfig
 
     from msd_train.draft import MSDDraftConfig, MSDDraftModel
-    from msd_train.hub.reference import write_atomic
+    from msd_train.runtime import atomic_dir
 
     old = os.umask(0o022)
     try:
         cfg = MSDDraftConfig.from_target_config(AutoConfig.from_pretrained(ROOT / "data" / "tiny-llava"), "tiny")
         head = MSDDraftModel(cfg)
         ckpt.export_atomic(head, tmp_path / "final", {"training.json": "{}"})
-        write_atomic(tmp_path / "exported", head.save_pretrained)
+        atomic_dir(tmp_path / "exported", head.save_pretrained)  # how hub exports write (reference.py)
     finally:
         os.umask(old)
     for folder in ("final", "exported"):

@@ -119,8 +119,8 @@ def datasets_of(training: list[dict]) -> list[str]:
             for source in data.get(key) or []:
                 path = str(source.get("path", "")) if isinstance(source, dict) else str(source)
                 ident = KNOWN_DATASETS.get(Path(path).name)
-                if ident is None and is_repo_id(path) and not Path(path).exists():
-                    ident = path
+                if ident is None:
+                    ident = hub_id(path)
                 if ident and ident not in out:
                     out.append(ident)
     return out
@@ -370,7 +370,7 @@ def model_card(
         lines.append("- adapter: none")
     lines.append("")
     lines += _training_section(training)
-    lines += _evaluation_section(report, report_name, repo_id, target_id or load_arg)
+    lines += _evaluation_section(report, report_name, repo_id, load_arg)
     if files:
         lines += ["## Files", ""] + [f"- `{name}` ({size:,} bytes)" for name, size in files] + [""]
     return "\n".join(["---", data.to_yaml(), "---", "", public("\n".join(lines))])

@@ -22,6 +22,14 @@ def require_arguments(cfg: DictConfig, script: str) -> None:
         raise SystemExit(f"{script}: missing required argument(s): {' '.join(f'{k}=...' for k in missing)}")
 
 
+def target_info(value: str | None):
+    """`target=` of the hub scripts as the ``TargetInfo`` the hub functions take (None without one)."""
+    from msd_train.hub import TargetInfo
+
+    name_or_path, _ = resolve_target(value)
+    return TargetInfo.from_files(name_or_path) if name_or_path else None
+
+
 def resolve_target(value: str | None) -> tuple[str | None, str | None]:
     """`target=`: a `conf/target/<name>.yaml` (its name_or_path and adapter), or else a
     target path / Hub id as given. Returns (name_or_path, adapter)."""

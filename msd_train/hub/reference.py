@@ -487,18 +487,13 @@ def import_reference(src: str | Path, out: str | Path, target: TargetInfo | None
         model.save_pretrained(tmp)
         (tmp / IMPORT_RECORD).write_text(json.dumps(report.record(ref.config), indent=1))
 
-    write_atomic(out, write)
+    atomic_dir(out, write)
     return report
 
 
 def _source_name(src) -> str:
     """A local folder as an absolute path (so a later export finds it from any cwd), a repo id as is."""
     return str(Path(src).resolve()) if Path(src).exists() else str(src)
-
-
-def write_atomic(out: Path, write) -> None:
-    """``write(tmp)`` into a temp folder, renamed over ``out`` when it returns."""
-    atomic_dir(out, write)
 
 
 # --- ours -> released ------------------------------------------------------------------------
@@ -657,7 +652,7 @@ def _write_released(out: Path, state: dict, ref_config: dict, weights: str) -> s
             torch.save({k: v.clone() for k, v in state.items()}, tmp / filename)
         (tmp / "config.json").write_text(json.dumps(ref_config, indent=2) + "\n")
 
-    write_atomic(out, write)
+    atomic_dir(out, write)
     return filename
 
 
@@ -684,5 +679,5 @@ def export_msd(checkpoint: str | Path, out: str | Path, target: TargetInfo | Non
         for name, text in extra.items():
             (tmp / name).write_text(text)
 
-    write_atomic(Path(out), write)
+    atomic_dir(Path(out), write)
     return {"out": str(out), "files": sorted(["config.json", "model.safetensors", *extra]), "dtype": str(model.dtype)}
