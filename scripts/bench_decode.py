@@ -71,7 +71,7 @@ def random_target(name: str, num_layers: int | None, device, dtype):
     """A randomly initialised target of a published shape, with a small offline tokenizer
     (ids beyond it decode to nothing; timings do not depend on the text)."""
     from msd_train.targets import wrap_target
-    from msd_train.targets.chat import CHATML_QWEN, VICUNA_V1
+    from msd_train.targets.chat import CHATML_QWEN, QWEN_SPECIALS, VICUNA_V1
     from msd_train.targets.random import char_tokenizer  # offline, exact round trip
 
     s = dict(SHAPES[name])
@@ -110,8 +110,7 @@ def random_target(name: str, num_layers: int | None, device, dtype):
         from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        specials = ["<unk>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
-                    "<|video_pad|>"]
+        specials = ["<unk>", *QWEN_SPECIALS]
         tok = char_tokenizer(specials, None, "<|im_end|>", CHATML_QWEN)
         ids = {x: tok.convert_tokens_to_ids(x) for x in specials}
         text = dict(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"],

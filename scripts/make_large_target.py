@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from msd_train.targets import chat
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "data" / "tiny-llava"
 
@@ -59,8 +61,7 @@ SHAPES = {
         vision=dict(depth=32, embed_dim=1280, hidden_size=3584, num_heads=16, mlp_ratio=4, patch_size=14,
                     spatial_merge_size=2, temporal_patch_size=2, in_channels=3)),
 }
-QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                 "<|image_pad|>", "<|video_pad|>"]
+QWEN_SPECIALS = ["<|endoftext|>", *chat.QWEN_SPECIALS]
 QWEN_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
     "You are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n"

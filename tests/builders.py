@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from msd_train.targets import wrap_target
-from msd_train.targets.chat import CHATML_QWEN, VICUNA_V1
+from msd_train.targets.chat import CHATML_QWEN, QWEN_SPECIALS, VICUNA_V1
 from msd_train.targets.random import char_tokenizer
 
 
@@ -57,8 +57,7 @@ def _tiny_qwen(config_class, model_class, vision: dict, seed: int):
     torchvision video processor; a namespace stands in for it here)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    specials = ["<unk>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                "<|image_pad|>", "<|video_pad|>"]
+    specials = ["<unk>", *QWEN_SPECIALS]
     tok = char_tokenizer(specials, None, "<|im_end|>", CHATML_QWEN)
     ids = {s: tok.convert_tokens_to_ids(s) for s in specials}
     text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -50,6 +50,9 @@ VICUNA_V1 = (
 )
 
 # ChatML as Qwen2-VL / Qwen2.5-VL use it, with their default system prompt.
+#: Qwen2-VL / Qwen2.5-VL's special tokens a ChatML image prompt uses (in the order the
+#: offline tokenizers of random and tiny Qwen targets add them)
+QWEN_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 CHATML_QWEN = (
     "{% for m in messages %}"
     "{% if loop.first and m['role'] != 'system' %}"

@@ -21,10 +21,7 @@ from pathlib import Path
 
 import torch
 
-from msd_train.targets.chat import CHATML_QWEN
-
-QWEN_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
-                 "<|video_pad|>"]
+from msd_train.targets.chat import CHATML_QWEN, QWEN_SPECIALS
 
 
 def save_tiny_qwen2vl(out_dir: str | Path, lm_from: str | Path, seed: int = 0, image_pixels: int = 48) -> Path:
