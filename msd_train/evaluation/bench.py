@@ -202,11 +202,11 @@ def load_bench(cfg: dict) -> list[BenchItem]:
         items = []
         for src in cfg["sources"]:
             items += load_conversations(src["path"], src.get("image_root"), src.get("format", "auto"),
-                                        src.get("captions"), cfg.get("group_by") or "category")
+                                        src.get("captions"), grouped_by(cfg))
     elif kind == "jsonl":
         if not cfg.get("path"):
             raise ValueError("bench=jsonl needs bench.path=FILE.jsonl (and bench.image_root=DIR for relative images)")
-        items = load_jsonl(cfg["path"], cfg.get("image_root"), cfg.get("group_by") or "category")
+        items = load_jsonl(cfg["path"], cfg.get("image_root"), grouped_by(cfg))
     elif kind == "hf":
         if not cfg.get("dataset"):
             raise ValueError("bench=hf needs bench.dataset=OWNER/NAME (and bench.split, bench.turns_field, ...)")

@@ -40,12 +40,12 @@ def run(cfg) -> None:
                 # launcher when this one exits).
                 lock = rundir.RunDirLock(Path(cfg.run_dir).resolve())
                 lock.acquire()
-                if str(cfg.resume).lower() in ("false", "0", "no"):
+                if ckpt.resume_disabled(cfg):
                     moved = rundir.set_aside(stage_dir)
                     if moved is not None:
                         log.warning("resume=false: the previous outputs of stage %s were moved to %s",
                                     cfg.stage.id, moved)
-            if str(cfg.resume).lower() not in ("false", "0", "no"):
+            if not ckpt.resume_disabled(cfg):
                 newest = ckpt.loadable_checkpoints(stage_dir / "checkpoints", log_skipped=False)[:1]
                 refusal = newest and rundir.world_size_refusal(newest[0], ckpt.read_state(newest[0]), world)
                 if refusal:

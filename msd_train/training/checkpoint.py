@@ -48,6 +48,11 @@ def _step_of(p: Path) -> int | None:
     return int(m.group(1)) if m and p.is_dir() else None
 
 
+def resume_disabled(cfg) -> bool:
+    """``resume=false`` (or 0 / no): start the stage over instead of continuing."""
+    return str(cfg.resume).lower() in ("false", "0", "no")
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under ``root`` (``step-<digits>/`` with a state file), oldest first."""
     if not root.is_dir():

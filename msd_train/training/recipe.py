@@ -219,7 +219,7 @@ class TrainRecipe:
     # ------------------------------------------------------------------ resume
     def _resume_point(self) -> Path | None:
         """The newest checkpoint that passes the cheap checks (the skipped ones are logged)."""
-        self._candidates = [] if str(self.cfg.resume).lower() in ("false", "0", "no") else \
+        self._candidates = [] if ckpt.resume_disabled(self.cfg) else \
             ckpt.loadable_checkpoints(self.ckpt_root, log_skipped=self.main)
         if not self._candidates and self.main:
             # Killed before its first checkpoint: what it logged is not part of the run that starts now.
