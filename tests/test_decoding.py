@@ -198,7 +198,7 @@ def test_caches_hold_exactly_the_committed_tokens(setup):
     pos = torch.cat([pos, target.continue_positions(len(prompt.input_ids), len(new), deltas)], -1)
     hidden, _ = target.run_language_model(embeds, pos)
     whole = head.target_inputs(Features(embeds, hidden, ids == target.image_token_id, pos))
-    ref = head(**whole, use_cache=True).past_key_values
+    ref = head(**whole, use_cache=True).cache
     n = state.drafter.cache.length
     assert n == state.cache_len - 1 - len(path) + 1  # pending: the last cycle's path
     for i, theirs in enumerate(ref.layers):

@@ -195,7 +195,7 @@ def test_incremental_forward_matches_full(family, attn):
 
     with torch.no_grad():
         out = model(e[:, :prefix], h[:, :prefix], position_ids=take(pos, 0, prefix), use_cache=True)
-        cache, pieces = out.past_key_values, [out.last_hidden_state]
+        cache, pieces = out.cache, [out.last_hidden_state]
         for t in range(prefix, L):  # one token at a time
             step = model(e[:, t : t + 1], h[:, t : t + 1], position_ids=take(pos, t, t + 1), past_key_values=cache)
             pieces.append(step.last_hidden_state)
@@ -203,7 +203,7 @@ def test_incremental_forward_matches_full(family, attn):
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-5)
 
     with torch.no_grad():  # prefix, then a causal block of several tokens over the cache
-        cache = model(e[:, :prefix], h[:, :prefix], position_ids=take(pos, 0, prefix), use_cache=True).past_key_values
+        cache = model(e[:, :prefix], h[:, :prefix], position_ids=take(pos, 0, prefix), use_cache=True).cache
         block = model(e[:, prefix:], h[:, prefix:], position_ids=take(pos, prefix, L), past_key_values=cache)
     torch.testing.assert_close(block.last_hidden_state, full[:, prefix:], rtol=0, atol=1e-5)
 
@@ -258,7 +258,7 @@ def test_tree_mask_matches_each_path(family, attn):
     node_pos = int(pos.max()) + 1 + depth[None]  # text after the prefix; broadcast to 3 rows under M-RoPE
 
     with torch.no_grad():
-        cache = model(e, h, position_ids=pos, use_cache=True).past_key_values
+        cache = model(e, h, position_ids=pos, use_cache=True).cache
         tree = model(
             ne, nh, position_ids=node_pos, attention_mask=tree_mask(TREE_PARENTS, prefix), past_key_values=cache
         ).last_hidden_state
@@ -278,7 +278,7 @@ def test_crop_then_continue_matches_full():
     full = model(e, h).last_hidden_state
     junk = torch.randn(1, 3, H)
     with torch.no_grad():
-        cache = model(e[:, :5], h[:, :5], use_cache=True).past_key_values
+        cache = model(e[:, :5], h[:, :5], use_cache=True).cache
         model(junk, junk, past_key_values=cache)  # rejected draft tokens
         assert crop_cache(cache, 5) is cache and cache.get_seq_length() == 5
         rest = model(e[:, 5:], h[:, 5:], past_key_values=cache).last_hidden_state

@@ -72,6 +72,9 @@ def run_steps(r):
 
 # Losses of the embedded default (micro-batch 2, grad_accum 2, one thread), recorded from main
 # before collation moved into a DataLoader (commit e076b59): [loss, feat, tok, top1, tokens, mm_share].
+# Recorded under transformers 5.23; newer kernels move the losses in the 8th digit, so the
+# recording is compared to 1e-6 (same batches, same tokens), and the two collation paths of
+# this run to each other bit for bit.
 BEFORE_STAGE1 = [
     [1.3633502795778472, 0.6049348732520794, 7.584154063257678, 0.008620689655172414, 222.0, 0.0],
     [1.357468205620261, 0.6038107815910788, 7.53657424029182, 0.023529411764705882, 171.0, 0.0],
@@ -87,12 +90,21 @@ def test_dataloader_losses_are_bit_identical_to_the_step_collation_of_before(in_
     common = [f"data.cache_dir={tmp_path / 'cache'}", "train.micro_batch_size=2", "train.grad_accum=2",
               f"run_dir={tmp_path}"]
     r = recipe(["stage='1'", "train.max_steps=3", "train.loader_workers=2", *common])
-    assert run_steps(r) == BEFORE_STAGE1
+    assert_same_steps(run_steps(r), BEFORE_STAGE1)
     r.export("final")
     half = ["stage.curriculum.start=0.5", "stage.curriculum.end=0.5", "train.max_steps=4"]
+    runs = []
     for workers in (0, 2):  # collated in the step's process, or ahead in worker processes
         r = recipe(["stage='2'", *half, f"train.loader_workers={workers}", *common])
-        assert run_steps(r) == BEFORE_STAGE2
+        runs.append(run_steps(r))
+        assert_same_steps(runs[-1], BEFORE_STAGE2)
+    assert runs[0] == runs[1]
+
+
+def assert_same_steps(got, recorded):
+    for g, want in zip(got, recorded, strict=True):
+        assert g[3:] == want[3:]  # top-1, tokens and multimodal share: exactly
+        assert g[:3] == pytest.approx(want[:3], rel=1e-6, abs=0)
 
 
 def test_stages_differ_only_by_their_yaml(in_process, mini_run, tmp_path):

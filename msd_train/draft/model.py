@@ -22,6 +22,7 @@ from transformers.utils import ModelOutput
 
 from msd_train.draft.config import MSDDraftConfig
 from msd_train.draft.positions import draft_position_ids
+from msd_train.hf_compat import cache_kwargs
 
 # Attention implementations that honour an arbitrary 4-D additive mask exactly (tree
 # drafting needs it); flash-attention variants only take padding masks.
@@ -36,13 +37,15 @@ class MSDDraftOutput(ModelOutput):
 
     last_hidden_state: [B, T, H] predicted next features `f_hat_{t+1}`; logits are
         `target.lm_head(last_hidden_state)`.
-    past_key_values: the draft's KV cache (a `DynamicCache`) when one was used.
+    cache: the draft's KV cache (a `DynamicCache`) when one was used. The field is not
+        called ``past_key_values``: transformers >= 5.24 renames that keyword on every
+        ModelOutput's construction (see ``msd_train.hf_compat``).
     layer_input: [B, T, H] the first layer's input (fused, then visual-replaced);
         only with `return_layer_input=True`.
     """
 
     last_hidden_state: torch.Tensor | None = None
-    past_key_values: Cache | None = None
+    cache: Cache | None = None
     layer_input: torch.Tensor | None = None
 
 
@@ -235,7 +238,7 @@ class MSDDraftModel(PreTrainedModel):
                 given, a new `DynamicCache` is created.
             return_layer_input: also return the first layer's input.
         Returns:
-            MSDDraftOutput(last_hidden_state [B, T, H], past_key_values, layer_input).
+            MSDDraftOutput(last_hidden_state [B, T, H], cache, layer_input).
         """
         attn_impl = self.config._attn_implementation
         if attn_impl not in _SUPPORTED_ATTENTION:
@@ -264,11 +267,11 @@ class MSDDraftModel(PreTrainedModel):
                 x,
                 attention_mask=bias,
                 position_embeddings=position_embeddings,
-                past_key_values=past_key_values,
                 use_cache=use_cache,
+                **cache_kwargs(past_key_values),
             )
         return MSDDraftOutput(
             last_hidden_state=x,
-            past_key_values=past_key_values,
+            cache=past_key_values,
             layer_input=layer_input if return_layer_input else None,
         )

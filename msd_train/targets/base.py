@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from msd_train.hf_compat import cache_kwargs, output_cache
 from msd_train.targets.chat import Segment, render_prompt, render_segments
 from msd_train.targets.tokenize import encode_segments
 
@@ -221,10 +222,10 @@ class Target:
             inputs_embeds=inputs_embeds,
             position_ids=position_ids,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
             use_cache=use_cache,
+            **cache_kwargs(past_key_values),
         )
-        return out.last_hidden_state, out.past_key_values
+        return out.last_hidden_state, output_cache(out)
 
     @torch.no_grad()
     def features(
