@@ -142,7 +142,7 @@ def test_tree_verification_matches_sequential_forward(setup):
     target, head, prompts = setup
     state = prefill(target, head, prompts["image"])
     state.tokens.append(int(state.next_logits.argmax()))
-    tree = draft_tree(state.drafter, target, state, depth=3, top_k=3, total_tokens=14,
+    tree = draft_tree(state.drafter, target, state.pending(), depth=3, top_k=3, total_tokens=14,
                       sampling=DecodeConfig().sampling)
     assert len(tree) == 14 and not tree.is_chain
     base = state.clone()
@@ -174,7 +174,7 @@ def test_caches_hold_exactly_the_committed_tokens(setup):
     reordered = 0
     for _ in range(12):
         state.reserve(40)
-        tree = draft_tree(state.drafter, target, state, depth=3, top_k=4, total_tokens=16,
+        tree = draft_tree(state.drafter, target, state.pending(), depth=3, top_k=4, total_tokens=16,
                           sampling=DecodeConfig().sampling)
         logits, hidden = verify(target, state, tree)
         acc = read_acceptance(tree, accept_greedy(tree, logits))
@@ -244,7 +244,7 @@ def test_draft_tree_children_are_the_heads_top_k(setup):
     state = prefill(target, head, prompt)
     first = int(state.next_logits.argmax())
     state.tokens.append(first)
-    tree = draft_tree(state.drafter, target, state, depth=2, top_k=3, total_tokens=12,
+    tree = draft_tree(state.drafter, target, state.pending(), depth=2, top_k=3, total_tokens=12,
                       sampling=DecodeConfig().sampling)
     parents, tokens, kids = tree.parents.tolist(), tree.tokens.tolist(), tree.children()
     checked = 0
@@ -267,7 +267,7 @@ def test_chain_draft_leaves_head_cache_at_committed_length(llava_setup):
     target, head, prompts = llava_setup
     state = prefill(target, head, prompts["text"])
     state.tokens.append(int(state.next_logits.argmax()))
-    tree = draft_chain(state.drafter, target, state, k=5, sampling=DecodeConfig().sampling)
+    tree = draft_chain(state.drafter, target, state.pending(), k=5, sampling=DecodeConfig().sampling)
     assert tree.is_chain and len(tree) == 6 and tree.draft_probs is None
     assert state.drafter.cache.get_seq_length() == len(prompts["text"].input_ids)
 
@@ -303,7 +303,7 @@ def test_draft_tree_is_a_valid_eagle2_tree(llava_setup):
     state = prefill(target, head, prompts["image"])
     state.tokens.append(int(state.next_logits.argmax()))
     before = state.drafter.cache.get_seq_length()
-    tree = draft_tree(state.drafter, target, state, depth=2, top_k=3, total_tokens=10,
+    tree = draft_tree(state.drafter, target, state.pending(), depth=2, top_k=3, total_tokens=10,
                       sampling=DecodeConfig().sampling)
     assert len(tree) == 10 and tree.tokens[0] == state.tokens[-1]
     assert (tree.parents[1:] < torch.arange(1, 10)).all()  # parents come first
@@ -313,7 +313,7 @@ def test_draft_tree_is_a_valid_eagle2_tree(llava_setup):
     # depth 0 is just the root's top_k children
     state = prefill(target, head, prompts["image"])
     state.tokens.append(int(state.next_logits.argmax()))
-    small = draft_tree(state.drafter, target, state, depth=0, top_k=3, total_tokens=10, sampling=DecodeConfig().sampling)
+    small = draft_tree(state.drafter, target, state.pending(), depth=0, top_k=3, total_tokens=10, sampling=DecodeConfig().sampling)
     assert len(small) == 4 and small.depths.tolist() == [0, 1, 1, 1]
 
 
@@ -324,7 +324,7 @@ def test_one_host_read_per_greedy_cycle(llava_setup, method):
     state = prefill(target, head, prompts["image"], capacity=200)
     config = DecodeConfig(max_new_tokens=24, eos_token_ids=(), **method)
     with HostReads() as reads:
-        out = decode(target, head, state, config)
+        out = decode(target, state, config)
     assert len(out.cycles) >= 5 and sum(c.accepted for c in out.cycles) > 0 or method["method"] == "ar"
     assert reads.count == 1 + len(out.cycles), reads.names  # the first token, then one per cycle
     assert reads.uploads == []  # and no host data copied to the device (a stream sync on a GPU)
@@ -408,8 +408,8 @@ def test_decode_reuses_a_prefill(llava_setup):
     """``decode`` from a cloned prefill gives the same tokens as ``generate``."""
     target, head, prompts = llava_setup
     state = prefill(target, head, prompts["image"])
-    a = decode(target, head, state.clone(), DecodeConfig(max_new_tokens=12, **TREE))
-    b = decode(target, head, state.clone(), DecodeConfig(max_new_tokens=12, **TREE))
+    a = decode(target, state.clone(), DecodeConfig(max_new_tokens=12, **TREE))
+    b = decode(target, state.clone(), DecodeConfig(max_new_tokens=12, **TREE))
     assert a.tokens == b.tokens == run(target, head, prompts["image"], max_new_tokens=12, **TREE).tokens
 
 
