@@ -21,6 +21,7 @@ from msd_train.decoding import (
     DecodeConfig,
     PositionCache,
     Tree,
+    Workspace,
     accept_greedy,
     commit,
     decode,
@@ -31,7 +32,6 @@ from msd_train.decoding import (
     read_acceptance,
     tree_attention_bias,
     verify,
-    Workspace,
 )
 from msd_train.decoding.graphs import StepGraphs, TracedCapture
 from msd_train.decoding.stopping import StopCriteria, find_stop
