@@ -426,6 +426,17 @@ def test_a_second_prompt_replays_the_first_prompts_graphs(llava_setup):
     assert steps.count("verify") == 1 and workspace.graphs.backend.captures == len(steps)
 
 
+def test_ensemble_drafting_replays_exactly(llava_setup):
+    """Three variants as batch rows (their padding bias an input of the captured head step)."""
+    target, head, prompts = llava_setup
+    workspace = emulated()
+    for mode in ("ibed", "tabed"):
+        config = dict(TREE, ensemble=mode, variants=("M", "T", "P"), eos_token_ids=(), max_new_tokens=16)
+        out = run(target, head, prompts["image"], workspace, **config)
+        assert out.tokens == run(target, None, prompts["image"], method="ar", eos_token_ids=(), max_new_tokens=16).tokens
+    assert workspace.graphs.captures > 0 and not workspace.graphs.eager
+
+
 def test_the_emulation_freezes_what_a_cuda_graph_freezes():
     """A Python value read while capturing is a constant of every replay (as in a CUDA
     graph); the inputs are read afresh from the static buffers."""

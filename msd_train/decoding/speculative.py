@@ -17,6 +17,12 @@ whether the last node has children (2): at most 6 + 2 * (siblings tried) per cyc
 Plain decoding (the baseline) is ``decode_plain``: a one-token loop over the same static
 cache, one transfer per token.
 
+Ownership. A ``Workspace`` owns the caches' buffers and the steps captured over them (a
+benchmark keeps one across prompts); the ``DecodeState`` of one generation owns the host
+bookkeeping (tokens, the pending features) and the drafter, and hands the drafter what it
+reads (``Pending``); the target cache owns the committed length m. Each forward is told
+where to write (``cache.at(index)``), as gpt-fast's steps take ``input_pos``.
+
 Indexing. The committed sequence is ``x_0 .. x_m``: the prompt then the new tokens. The
 target's KV cache holds ``x_0 .. x_{m-1}`` at slots ``[0, m)``; the root of the next tree
 is ``x_m``; tree nodes are written at ``[m, m + N)`` and the accepted path moved to
