@@ -420,8 +420,10 @@ def test_a_second_prompt_replays_the_first_prompts_graphs(llava_setup):
     assert second.tokens == run(target, None, prompts["second_turn"], method="ar").tokens
 
     for name in ("image", "two_images"):  # speculative: the verify step is captured once for both prompts
-        out = run(target, head, prompts[name], workspace, **TREE)
+        out = run(target, head, prompts[name], workspace, timing=True, **TREE)
         assert out.tokens == run(target, head, prompts[name], **TREE).tokens
+        phases = sum(c.t_draft + c.t_verify + c.t_accept for c in out.cycles)
+        assert 0 < phases <= out.t_total and all(c.t_draft > 0 and c.t_verify > 0 for c in out.cycles)
     steps = [key[0] for key in workspace.graphs.graphs]
     assert steps.count("verify") == 1 and workspace.graphs.backend.captures == len(steps)
 
@@ -434,6 +436,20 @@ def test_ensemble_drafting_replays_exactly(llava_setup):
         config = dict(TREE, ensemble=mode, variants=("M", "T", "P"), eos_token_ids=(), max_new_tokens=16)
         out = run(target, head, prompts["image"], workspace, **config)
         assert out.tokens == run(target, None, prompts["image"], method="ar", eos_token_ids=(), max_new_tokens=16).tokens
+    assert workspace.graphs.captures > 0 and not workspace.graphs.eager
+
+
+def test_sampled_decoding_replays_exactly(llava_setup):
+    """Sampling over replayed steps draws what eager sampling draws (same generator seed)."""
+    from msd_train.decoding import SamplingParams
+
+    target, head, prompts = llava_setup
+    workspace = emulated()
+    for method in (TREE, CHAIN):
+        config = DecodeConfig(**method, sampling=SamplingParams(temperature=0.7), max_new_tokens=16)
+        eager, replayed = (generate(target, head, prompts["two_images"], config, torch.Generator().manual_seed(5),
+                                    workspace=ws).tokens for ws in (None, workspace))
+        assert eager == replayed
     assert workspace.graphs.captures > 0 and not workspace.graphs.eager
 
 

@@ -445,14 +445,15 @@ def decode(target, state: DecodeState, config: DecodeConfig, generator: torch.Ge
 
     _first_token(state, sampling, generator)
     stop = find_stop(state.tokens, 0, criteria, tokenizer)
-    cycles, marks = [], []
+    cycles, marks, captures = [], [], []
+    graphs = state.workspace.graphs
     while stop is None:
         state.reserve(config.block_size)
-        t0 = clock.mark()
+        t0, c0 = clock.mark(), graphs.capture_s
         tree = drafter.draft_block(target, state.pending(), config, generator)
-        t1 = clock.mark()
+        t1, c1 = clock.mark(), graphs.capture_s
         logits, hidden = verify(target, state, tree)
-        t2 = clock.mark()
+        t2, c2 = clock.mark(), graphs.capture_s
         if sampling.greedy:
             acc = read_acceptance(tree, accept_greedy(tree, logits))
         else:
@@ -466,9 +467,11 @@ def decode(target, state: DecodeState, config: DecodeConfig, generator: torch.Ge
             del state.tokens[stop[0]:]
         t3 = clock.mark()
         marks.append((t0, t1, t2, t3))
+        captures.append((c1 - c0, c2 - c1) if clock.enabled else (0.0, 0.0))  # capturing is not the phase's time
         cycles.append(CycleStats(len(acc.path) - 1, acc.tried, len(state.tokens) - before, len(tree)))
-    for c, (t0, t1, t2, t3) in zip(cycles, marks):  # read at the end: no synchronisation per phase
-        c.t_draft, c.t_verify, c.t_accept = clock.seconds(t0, t1), clock.seconds(t1, t2), clock.seconds(t2, t3)
+    for c, (t0, t1, t2, t3), (cd, cv) in zip(cycles, marks, captures):  # read at the end: no sync per phase
+        c.t_draft, c.t_verify = clock.seconds(t0, t1) - cd, clock.seconds(t1, t2) - cv
+        c.t_accept = clock.seconds(t2, t3)
     text = tokenizer.decode(state.tokens, skip_special_tokens=True) if tokenizer is not None else ""
     return Generation(list(state.tokens), text, stop[1], state.prompt_len, cycles=cycles)
 
