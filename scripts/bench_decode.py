@@ -302,7 +302,7 @@ def count_host_reads(target, draft, items, configs, args, draft_path, device) ->
         for prompt in prompts:
             state = prefill(target, draft if c.method != "ar" else None, prompt)
             with HostReads() as counter:
-                out = decode(target, draft, state, c)
+                out = decode(target, state, c)
             reads += counter.count
             cycles += len(out.cycles)
             kinds.update(counter.names)

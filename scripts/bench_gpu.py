@@ -245,7 +245,7 @@ class Snapshot:
 
     def restore(self):
         s = self.state
-        s.cache_len = s.target_cache.length = self.cache_len
+        s.target_cache.length = self.cache_len
         if s.drafter is not None:
             s.drafter.cache.length = self.draft_len
         s.tokens, s.pending_hidden = list(self.tokens), self.pending
@@ -306,7 +306,7 @@ def bench_plain(target, prompt, args, device, bandwidth: dict) -> dict:
         for i in range(1 + args.warmup + args.repeats):
             sync(device)
             t0 = time.perf_counter()
-            gen = decode(target, None, state, cfg)
+            gen = decode(target, state, cfg)
             sync(device)
             dt = time.perf_counter() - t0
             snap.restore()
@@ -383,17 +383,15 @@ def bench_cycle(target, draft, prompt, args, device, step_s: float) -> dict:
         read_acceptance,
         verify,
     )
-    from msd_train.decoding.graphs import resolve
-
     greedy = SamplingParams()
     state = _prefill(target, prompt, HeadDrafter(draft))
-    state.use_graphs(resolve("auto", device))  # the components as decode() runs them (warm-up captures)
+    state.workspace.graphs.configure("auto", device)  # the components as decode() runs them (warm-up captures)
     snap = Snapshot(state)
 
     def make_tree(size):
         if size == 1:
             return chain(torch.as_tensor([state.tokens[-1]], device=device))
-        t = draft_tree(state.drafter, target, state, depth=max(DEFAULT_TREE["depth"], 8),
+        t = draft_tree(state.drafter, target, state.pending(), depth=max(DEFAULT_TREE["depth"], 8),
                        top_k=DEFAULT_TREE["top_k"], total_tokens=size, sampling=greedy)
         snap.restore()
         return t
@@ -410,10 +408,10 @@ def bench_cycle(target, draft, prompt, args, device, step_s: float) -> dict:
     tree_box = {}
 
     def draft_once():
-        tree_box["tree"] = draft_tree(state.drafter, target, state, d["depth"], d["top_k"], d["total_tokens"], greedy)
+        tree_box["tree"] = draft_tree(state.drafter, target, state.pending(), d["depth"], d["top_k"], d["total_tokens"], greedy)
 
     draft_ms = ms(timed(draft_once, device, args.repeats, args.warmup, after=snap.restore))
-    chain_ms = ms(timed(lambda: draft_chain(state.drafter, target, state, 5, greedy), device, args.repeats,
+    chain_ms = ms(timed(lambda: draft_chain(state.drafter, target, state.pending(), 5, greedy), device, args.repeats,
                         args.warmup, after=snap.restore))
     tree = tree_box["tree"]
     default_verify = ms(timed(lambda: verify(target, state, tree), device, args.repeats, args.warmup,
@@ -463,7 +461,7 @@ def bench_cycle(target, draft, prompt, args, device, step_s: float) -> dict:
     state0.tokens.clear()
     snap0 = Snapshot(state0)
     for i in range(1 + args.warmup + max(1, args.repeats // 2)):  # the first run captures
-        gen = decode(target, draft, state0, cfg)
+        gen = decode(target, state0, cfg)
         snap0.restore()
         if i > args.warmup:
             for c in gen.cycles:
@@ -508,7 +506,7 @@ def bench_ensemble(target, draft, prompt, args, device) -> dict:
         row = {}
         for name, state in states.items():
             snap = Snapshot(state)
-            row[name] = ms(timed(lambda c=cfg, s=state: s.drafter.draft_block(target, s, c), device, args.repeats,
+            row[name] = ms(timed(lambda c=cfg, s=state: s.drafter.draft_block(target, s.pending(), c), device, args.repeats,
                                  args.warmup, after=snap.restore))
         row["overhead"] = round(row["ibed-MTP"]["median"] / row["M"]["median"] - 1, 4)
         out[method] = row

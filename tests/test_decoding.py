@@ -8,6 +8,7 @@ head that is never accepted would leave most of the decoder untested.
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 
@@ -20,6 +21,7 @@ from msd_train.decoding import (
     DecodeConfig,
     PositionCache,
     Tree,
+    Workspace,
     accept_greedy,
     commit,
     decode,
@@ -31,6 +33,7 @@ from msd_train.decoding import (
     tree_attention_bias,
     verify,
 )
+from msd_train.decoding.graphs import StepGraphs, TracedCapture
 from msd_train.decoding.stopping import StopCriteria, find_stop
 from msd_train.decoding.transfers import HostReads
 from msd_train.draft import MSDDraftConfig, MSDDraftModel
@@ -94,25 +97,41 @@ def setup(request):
     return request.getfixturevalue("llava_setup" if request.param == "llava" else "qwen_setup")
 
 
-def run(target, head, prompt, **config):
+def run(target, head, prompt, workspace=None, **config):
     config.setdefault("max_new_tokens", 40)
-    return generate(target, head, prompt, DecodeConfig(**config))
+    return generate(target, head, prompt, DecodeConfig(**config), workspace=workspace)
+
+
+def emulated() -> Workspace:
+    """A workspace whose steps are captured and replayed by the CPU emulation of CUDA graphs."""
+    return Workspace(StepGraphs(TracedCapture()))
 
 
 # ----- greedy exactness ---------------------------------------------------------------
 
 
-def test_greedy_outputs_match_plain_decoding(setup):
+@pytest.mark.parametrize("graphs", ["eager", "emulated_graphs"])
+def test_greedy_outputs_match_plain_decoding(setup, graphs):
+    """Tree and chain decoding give plain greedy decoding's tokens, eagerly and with every
+    step replayed from a captured graph (the CPU emulation: one workspace for all prompts,
+    as a benchmark keeps it, so later prompts replay graphs captured for earlier ones)."""
     target, head, prompts = setup
+    workspace = emulated() if graphs == "emulated_graphs" else None
     accepted = []
     for name, prompt in prompts.items():
         plain = run(target, None, prompt, method="ar", eos_token_ids=())
         assert plain.tau == 1.0 and len(plain.tokens) == 40
+        if workspace is not None:  # the plain loop replayed too
+            assert run(target, None, prompt, workspace, method="ar", eos_token_ids=()).tokens == plain.tokens
         for method in (TREE, CHAIN):
-            out = run(target, head, prompt, eos_token_ids=(), **method)
+            out = run(target, head, prompt, workspace, eos_token_ids=(), **method)
             assert out.tokens == plain.tokens, f"{target.family} {name} {method['method']}"
             accepted += [c.accepted for c in out.cycles]
     assert max(accepted) >= 2 and sum(accepted) / len(accepted) > 0.5, "the head is hardly ever accepted"
+    if workspace is not None:
+        steps = [key[0] for key in workspace.graphs.graphs]
+        assert steps.count("plain") == 1 and steps.count("verify") == 2  # one per shape: tree, chain
+        assert workspace.graphs.captures == len(steps) and not workspace.graphs.eager
 
 
 def test_greedy_exact_with_a_random_head(llava_target):
@@ -142,7 +161,7 @@ def test_tree_verification_matches_sequential_forward(setup):
     target, head, prompts = setup
     state = prefill(target, head, prompts["image"])
     state.tokens.append(int(state.next_logits.argmax()))
-    tree = draft_tree(state.drafter, target, state, depth=3, top_k=3, total_tokens=14,
+    tree = draft_tree(state.drafter, target, state.pending(), depth=3, top_k=3, total_tokens=14,
                       sampling=DecodeConfig().sampling)
     assert len(tree) == 14 and not tree.is_chain
     base = state.clone()
@@ -174,7 +193,7 @@ def test_caches_hold_exactly_the_committed_tokens(setup):
     reordered = 0
     for _ in range(12):
         state.reserve(40)
-        tree = draft_tree(state.drafter, target, state, depth=3, top_k=4, total_tokens=16,
+        tree = draft_tree(state.drafter, target, state.pending(), depth=3, top_k=4, total_tokens=16,
                           sampling=DecodeConfig().sampling)
         logits, hidden = verify(target, state, tree)
         acc = read_acceptance(tree, accept_greedy(tree, logits))
@@ -244,7 +263,7 @@ def test_draft_tree_children_are_the_heads_top_k(setup):
     state = prefill(target, head, prompt)
     first = int(state.next_logits.argmax())
     state.tokens.append(first)
-    tree = draft_tree(state.drafter, target, state, depth=2, top_k=3, total_tokens=12,
+    tree = draft_tree(state.drafter, target, state.pending(), depth=2, top_k=3, total_tokens=12,
                       sampling=DecodeConfig().sampling)
     parents, tokens, kids = tree.parents.tolist(), tree.tokens.tolist(), tree.children()
     checked = 0
@@ -267,7 +286,7 @@ def test_chain_draft_leaves_head_cache_at_committed_length(llava_setup):
     target, head, prompts = llava_setup
     state = prefill(target, head, prompts["text"])
     state.tokens.append(int(state.next_logits.argmax()))
-    tree = draft_chain(state.drafter, target, state, k=5, sampling=DecodeConfig().sampling)
+    tree = draft_chain(state.drafter, target, state.pending(), k=5, sampling=DecodeConfig().sampling)
     assert tree.is_chain and len(tree) == 6 and tree.draft_probs is None
     assert state.drafter.cache.get_seq_length() == len(prompts["text"].input_ids)
 
@@ -303,7 +322,7 @@ def test_draft_tree_is_a_valid_eagle2_tree(llava_setup):
     state = prefill(target, head, prompts["image"])
     state.tokens.append(int(state.next_logits.argmax()))
     before = state.drafter.cache.get_seq_length()
-    tree = draft_tree(state.drafter, target, state, depth=2, top_k=3, total_tokens=10,
+    tree = draft_tree(state.drafter, target, state.pending(), depth=2, top_k=3, total_tokens=10,
                       sampling=DecodeConfig().sampling)
     assert len(tree) == 10 and tree.tokens[0] == state.tokens[-1]
     assert (tree.parents[1:] < torch.arange(1, 10)).all()  # parents come first
@@ -313,7 +332,7 @@ def test_draft_tree_is_a_valid_eagle2_tree(llava_setup):
     # depth 0 is just the root's top_k children
     state = prefill(target, head, prompts["image"])
     state.tokens.append(int(state.next_logits.argmax()))
-    small = draft_tree(state.drafter, target, state, depth=0, top_k=3, total_tokens=10, sampling=DecodeConfig().sampling)
+    small = draft_tree(state.drafter, target, state.pending(), depth=0, top_k=3, total_tokens=10, sampling=DecodeConfig().sampling)
     assert len(small) == 4 and small.depths.tolist() == [0, 1, 1, 1]
 
 
@@ -324,7 +343,7 @@ def test_one_host_read_per_greedy_cycle(llava_setup, method):
     state = prefill(target, head, prompts["image"], capacity=200)
     config = DecodeConfig(max_new_tokens=24, eos_token_ids=(), **method)
     with HostReads() as reads:
-        out = decode(target, head, state, config)
+        out = decode(target, state, config)
     assert len(out.cycles) >= 5 and sum(c.accepted for c in out.cycles) > 0 or method["method"] == "ar"
     assert reads.count == 1 + len(out.cycles), reads.names  # the first token, then one per cycle
     assert reads.uploads == []  # and no host data copied to the device (a stream sync on a GPU)
@@ -342,6 +361,109 @@ def test_cuda_graphs_setting(llava_setup):
         run(target, head, prompts["text"], cuda_graphs=True, **TREE)
     assert run(target, head, prompts["text"], cuda_graphs=False, max_new_tokens=6, **TREE).tokens == \
         run(target, head, prompts["text"], max_new_tokens=6, **TREE).tokens
+
+
+class FailingCapture:
+    """A capture backend that fails as a CUDA capture can: while capturing, or on the first
+    replay."""
+
+    device_type = "cpu"
+
+    def __init__(self, at: str):
+        self.at = at
+
+    def __call__(self, fn, inputs):
+        if self.at == "capture":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        outputs, _ = TracedCapture()(fn, inputs)
+
+        def replay():
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        return outputs, replay
+
+    synchronize = staticmethod(lambda: None)
+
+
+@pytest.mark.parametrize("at", ["capture", "replay"])
+def test_a_failing_capture_falls_back_to_eager(llava_setup, caplog, at):
+    """A step whose capture (or first replay) fails runs eagerly, after one warning that
+    names the step, its shapes and the error; the output is exact and the run goes on."""
+    target, head, prompts = llava_setup
+    workspace = Workspace(StepGraphs(FailingCapture(at)))
+    error = "not permitted when stream is capturing" if at == "capture" else "illegal memory access"
+    with caplog.at_level(logging.WARNING, logger="msd_train.decoding.graphs"):
+        plain = run(target, None, prompts["image"], workspace, method="ar", eos_token_ids=())
+    assert plain.tokens == run(target, None, prompts["image"], method="ar", eos_token_ids=()).tokens
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "plain step" in warning and "embeds [1, 1, 32], mask [1, 1, 1, 256]" in warning and error in warning, warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="msd_train.decoding.graphs"):
+        for name in ("image", "text"):  # the tree's two steps warn once each, on the first prompt only
+            out = run(target, head, prompts[name], workspace, eos_token_ids=(), **TREE)
+            assert out.tokens == run(target, head, prompts[name], eos_token_ids=(), **TREE).tokens
+    assert sorted(r.getMessage().split(" step ")[0].split()[-1] for r in caplog.records) == ["head", "verify"]
+    assert workspace.graphs.graphs == {} and workspace.graphs.eager == {"plain", "head", "verify"}
+
+
+def test_a_second_prompt_replays_the_first_prompts_graphs(llava_setup):
+    """One workspace for a benchmark: the second prompt decodes in the same cache buffers
+    with the graphs the first captured, and capture time is kept out of decode time."""
+    target, head, prompts = llava_setup
+    workspace = emulated()
+    first = run(target, None, prompts["text"], workspace, method="ar")
+    buffers = workspace.caches["target"].layers[0].keys
+    assert workspace.graphs.captures == 1 and first.t_capture > 0
+    second = run(target, None, prompts["second_turn"], workspace, method="ar")
+    assert workspace.graphs.captures == 1 and second.t_capture == 0  # replayed, not captured again
+    assert workspace.caches["target"].layers[0].keys is buffers
+    assert second.tokens == run(target, None, prompts["second_turn"], method="ar").tokens
+
+    for name in ("image", "two_images"):  # speculative: the verify step is captured once for both prompts
+        out = run(target, head, prompts[name], workspace, timing=True, **TREE)
+        assert out.tokens == run(target, head, prompts[name], **TREE).tokens
+        phases = sum(c.t_draft + c.t_verify + c.t_accept for c in out.cycles)
+        assert 0 < phases <= out.t_total and all(c.t_draft > 0 and c.t_verify > 0 for c in out.cycles)
+    steps = [key[0] for key in workspace.graphs.graphs]
+    assert steps.count("verify") == 1 and workspace.graphs.backend.captures == len(steps)
+
+
+def test_ensemble_drafting_replays_exactly(llava_setup):
+    """Three variants as batch rows (their padding bias an input of the captured head step)."""
+    target, head, prompts = llava_setup
+    workspace = emulated()
+    for mode in ("ibed", "tabed"):
+        config = dict(TREE, ensemble=mode, variants=("M", "T", "P"), eos_token_ids=(), max_new_tokens=16)
+        out = run(target, head, prompts["image"], workspace, **config)
+        assert out.tokens == run(target, None, prompts["image"], method="ar", eos_token_ids=(), max_new_tokens=16).tokens
+    assert workspace.graphs.captures > 0 and not workspace.graphs.eager
+
+
+def test_sampled_decoding_replays_exactly(llava_setup):
+    """Sampling over replayed steps draws what eager sampling draws (same generator seed)."""
+    from msd_train.decoding import SamplingParams
+
+    target, head, prompts = llava_setup
+    workspace = emulated()
+    for method in (TREE, CHAIN):
+        config = DecodeConfig(**method, sampling=SamplingParams(temperature=0.7), max_new_tokens=16)
+        eager, replayed = (generate(target, head, prompts["two_images"], config, torch.Generator().manual_seed(5),
+                                    workspace=ws).tokens for ws in (None, workspace))
+        assert eager == replayed
+    assert workspace.graphs.captures > 0 and not workspace.graphs.eager
+
+
+def test_the_emulation_freezes_what_a_cuda_graph_freezes():
+    """A Python value read while capturing is a constant of every replay (as in a CUDA
+    graph); the inputs are read afresh from the static buffers."""
+    settings = {"scale": 2.0}
+    graphs = StepGraphs(TracedCapture())
+    graphs.configure("auto", torch.device("cpu"))
+    step = lambda x: (x * settings["scale"],)  # noqa: E731
+    assert graphs.run("step", step, x=torch.ones(2))[0].tolist() == [2.0, 2.0]
+    settings["scale"] = 3.0
+    assert graphs.run("step", step, x=torch.full((2,), 5.0))[0].tolist() == [10.0, 10.0]
+    assert graphs.run("step", step, x=torch.ones(3))[0].tolist() == [3.0] * 3  # a new shape: a new capture
 
 
 # ----- stopping -----------------------------------------------------------------------
@@ -408,8 +530,8 @@ def test_decode_reuses_a_prefill(llava_setup):
     """``decode`` from a cloned prefill gives the same tokens as ``generate``."""
     target, head, prompts = llava_setup
     state = prefill(target, head, prompts["image"])
-    a = decode(target, head, state.clone(), DecodeConfig(max_new_tokens=12, **TREE))
-    b = decode(target, head, state.clone(), DecodeConfig(max_new_tokens=12, **TREE))
+    a = decode(target, state.clone(), DecodeConfig(max_new_tokens=12, **TREE))
+    b = decode(target, state.clone(), DecodeConfig(max_new_tokens=12, **TREE))
     assert a.tokens == b.tokens == run(target, head, prompts["image"], max_new_tokens=12, **TREE).tokens
 
 

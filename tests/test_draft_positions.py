@@ -136,7 +136,7 @@ def test_the_decoder_drafts_at_the_heads_positions(qwen_target, positions):
     state.tokens.append(root)
     state.pending_tokens = None
     with torch.inference_mode():  # the pending pair (h at the prompt's end, e(root))
-        out = state.drafter.feed_pending(qwen_target, state)[0]
+        out = state.drafter.feed_pending(qwen_target, state.pending())[0]
 
     ids = torch.cat([enc.input_ids, torch.tensor([root])])[None]  # its last draft pair is that same pair
     f = qwen_target.features(ids, None, enc.pixel)

@@ -228,7 +228,7 @@ def test_tabed_history_follows_the_rule(llava, method):
     config = DecodeConfig(max_new_tokens=40, eos_token_ids=(), ensemble="tabed", variants=("M", "T"),
                           tabed_window=5, **METHODS[method])
     state = prefill_ensemble(target, draft, prompts[0], config.variants, "tabed", 5)
-    decode(target, draft, state, config)
+    decode(target, state, config)
     ens = state.drafter
     assert 0 < ens.history_match.shape[0] <= 5
     assert torch.isclose(ens.weights.sum(), torch.tensor(1.0))
@@ -313,7 +313,7 @@ def test_sampling_with_an_ensemble_is_lossless(ensemble, head, prompt, method, m
     draws = 2500  # two new tokens (64 cells): enough power at a few seconds a test
     counts: dict[tuple, int] = {}
     for _ in range(draws):
-        out = decode(target, draft, state0.clone(), config, gen)
+        out = decode(target, state0.clone(), config, gen)
         counts[tuple(out.tokens)] = counts.get(tuple(out.tokens), 0) + 1
     assert_same_distribution(counts, exact_continuations(target, sampling, n=2), draws)
 

@@ -189,7 +189,7 @@ def test_decode_loop_is_lossless(method, head, sampling):
     counts: dict[tuple, int] = {}
     accepted = cycles = 0
     for _ in range(draws):
-        out = decode(target, draft, state0.clone(), config, gen)
+        out = decode(target, state0.clone(), config, gen)
         key = tuple(out.tokens)
         counts[key] = counts.get(key, 0) + 1
         accepted += sum(c.accepted for c in out.cycles)

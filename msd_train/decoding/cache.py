@@ -8,11 +8,12 @@ path's entries into place with one gather/``index_copy_`` over all layers, (3) a
 the host knows without reading the device (the draft head asks for the cache length on
 every forward; a device counter read there is one sync per head step). This cache is
 that, in a few lines: per layer one preallocated ``(B, heads, capacity, dim)`` buffer
-pair; every forward writes at ``write_index`` (a device tensor the decoder fills, a
-static buffer when the forward is replayed from a captured graph) and attends over the
-whole buffer, so queries see only what their 4-D additive mask allows (the decoder
-always passes one; unwritten slots are masked). ``length`` is the committed length,
-kept on the host.
+pair; a forward writes its T entries at the positions it is given, ``cache.at(index)``
+(a device tensor the decoder fills, a static buffer when the forward is replayed from a
+captured graph: gpt-fast's ``input_pos``), and attends over the whole buffer, so queries
+see only what their 4-D additive mask allows (the decoder always passes one; unwritten
+slots, and whatever an earlier prompt left in reused buffers, are masked). ``length`` is
+the committed length, kept on the host.
 
 It subclasses transformers' ``Cache`` so that models treat it like their own: attention
 layers call ``update(keys, values, layer_idx)``; mask builders see a 4-D mask and
@@ -43,7 +44,7 @@ class PositionCache(Cache):
         super().__init__(layers=layers)
         self._capacity = capacity
         self.length = length  # committed entries [0, length); host-side, never read from the device
-        self.write_index: torch.Tensor | None = None  # (T,) where the next forward's T entries go
+        self._index: torch.Tensor | None = None  # (T,) where a forward writes: set only on ``at``'s views
 
     # ----- construction ---------------------------------------------------------------
 
@@ -61,6 +62,25 @@ class PositionCache(Cache):
             keys[:, :, :n], values[:, :, :n] = layer.keys, layer.values
             layers.append(_Buffers(keys, values))
         return cls(layers, cache.layers[0].keys.shape[-2] if cache.layers else 0, capacity)
+
+    def load(self, cache) -> bool:
+        """Copy a filled cache into these buffers (what an earlier prompt left beyond it stays,
+        masked); False, and nothing copied, when it does not fit their shape."""
+        if not cache.layers:
+            self.length = 0
+            return True
+        n = cache.layers[0].keys.shape[-2]
+        if len(cache.layers) != len(self.layers) or n > self.capacity:
+            return False
+        for mine, theirs in zip(self.layers, cache.layers):
+            for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+                if a.shape[:2] != b.shape[:2] or a.shape[-1] != b.shape[-1] or a.dtype != b.dtype:
+                    return False
+        for mine, theirs in zip(self.layers, cache.layers):
+            mine.keys[:, :, :n] = theirs.keys
+            mine.values[:, :, :n] = theirs.values
+        self.length = n
+        return True
 
     @property
     def capacity(self) -> int:
@@ -87,16 +107,25 @@ class PositionCache(Cache):
         out.layers = [_Buffers(layer.keys.clone(), layer.values.clone()) for layer in self.layers]
         return out
 
+    def at(self, index: torch.Tensor) -> PositionCache:
+        """This cache as one forward sees it: its T new entries are written at ``index`` (T,)
+        (the same buffers; the view lives for that forward only)."""
+        view = copy.copy(self)  # shares the layer list and buffers
+        view._index = index
+        return view
+
     # ----- the Cache interface models call --------------------------------------------
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self._index is None:
+            raise RuntimeError("PositionCache is written by position: pass cache.at(index) to the forward")
         while len(self.layers) <= layer_idx:  # a cache that started empty (a one-token prompt's head)
             b, h, _, d = key_states.shape
             self.layers.append(_Buffers(key_states.new_zeros(b, h, self.capacity, d),
                                         value_states.new_zeros(b, h, self.capacity, value_states.shape[-1])))
         layer = self.layers[layer_idx]
-        layer.keys.index_copy_(2, self.write_index, key_states.to(layer.keys.dtype))
-        layer.values.index_copy_(2, self.write_index, value_states.to(layer.values.dtype))
+        layer.keys.index_copy_(2, self._index, key_states.to(layer.keys.dtype))
+        layer.values.index_copy_(2, self._index, value_states.to(layer.values.dtype))
         return layer.keys, layer.values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

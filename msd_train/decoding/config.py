@@ -29,7 +29,8 @@ class DecodeConfig:
     #: per phase, one at the end); off, the cycle runs with no timing at all
     timing: bool = False
     #: capture the verify forward, the head's draft step and the plain one-token step in
-    #: CUDA graphs (msd_train/decoding/graphs.py): auto = on for CUDA targets, off on CPU
+    #: CUDA graphs (msd_train/decoding/graphs.py): auto = on for CUDA targets, off on CPU;
+    #: a step whose capture fails runs eagerly after one warning
     cuda_graphs: str | bool = "auto"
     # --- drafting with input variants (msd_train/decoding/ensemble.py) ---
     ensemble: str | None = None  # None: the head alone (variant M) | ibed | tabed

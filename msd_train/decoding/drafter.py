@@ -4,9 +4,13 @@ One interface, two implementations: ``HeadDrafter`` (one MSD head over the promp
 was trained) here, and ``EnsembleDrafter`` (the same head over several input variants of
 the prompt, one batch row each) in ``ensemble.py``. The decoder calls three methods:
 
-    drafter.prefill(target, prompt_pass, capacity)    the head reads the prompt
-    tree = drafter.draft_block(target, state, ...)    a tree (or chain) of proposals
-    drafter.record_verified(path, logits)             what the target said about them
+    drafter.prefill(target, prompt_pass, workspace, capacity)   the head reads the prompt
+    tree = drafter.draft_block(target, pending, config)         a tree (or chain) of proposals
+    drafter.record_verified(path, logits)                       what the target said about them
+
+The drafter owns what only drafting reads (its head's cache and position offsets); what
+the last verification left for it comes in as an argument (``Pending``), so it never
+reads the decoder's state back.
 
 ``draft_tree`` and ``draft_chain`` below are the block drafters; they call the drafter's
 row hooks (``head``, ``distribution``, ``begin_block``), which is all an ensemble changes.
@@ -45,6 +49,17 @@ class PromptPass:
     rope_deltas: torch.Tensor | None = None  # M-RoPE: the target's text position minus token index
 
 
+@dataclass
+class Pending:
+    """What the last verification left for the head: the target features h_{m-n} .. h_{m-1}
+    (n, H), the tokens x_{m-n+1} .. x_m paired with them (n,), the root last (both on the
+    device), and m, the root's index in the sequence (known on the host)."""
+
+    hidden: torch.Tensor
+    tokens: torch.Tensor
+    root: int
+
+
 class HeadDrafter:
     """One MSD head drafting over the prompt as it was trained (variant M)."""
 
@@ -56,21 +71,22 @@ class HeadDrafter:
         #: added to token indices for the head's position ids after the prompt: the target's
         #: rope deltas, or zeros for a head with draft_positions="1d" (see msd_train.draft.positions)
         self.rope_deltas: torch.Tensor | None = None
-        self.graphs = StepGraphs(False)  # the decoder hands its captured steps over
+        self.graphs: StepGraphs | None = None  # the workspace's (set by ``prefill``)
 
-    def clone(self) -> HeadDrafter:
+    def clone(self, workspace) -> HeadDrafter:
+        """A copy drafting over ``workspace`` (a clone of the one this drafter's prefill used)."""
         out = copy.copy(self)
-        out.cache = self.cache.clone()
-        out.graphs = StepGraphs(False)  # the decoder of the clone hands its own over
+        out.cache, out.graphs = workspace.caches["head"], workspace.graphs
         return out
 
     # ----- the interface ----------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, target, prompt: PromptPass, capacity: int) -> None:
+    def prefill(self, target, prompt: PromptPass, workspace, capacity: int) -> None:
         """The head over the prompt through ``draft.target_inputs``, exactly as in training:
         decoupled visual slots match the head's ``visual_offset``, positions its
-        ``draft_positions``."""
+        ``draft_positions``. Its cache goes into the workspace's buffers (``capacity`` slots
+        at least), its draft steps into the workspace's captured steps."""
         from transformers import DynamicCache
 
         cache = DynamicCache()
@@ -78,12 +94,12 @@ class HeadDrafter:
         if prompt.ids.shape[1] > 1:
             features = Features(prompt.embeds, prompt.hidden, prompt.visual, prompt.pos)
             self.draft(**self.draft.target_inputs(features), past_key_values=cache, use_cache=True)
-        self.cache = PositionCache.from_cache(cache, capacity)
+        self.cache, self.graphs = workspace.load("head", cache, capacity), workspace.graphs
 
-    def draft_block(self, target, state, config, generator: torch.Generator | None = None) -> Tree:
+    def draft_block(self, target, pending: Pending, config, generator: torch.Generator | None = None) -> Tree:
         if config.method == "tree":
-            return draft_tree(self, target, state, config.depth, config.top_k, config.total_tokens, config.sampling)
-        return draft_chain(self, target, state, config.k, config.sampling, generator)
+            return draft_tree(self, target, pending, config.depth, config.top_k, config.total_tokens, config.sampling)
+        return draft_chain(self, target, pending, config.k, config.sampling, generator)
 
     def record_verified(self, path: list[int], logits: torch.Tensor, lm_head) -> None:
         """A single head keeps no history."""
@@ -122,9 +138,8 @@ class HeadDrafter:
 
     def _step(self, embeds, hidden, pos, mask, write_index):
         """The head forward as a function of tensors only (what a captured graph replays)."""
-        self.cache.write_index = write_index
-        return (self.draft(embeds, hidden, position_ids=pos, attention_mask=mask, past_key_values=self.cache,
-                           use_cache=True).last_hidden_state,)
+        return (self.draft(embeds, hidden, position_ids=pos, attention_mask=mask,
+                           past_key_values=self.cache.at(write_index), use_cache=True).last_hidden_state,)
 
     def distribution(self, target, out: torch.Tensor, sampling: SamplingParams, log: bool = False) -> torch.Tensor:
         """The draft distribution (T, V) after the head's outputs ``out`` (R, T, H):
@@ -135,41 +150,32 @@ class HeadDrafter:
 
     # ----- shared steps -------------------------------------------------------------
 
-    def feed_pending(self, target, state) -> torch.Tensor:
+    def feed_pending(self, target, pending: Pending) -> torch.Tensor:
         """Feed the head the pairs (h_t, e_{t+1}) the last verification produced and commit
         them to its cache. Returns (R, H), the head's output at the newest position of each
         row: its prediction of the root's feature."""
-        n = state.pending_hidden.shape[0]
-        tokens = _pending_tokens(target, state)
+        n = pending.hidden.shape[0]
         pos = target.continue_positions(self.cache.length, n, self.rope_deltas)
-        hidden = state.pending_hidden[None].expand(self.rows, -1, -1)
+        hidden = pending.hidden[None].expand(self.rows, -1, -1)
         causal = torch.ones(n, n, dtype=torch.bool, device=target.device).tril()
-        out = self.head(target.embed_tokens(tokens)[None], hidden, pos, causal)
+        out = self.head(target.embed_tokens(pending.tokens)[None], hidden, pos, causal)
         self.cache.length += n
         return out[:, -1]
 
 
-def _pending_tokens(target, state) -> torch.Tensor:
-    """(n,) the tokens paired with the pending features, the root last: the device copy the
-    decoder keeps, else (a state prepared by hand) from the host list."""
-    if state.pending_tokens is not None and state.pending_tokens.shape[0] == state.pending_hidden.shape[0]:
-        return state.pending_tokens
-    return torch.as_tensor(state.tokens[-state.pending_hidden.shape[0]:], device=target.device)
-
-
-def _node_positions(drafter: HeadDrafter, target, state, depth: int, n: int) -> torch.Tensor:
+def _node_positions(drafter: HeadDrafter, target, root: int, depth: int, n: int) -> torch.Tensor:
     """Draft position ids of n nodes at tree depth ``depth`` (draft index m - 1 + depth)."""
-    pos = target.continue_positions(state.cache_len - 1 + depth, 1, drafter.rope_deltas)
+    pos = target.continue_positions(root - 1 + depth, 1, drafter.rope_deltas)
     return pos.expand(*pos.shape[:-1], n)
 
 
 @torch.inference_mode()
-def draft_chain(drafter: HeadDrafter, target, state, k: int, sampling: SamplingParams,
+def draft_chain(drafter: HeadDrafter, target, pending: Pending, k: int, sampling: SamplingParams,
                 generator: torch.Generator | None = None) -> Tree:
     """k draft tokens, one after another: the argmax of the draft distribution q when
     greedy, else a draw from it (q kept, for the acceptance test)."""
     drafter.begin_block()
-    h = drafter.feed_pending(target, state)  # (R, H)
+    h = drafter.feed_pending(target, pending)  # (R, H)
     tokens, probs = [], []
     for i in range(k):
         q = drafter.distribution(target, h[:, None], sampling)[0]
@@ -180,15 +186,15 @@ def draft_chain(drafter: HeadDrafter, target, state, k: int, sampling: SamplingP
         if i + 1 < k:  # each row's next input: (its own predicted feature, e(x)), causal over the chain
             seen = torch.ones(1, i + 1, dtype=torch.bool, device=target.device)
             h = drafter.head(target.embed_tokens(x.view(1, 1)), h[:, None],
-                             _node_positions(drafter, target, state, i + 1, 1), seen)[:, -1]
+                             _node_positions(drafter, target, pending.root, i + 1, 1), seen)[:, -1]
     index = torch.arange(k + 1, device=target.device)  # node i's children came from the i-th distribution
     drafter.children_index(torch.where(index < k, index, -1))  # the last node has none
-    root = _pending_tokens(target, state)[-1:]
+    root = pending.tokens[-1:]
     return chain(root, torch.stack(tokens), torch.stack(probs) if probs else None)
 
 
 @torch.inference_mode()
-def draft_tree(drafter: HeadDrafter, target, state, depth: int, top_k: int, total_tokens: int,
+def draft_tree(drafter: HeadDrafter, target, pending: Pending, depth: int, top_k: int, total_tokens: int,
                sampling: SamplingParams) -> Tree:
     """EAGLE-2 dynamic draft tree, built on the device with fixed shapes.
 
@@ -206,7 +212,7 @@ def draft_tree(drafter: HeadDrafter, target, state, depth: int, top_k: int, tota
     """
     device = target.device
     drafter.begin_block()
-    out = drafter.feed_pending(target, state)  # (R, H)
+    out = drafter.feed_pending(target, pending)  # (R, H)
     lp = drafter.distribution(target, out[:, None], sampling, log=True)[0].clamp_max(0)
     k = min(top_k, lp.shape[-1])
     scores, tokens = lp.topk(k)
@@ -221,7 +227,7 @@ def draft_tree(drafter: HeadDrafter, target, state, depth: int, top_k: int, tota
     for step in range(depth):
         anc = torch.cat([front_anc, torch.eye(k, dtype=torch.bool, device=device)], dim=1)
         out = drafter.head(target.embed_tokens(front_tokens)[None], front_in,
-                           _node_positions(drafter, target, state, step + 1, k), anc)
+                           _node_positions(drafter, target, pending.root, step + 1, k), anc)
         expanded.append(front_idx)
         lp = drafter.distribution(target, out, sampling, log=True).clamp_max(0)
         child_lp, child_tokens = lp.topk(k, dim=-1)  # (k, k)
@@ -251,7 +257,7 @@ def draft_tree(drafter: HeadDrafter, target, state, depth: int, top_k: int, tota
     for step, idx in enumerate(expanded):  # where each kept node's children distribution sits (the root's: 0)
         flat[idx] = 1 + step * k + torch.arange(k, device=device)
     drafter.children_index(torch.cat([torch.zeros(1, dtype=torch.long, device=device), flat[keep]]))
-    root = _pending_tokens(target, state)[-1:]
+    root = pending.tokens[-1:]
     zero = torch.zeros(1, dtype=torch.long, device=device)
     kept_scores = scores[keep]
     return Tree(

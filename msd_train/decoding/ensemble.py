@@ -47,7 +47,6 @@ import itertools
 
 import torch
 
-from msd_train.decoding.cache import PositionCache
 from msd_train.decoding.drafter import HeadDrafter, PromptPass
 from msd_train.decoding.sampling import SamplingParams, logits_to_probs
 from msd_train.draft import align_inputs, attention_bias, draft_position_ids, draft_rope_deltas
@@ -89,8 +88,8 @@ class EnsembleDrafter(HeadDrafter):
     def rows(self) -> int:
         return len(self.variants)
 
-    def clone(self) -> EnsembleDrafter:
-        out = super().clone()
+    def clone(self, workspace) -> EnsembleDrafter:
+        out = super().clone(workspace)
         out.weights, out.block_out = self.weights.clone(), list(self.block_out)
         return out
 
@@ -107,8 +106,8 @@ class EnsembleDrafter(HeadDrafter):
     def children_index(self, index: torch.Tensor | None) -> None:
         self.block_index = index
 
-    def prefill(self, target, prompt: PromptPass, capacity: int) -> None:
-        _prefill_rows(self, target, prompt, capacity)
+    def prefill(self, target, prompt: PromptPass, workspace, capacity: int) -> None:
+        _prefill_rows(self, target, prompt, workspace, capacity)
 
     # ----- mixing -----------------------------------------------------------------------
 
@@ -274,7 +273,7 @@ def _left_pad(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def _prefill_rows(self: EnsembleDrafter, target, p: PromptPass, capacity: int) -> None:
+def _prefill_rows(self: EnsembleDrafter, target, p: PromptPass, workspace, capacity: int) -> None:
     """The head's prefix built once per variant, as one left-padded batch of rows."""
     from transformers import DynamicCache
 
@@ -304,7 +303,7 @@ def _prefill_rows(self: EnsembleDrafter, target, p: PromptPass, capacity: int) -
         mask = attention_bias(valid, len(variants), n, 0, draft.dtype, device) if self.pad_bias is not None else None
         draft(e, h, replace_mask, raw, position_ids=pos_rows, attention_mask=mask, past_key_values=cache,
               use_cache=True)
-    self.cache = PositionCache.from_cache(cache, capacity)
+    self.cache, self.graphs = workspace.load("head", cache, capacity), workspace.graphs
     self.cache.length = n
 
 

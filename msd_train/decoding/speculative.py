@@ -17,6 +17,12 @@ whether the last node has children (2): at most 6 + 2 * (siblings tried) per cyc
 Plain decoding (the baseline) is ``decode_plain``: a one-token loop over the same static
 cache, one transfer per token.
 
+Ownership. A ``Workspace`` owns the caches' buffers and the steps captured over them (a
+benchmark keeps one across prompts); the ``DecodeState`` of one generation owns the host
+bookkeeping (tokens, the pending features) and the drafter, and hands the drafter what it
+reads (``Pending``); the target cache owns the committed length m. Each forward is told
+where to write (``cache.at(index)``), as gpt-fast's steps take ``input_pos``.
+
 Indexing. The committed sequence is ``x_0 .. x_m``: the prompt then the new tokens. The
 target's KV cache holds ``x_0 .. x_{m-1}`` at slots ``[0, m)``; the root of the next tree
 is ``x_m``; tree nodes are written at ``[m, m + N)`` and the accepted path moved to
@@ -36,21 +42,65 @@ import torch
 
 from msd_train.decoding.cache import PositionCache, key_mask
 from msd_train.decoding.config import METHODS, DecodeConfig, build_drafter
-from msd_train.decoding.drafter import HeadDrafter, PromptPass, draft_chain, draft_tree
-from msd_train.decoding.graphs import StepGraphs, resolve
+from msd_train.decoding.drafter import HeadDrafter, Pending, PromptPass, draft_chain, draft_tree
+from msd_train.decoding.graphs import StepGraphs
 from msd_train.decoding.sampling import logits_to_probs, sample
 from msd_train.decoding.stopping import StopCriteria, find_stop
 from msd_train.decoding.tree import Tree
 
 __all__ = ["METHODS", "DecodeConfig", "draft_chain", "draft_tree"]
 
+#: caches are sized in multiples of this many positions: prompts of similar length share
+#: a capacity, hence the shapes of their captured steps
+CAPACITY_STEP = 256
+
+
+class Workspace:
+    """What decoding keeps from one prompt to the next: the caches' fixed-capacity buffers
+    (``"target"``, ``"head"``) and the steps captured over them. A benchmark gives every
+    ``generate`` the same workspace, so each step is captured once per shape for the whole
+    run (gpt-fast's ``setup_caches`` once, then the same compiled step for every prompt);
+    buffers are reallocated, and the graphs dropped, only when a prompt needs more
+    positions than they have (doubling, so that happens a few times at most)."""
+
+    def __init__(self, graphs: StepGraphs | None = None):
+        self.graphs = graphs if graphs is not None else StepGraphs()
+        self.caches: dict[str, PositionCache] = {}
+
+    def load(self, name: str, cache, capacity: int) -> PositionCache:
+        """``cache`` (a prefill's ``DynamicCache``) copied into the buffers kept as ``name``,
+        of at least ``capacity`` positions."""
+        kept = self.caches.get(name)
+        if kept is not None and kept.capacity >= capacity and kept.load(cache):
+            return kept
+        if kept is not None:  # the graphs hold the old buffers
+            self.graphs.clear()
+            capacity = max(capacity, 2 * kept.capacity)
+        self.caches[name] = PositionCache.from_cache(cache, capacity)
+        return self.caches[name]
+
+    def reserve(self, slots: dict[str, int]) -> None:
+        """Make room for ``slots[name]`` entries in each cache named (host arithmetic, no device read)."""
+        grew = False
+        for name, n in slots.items():
+            grew |= self.caches[name].grow(n)
+        if grew:
+            self.graphs.clear()
+
+    def clone(self) -> Workspace:
+        """Copies of the caches, and no graphs yet (graphs write into their own workspace's caches)."""
+        out = Workspace(self.graphs.fresh())
+        out.caches = {name: cache.clone() for name, cache in self.caches.items()}
+        return out
+
 
 @dataclass
 class DecodeState:
-    """Everything carried from one cycle to the next."""
+    """Everything carried from one cycle to the next. The state owns the drafter; the
+    caches' buffers and the captured steps belong to the workspace."""
 
-    target_cache: PositionCache  # x_0 .. x_{m-1} at [0, m)
-    cache_len: int  # m
+    workspace: Workspace
+    target_cache: PositionCache  # x_0 .. x_{m-1} at [0, m): the workspace's "target" buffers
     prompt_len: int
     rope_deltas: torch.Tensor | None  # M-RoPE: text position minus token index
     next_logits: torch.Tensor  # (V,) target logits after the prompt (the first new token)
@@ -61,30 +111,34 @@ class DecodeState:
     pending_tokens: torch.Tensor | None = None
     drafter: HeadDrafter | None = None
     tokens: list[int] = field(default_factory=list)  # new tokens; tokens[-1] is the root x_m
-    graphs: StepGraphs = field(default_factory=lambda: StepGraphs(False))  # captured steps over these caches
+
+    @property
+    def cache_len(self) -> int:
+        """m, the committed length: the target cache's (its one owner)."""
+        return self.target_cache.length
+
+    def pending(self) -> Pending:
+        """What the drafter reads next: the pending pairs and the root's index."""
+        tokens = self.pending_tokens
+        if tokens is None or tokens.shape[0] != self.pending_hidden.shape[0]:  # a state prepared by hand
+            tokens = torch.as_tensor(self.tokens[-self.pending_hidden.shape[0]:], device=self.pending_hidden.device)
+        return Pending(self.pending_hidden, tokens, self.cache_len)
 
     def clone(self) -> DecodeState:
         """An independent copy (caches included), e.g. to decode one prompt many times."""
         out = copy.copy(self)
-        out.target_cache = self.target_cache.clone()
-        out.drafter = self.drafter.clone() if self.drafter is not None else None
+        out.workspace = self.workspace.clone()
+        out.target_cache = out.workspace.caches["target"]
+        out.drafter = self.drafter.clone(out.workspace) if self.drafter is not None else None
         out.tokens = list(self.tokens)
-        out.graphs = StepGraphs(self.graphs.enabled)  # graphs write into their own state's caches
         return out
 
     def reserve(self, slots: int) -> None:
         """Make room for ``slots`` more cache entries (host arithmetic, no device read)."""
-        grew = self.target_cache.grow(self.cache_len + slots)
+        need = {"target": self.cache_len + slots}
         if self.drafter is not None:
-            grew |= self.drafter.cache.grow(self.drafter.cache.length + slots)
-        if grew:
-            self.graphs.clear()
-
-    def use_graphs(self, enabled: bool) -> None:
-        if enabled != self.graphs.enabled:
-            self.graphs = StepGraphs(enabled)
-        if self.drafter is not None:
-            self.drafter.graphs = self.graphs
+            need["head"] = self.drafter.cache.length + slots
+        self.workspace.reserve(need)
 
 
 @dataclass
@@ -105,7 +159,8 @@ class Generation:
     stop_reason: str  # eos | stop_string | max_new_tokens
     prompt_len: int
     t_prefill: float = 0.0  # seconds, target (and head) prefill and first token
-    t_total: float = 0.0  # seconds, everything from the prompt to the last token
+    t_total: float = 0.0  # seconds, everything from the prompt to the last token, graph capture excluded
+    t_capture: float = 0.0  # seconds spent capturing graphs (once per shape; 0 when all were reused)
     cycles: list[CycleStats] = field(default_factory=list)
 
     @property
@@ -154,9 +209,11 @@ class Clock:
 
 
 @torch.inference_mode()
-def prefill_target(target, prompt, capacity: int | None = None) -> tuple[DecodeState, PromptPass]:
-    """The target's forward over the prompt (images included), copied into a static cache
-    of ``capacity`` slots. Returns the state and the prompt pass a drafter's prefill reads."""
+def prefill_target(target, prompt, capacity: int | None = None, workspace: Workspace | None = None
+                   ) -> tuple[DecodeState, PromptPass]:
+    """The target's forward over the prompt (images included), copied into the workspace's
+    static cache (a new workspace when none is given) of at least ``capacity`` slots.
+    Returns the state and the prompt pass a drafter's prefill reads."""
     device = target.device
     ids = prompt.input_ids.to(device)[None]
     pixel = {k: v.to(device) for k, v in (prompt.pixel or {}).items()}
@@ -164,21 +221,24 @@ def prefill_target(target, prompt, capacity: int | None = None) -> tuple[DecodeS
     pos, deltas = target.position_ids(ids, None, pixel)
     hidden, cache = target.run_language_model(embeds, pos, None, None, use_cache=True)
     length = ids.shape[1]
+    workspace = workspace if workspace is not None else Workspace()
     state = DecodeState(
-        target_cache=PositionCache.from_cache(cache, capacity or length + 128), cache_len=length, prompt_len=length,
+        workspace, workspace.load("target", cache, capacity or length + 128), prompt_len=length,
         rope_deltas=deltas, next_logits=target.lm_head(hidden[0, -1]), pending_hidden=hidden[0, -1:],
     )
     return state, PromptPass(ids, embeds, hidden, pos, ids == target.image_token_id, prompt.pixel or {}, deltas)
 
 
 @torch.inference_mode()
-def prefill(target, draft, prompt, capacity: int | None = None, drafter: HeadDrafter | None = None) -> DecodeState:
+def prefill(target, draft, prompt, capacity: int | None = None, drafter: HeadDrafter | None = None,
+            workspace: Workspace | None = None) -> DecodeState:
     """Target forward over the prompt and the drafter's prefill (a ``HeadDrafter`` over
-    ``draft`` unless a ``drafter`` is given; none when both are None)."""
-    state, p = prefill_target(target, prompt, capacity)
+    ``draft`` unless a ``drafter`` is given; none when both are None), their caches in
+    ``workspace``'s buffers (a new workspace when none is given)."""
+    state, p = prefill_target(target, prompt, capacity, workspace)
     state.drafter = drafter if drafter is not None else (HeadDrafter(draft) if draft is not None else None)
     if state.drafter is not None:
-        state.drafter.prefill(target, p, state.target_cache.capacity)
+        state.drafter.prefill(target, p, state.workspace, state.target_cache.capacity)
     return state
 
 
@@ -192,22 +252,20 @@ def verify(target, state: DecodeState, tree: Tree) -> tuple[torch.Tensor, torch.
     Returns logits (N, V) and post-norm features (N, H); ``commit`` keeps the path."""
     m, n = state.cache_len, len(tree)
     cache = state.target_cache
-    cache.write_index = torch.arange(m, m + n, device=target.device)
     embeds = target.embed_tokens(tree.tokens)[None]
     pos = target.continue_positions(m, 1, state.rope_deltas) + tree.depths
     seen = (torch.ones(n, n, dtype=torch.bool, device=target.device).tril() if tree.is_chain
             else tree.ancestor_mask())
     mask = key_mask(m, cache.capacity, seen, target.dtype)
-    return state.graphs.run("verify", _target_step(target, cache), embeds=embeds, pos=pos, mask=mask,
-                            write_index=cache.write_index)
+    return state.workspace.graphs.run("verify", _target_step(target, cache), embeds=embeds, pos=pos, mask=mask,
+                                      write_index=torch.arange(m, m + n, device=target.device))
 
 
 def _target_step(target, cache: PositionCache):
     """The target forward as a function of tensors only (what a captured graph replays):
     logits (T, V) and features (T, H) of T tokens written at ``write_index``."""
     def step(embeds, pos, mask, write_index):
-        cache.write_index = write_index
-        hidden, _ = target.run_language_model(embeds, pos, mask, past_key_values=cache, use_cache=True)
+        hidden, _ = target.run_language_model(embeds, pos, mask, past_key_values=cache.at(write_index), use_cache=True)
         return target.lm_head(hidden[0]), hidden[0]
 
     return step
@@ -313,8 +371,7 @@ def commit(state: DecodeState, acc: Acceptance, hidden: torch.Tensor) -> list[in
     nodes = acc.nodes.clamp_min(0)  # padding moves the root again, past the new length
     state.target_cache.keep(state.cache_len, nodes)
     n = len(acc.path)
-    state.cache_len += n
-    state.target_cache.length = state.cache_len
+    state.target_cache.length += n
     state.tokens.extend(acc.tokens)
     state.pending_hidden = hidden[nodes[:n]]
     state.pending_tokens = acc.device_tokens
@@ -353,17 +410,17 @@ def decode_plain(target, state: DecodeState, config: DecodeConfig, generator: to
     _first_token(state, sampling, generator)
     stop = find_stop(state.tokens, 0, criteria, tokenizer)
     cycles = []
-    cache = state.target_cache
     one = torch.ones(1, 1, dtype=torch.bool, device=target.device)
-    state.use_graphs(resolve(config.cuda_graphs, target.device))
+    graphs = state.workspace.graphs
+    graphs.configure(config.cuda_graphs, target.device)
     while stop is None:
         state.reserve(2)
-        m = state.cache_len
-        logits, _ = state.graphs.run(
+        cache, m = state.target_cache, state.cache_len
+        logits, _ = graphs.run(
             "plain", _target_step(target, cache), embeds=target.embed_tokens(state.pending_tokens)[None],
             pos=target.continue_positions(m, 1, state.rope_deltas), mask=key_mask(m, cache.capacity, one, target.dtype),
             write_index=torch.arange(m, m + 1, device=target.device))
-        state.cache_len = cache.length = m + 1
+        cache.length = m + 1
         state.pending_tokens = _next_token(logits[-1], sampling, generator)
         state.tokens.append(int(state.pending_tokens))  # the step's one host read
         stop = find_stop(state.tokens, len(state.tokens) - 1, criteria, tokenizer)
@@ -374,9 +431,9 @@ def decode_plain(target, state: DecodeState, config: DecodeConfig, generator: to
 
 
 @torch.inference_mode()
-def decode(target, draft, state: DecodeState, config: DecodeConfig,
-           generator: torch.Generator | None = None) -> Generation:
-    """Generate from a prefilled state until EOS, a stop string or ``max_new_tokens``."""
+def decode(target, state: DecodeState, config: DecodeConfig, generator: torch.Generator | None = None) -> Generation:
+    """Generate from a prefilled state until EOS, a stop string or ``max_new_tokens`` (the
+    state's drafter drafts; ``method="ar"`` is plain decoding)."""
     if config.method == "ar":
         return decode_plain(target, state, config, generator)
     if state.drafter is None:
@@ -384,18 +441,19 @@ def decode(target, draft, state: DecodeState, config: DecodeConfig,
     sampling, drafter = config.sampling, state.drafter
     criteria, tokenizer = _criteria(target, config), getattr(target, "tokenizer", None)
     clock = Clock(target.device, config.timing)
-    state.use_graphs(resolve(config.cuda_graphs, target.device))
+    state.workspace.graphs.configure(config.cuda_graphs, target.device)
 
     _first_token(state, sampling, generator)
     stop = find_stop(state.tokens, 0, criteria, tokenizer)
-    cycles, marks = [], []
+    cycles, marks, captures = [], [], []
+    graphs = state.workspace.graphs
     while stop is None:
         state.reserve(config.block_size)
-        t0 = clock.mark()
-        tree = drafter.draft_block(target, state, config, generator)
-        t1 = clock.mark()
+        t0, c0 = clock.mark(), graphs.capture_s
+        tree = drafter.draft_block(target, state.pending(), config, generator)
+        t1, c1 = clock.mark(), graphs.capture_s
         logits, hidden = verify(target, state, tree)
-        t2 = clock.mark()
+        t2, c2 = clock.mark(), graphs.capture_s
         if sampling.greedy:
             acc = read_acceptance(tree, accept_greedy(tree, logits))
         else:
@@ -409,9 +467,11 @@ def decode(target, draft, state: DecodeState, config: DecodeConfig,
             del state.tokens[stop[0]:]
         t3 = clock.mark()
         marks.append((t0, t1, t2, t3))
+        captures.append((c1 - c0, c2 - c1) if clock.enabled else (0.0, 0.0))  # capturing is not the phase's time
         cycles.append(CycleStats(len(acc.path) - 1, acc.tried, len(state.tokens) - before, len(tree)))
-    for c, (t0, t1, t2, t3) in zip(cycles, marks):  # read at the end: no synchronisation per phase
-        c.t_draft, c.t_verify, c.t_accept = clock.seconds(t0, t1), clock.seconds(t1, t2), clock.seconds(t2, t3)
+    for c, (t0, t1, t2, t3), (cd, cv) in zip(cycles, marks, captures):  # read at the end: no sync per phase
+        c.t_draft, c.t_verify = clock.seconds(t0, t1) - cd, clock.seconds(t1, t2) - cv
+        c.t_accept = clock.seconds(t2, t3)
     text = tokenizer.decode(state.tokens, skip_special_tokens=True) if tokenizer is not None else ""
     return Generation(list(state.tokens), text, stop[1], state.prompt_len, cycles=cycles)
 
@@ -426,19 +486,26 @@ def _sampled_acceptance(tree: Tree, path: list[int], bonus: int) -> Acceptance:
 
 
 def generate(target, draft, prompt, config: DecodeConfig, generator: torch.Generator | None = None,
-             captions: list[str] | None = None) -> Generation:
+             captions: list[str] | None = None, workspace: Workspace | None = None) -> Generation:
     """Prefill ``prompt`` (an ``Encoded`` from ``target.encode_prompt``) and decode.
 
     ``config.method = "ar"`` is plain decoding of the target (the head is ignored).
     ``captions`` (one per image of the prompt) are for drafters that read them.
-    Caches are sized for the whole generation up front.
+    Caches are sized for the whole generation up front, in ``workspace``'s buffers: pass
+    the same workspace for every prompt of a benchmark and each step is captured once
+    (``Generation.t_capture``: the seconds this call spent capturing, not in ``t_total``).
     """
+    workspace = workspace if workspace is not None else Workspace()
+    captured = workspace.graphs.capture_s
     clock = Clock(target.device)
     t0 = clock.mark()
-    capacity = len(prompt.input_ids) + config.max_new_tokens + 2 * config.block_size
-    state = prefill(target, None, prompt, capacity, drafter=build_drafter(draft, config, captions))
+    need = len(prompt.input_ids) + config.max_new_tokens + 2 * config.block_size
+    capacity = -(-need // CAPACITY_STEP) * CAPACITY_STEP  # a few capacities, so a few shapes to capture
+    state = prefill(target, None, prompt, capacity, drafter=build_drafter(draft, config, captions),
+                    workspace=workspace)
     t1 = clock.mark()
-    out = decode(target, draft, state, config, generator)
+    out = decode(target, state, config, generator)
     t2 = clock.mark()
-    out.t_prefill, out.t_total = clock.seconds(t0, t1), clock.seconds(t0, t2)
+    out.t_capture = workspace.graphs.capture_s - captured
+    out.t_prefill, out.t_total = clock.seconds(t0, t1), clock.seconds(t0, t2) - out.t_capture
     return out

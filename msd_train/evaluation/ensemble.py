@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from msd_train.decoding import DecodeConfig
+from msd_train.decoding import DecodeConfig, Workspace
 from msd_train.evaluation.bench import BenchItem
 from msd_train.evaluation.runner import answer_turns
 from msd_train.formatting import fmt
@@ -42,15 +42,18 @@ def run_variants(target, draft, items: list[BenchItem], configs: dict[str, Decod
     """Per configuration, one row per turn: category, accepted per cycle, drafting seconds."""
     from tqdm.auto import tqdm
 
+    # one workspace per configuration (their heads have different row counts): each keeps its
+    # captured steps across the prompts
+    spaces = {name: Workspace() for name in configs}
     for item in items[:warmup]:
         images = item.load_images()
-        for cfg in configs.values():
-            answer_turns(target, draft, item, cfg, images)
+        for name, cfg in configs.items():
+            answer_turns(target, draft, item, cfg, images, workspace=spaces[name])
     rows = {name: [] for name in configs}
     for item in tqdm(items, desc="variants", disable=not progress):
         images = item.load_images()
         for name, cfg in configs.items():
-            for _, gen in answer_turns(target, draft, item, cfg, images):
+            for _, gen in answer_turns(target, draft, item, cfg, images, workspace=spaces[name]):
                 rows[name].append({"id": item.id, "category": item.category, "accepted": [c.accepted for c in gen.cycles],
                                    "draft_s": sum(c.t_draft for c in gen.cycles), "prefill_s": gen.t_prefill,
                                    "tokens": gen.tokens})

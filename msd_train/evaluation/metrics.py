@@ -10,9 +10,17 @@
 * ``tokens_per_s`` / ``ar_tokens_per_s``: new tokens over wall-clock seconds, prefill
   included, summed over all turns; ``speedup`` is their ratio (a ratio of totals, not a
   mean of per-sample ratios).
+* ``exact_match_fraction``, ``near_tie_mismatches``, ``real_mismatches`` (greedy): how the
+  speculative outputs compare with plain decoding's, turn by turn (``classify_mismatch``).
 """
 
 from __future__ import annotations
+
+#: a mismatch is a near-tie when the two tokens' logits are this many units of the dtype's
+#: rounding (eps x the top logit's magnitude) apart or less: a 60-node verification and a
+#: one-token step accumulate in different orders, and in bf16 that moves a logit by a few
+#: such units (in fp32 the same rule leaves room only for exact ties)
+NEAR_TIE_UNITS = 4
 
 DEFINITIONS = {
     "tau": "tokens committed per target verification forward, bonus token included (plain decoding: 1); "
@@ -24,7 +32,28 @@ DEFINITIONS = {
     "tokens_per_s": "new tokens / wall-clock seconds (prefill included), totals over all turns",
     "speedup": "tokens_per_s / ar_tokens_per_s: ratio of totals over the same prompts, same process, after warm-up",
     "outputs_match_ar": "greedy only: every turn's tokens equal plain greedy decoding's exactly",
+    "exact_match_fraction": "greedy only: the share of turns whose tokens equal plain greedy decoding's exactly",
+    "near_tie_mismatches": "greedy only: turns that part from plain decoding where the target's logits of the two "
+                           f"tokens are within {NEAR_TIE_UNITS} x eps(dtype) x |top logit| (rounding can flip the "
+                           "argmax: verification and a one-token step round differently)",
+    "real_mismatches": "greedy only: turns that part from plain decoding by more than rounding (a decoder error "
+                       "unless the target is nondeterministic); turns after an earlier parting are not counted",
+    "graph_capture_s": "seconds spent capturing CUDA graphs in the measured turns (once per shape for the whole "
+                       "benchmark); not in time_s",
 }
+
+
+def classify_mismatch(logits, spec_token: int, ar_token: int) -> tuple[float, str]:
+    """At the first position where speculative and plain outputs part: the target's top-2
+    logit margin there, and ``near_tie`` when the two tokens' logits are within the dtype's
+    rounding (``NEAR_TIE_UNITS``) of each other, else ``real``. ``logits`` (V,) in the
+    target's dtype."""
+    import torch  # here: reading reports needs no torch
+
+    top = logits.float().topk(2).values
+    unit = torch.finfo(logits.dtype).eps * max(abs(float(top[0])), 1.0)
+    gap = abs(float(logits[spec_token].float() - logits[ar_token].float()))
+    return float(top[0] - top[1]), "near_tie" if gap <= NEAR_TIE_UNITS * unit else "real"
 
 
 def summarize(records: list[dict], greedy: bool) -> dict:
@@ -51,6 +80,11 @@ def summarize(records: list[dict], greedy: bool) -> dict:
         "ar_tokens_per_s": ar_tps,
         "speedup": tps / ar_tps if tps and ar_tps else None,
         "outputs_match_ar": all(r["outputs_match_ar"] for r in records) if greedy else None,
+        "exact_match_fraction": sum(bool(r["outputs_match_ar"]) for r in records) / len(records)
+        if greedy and records else None,
+        "near_tie_mismatches": sum(r.get("mismatch") == "near_tie" for r in records) if greedy else None,
+        "real_mismatches": sum(r.get("mismatch") == "real" for r in records) if greedy else None,
+        "graph_capture_s": sum(r.get("capture_s", 0.0) + r.get("ar_capture_s", 0.0) for r in records),
         "n_samples": len({r["item"] for r in records}),
         "n_turns": len(records),
         "new_tokens": new,

@@ -123,6 +123,16 @@ def markdown(report: dict) -> str:
         f"plain decoding {fmt(o.get('ar_ms_per_token'), 2)} ms per token.",
         "",
     ]
+    if o.get("exact_match_fraction") is not None:
+        lines += [f"Outputs vs plain greedy decoding: {fmt(o['exact_match_fraction'], 3)} of the turns identical; "
+                  f"{o.get('near_tie_mismatches', 0)} part at a near-tie (within the dtype's rounding), "
+                  f"{o.get('real_mismatches', 0)} are real mismatches (see `mismatch` in samples.jsonl).", ""]
+    g = report.get("graphs")
+    if g and g.get("enabled"):
+        lines += [f"CUDA graphs: {g['captures']} captured once each for the whole run in {fmt(g['graph_capture_s'], 2)} s "
+                  "(not in the times above)"
+                  + (f"; steps run eagerly after a failed capture: {', '.join(g['eager_fallback_steps'])}"
+                     if g.get("eager_fallback_steps") else "") + ".", ""]
     if report.get("ensemble"):
         from msd_train.evaluation.ensemble import ensemble_table
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from msd_train.decoding import DecodeConfig, SamplingParams
+from msd_train.decoding import DecodeConfig, SamplingParams, Workspace
 from msd_train.evaluation.bench import bench_decoding, grouped_by, load_bench
 from msd_train.evaluation.metrics import DEFINITIONS, summarize, summarize_by_category
 from msd_train.evaluation.report import write_report
@@ -137,11 +137,12 @@ def run_eval(cfg: dict, command: str | None = None) -> dict | None:
     check_out_dir(out)  # now, not after the decoding
     items = _checked_items(cfg, config)  # before the target: a wrong path fails in seconds
     target, draft = _load_models(cfg, config, device)
-    report_of = functools.partial(_report, cfg, draft, config, device, target, world, command)
+    workspace = Workspace()  # caches and captured steps, kept across the benchmark's prompts
+    report_of = functools.partial(_report, cfg, draft, config, device, target, world, command, workspace)
 
     shard = items[rank::world]
     progress = bool(cfg.get("progress", True)) and rank == 0
-    records = _evaluate_shard(cfg, target, draft, shard, config, out, group, progress, report_of)
+    records = _evaluate_shard(cfg, target, draft, shard, config, out, group, progress, report_of, workspace)
     if world > 1:
         group.barrier()  # every rank's samples file is complete
         if rank != 0:
@@ -195,7 +196,7 @@ def _load_models(cfg: dict, config: DecodeConfig, device: torch.device):
 
 
 def _evaluate_shard(cfg: dict, target, draft, shard: list, config: DecodeConfig, out: Path, group, progress: bool,
-                    report_of) -> list[dict]:
+                    report_of, workspace: Workspace) -> list[dict]:
     """This rank's records, each appended to its samples file as it is measured; their
     ``item`` is the index over the whole benchmark, not the shard."""
     rank, world = group.rank, group.world
@@ -203,7 +204,7 @@ def _evaluate_shard(cfg: dict, target, draft, shard: list, config: DecodeConfig,
     partial = _Partial(out / (f"samples.rank{rank}.jsonl" if world > 1 else "samples.jsonl"), rank, world)
     try:
         records = evaluate(target, draft, shard, config, warmup=int(cfg["warmup"]),
-                           seed=int(cfg.get("seed", 0)), progress=progress, on_record=partial)
+                           seed=int(cfg.get("seed", 0)), progress=progress, on_record=partial, workspace=workspace)
     except BaseException as e:  # Ctrl-C, an error mid-benchmark: keep a report of what was measured
         partial.close()
         if world == 1 and partial.records:
@@ -228,7 +229,7 @@ def _merge_rank_records(out: Path, world: int) -> list[dict]:
 
 
 def _report(cfg: dict, draft, config: DecodeConfig, device, target, world: int, command: str | None,
-            records: list[dict]) -> dict:
+            workspace: Workspace, records: list[dict]) -> dict:
     tc = cfg["target"]
     bench_name = cfg["bench"].get("name", "bench")
     greedy = config.sampling.greedy
@@ -255,6 +256,9 @@ def _report(cfg: dict, draft, config: DecodeConfig, device, target, world: int, 
         "speedup_is": "ratio of totals",
         "overall": summarize(records, greedy),
         "per_category": summarize_by_category(records, greedy),
+        # CUDA graphs over the whole run, warm-up included (this rank's): capture time is not in any time_s
+        "graphs": {"enabled": workspace.graphs.enabled, "captures": workspace.graphs.captures,
+                   "graph_capture_s": workspace.graphs.capture_s, "eager_fallback_steps": sorted(workspace.graphs.eager)},
     }
 
 
