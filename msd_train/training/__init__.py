@@ -55,7 +55,9 @@ def run(cfg) -> None:
             recipe.setup()
             recipe.train()
         finally:
-            if recipe is not None and hasattr(recipe, "group"):
-                recipe.cleanup()
-            if lock is not None:
-                lock.release()
+            try:
+                if recipe is not None and hasattr(recipe, "group"):
+                    recipe.cleanup()
+            finally:
+                if lock is not None:
+                    lock.release()

@@ -1,0 +1,56 @@
+"""Issue 19, the run's lifecycle: a logger never stands between a signal and its checkpoint,
+locks heal, a stale torch-extensions build lock is named, a full disk is recognised by its
+free space, and only a complete export counts as a finished stage."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from test_robust import ENV, FAST, ROOT, _trainers, _wait_for_steps, steps
+
+from msd_train.training import checkpoint as ckpt
+
+
+# ----------------------------------------------------------------------------- 1: Ctrl-C with wandb on
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_deepspeed_with_wandb_offline_saves_a_checkpoint_and_releases_the_lock(mini_run, tmp_path):
+    import psutil
+
+    run = tmp_path / "run"
+    args = [o for o in mini_run if not o.startswith("logging.wandb.mode=")]
+    args += [*FAST, f"run_dir={run}", "stage=1", "train.max_steps=100000", "checkpoint.every=100000",
+             "logging.wandb.mode=offline"]
+    env = {k: v for k, v in ENV.items() if k != "WANDB_MODE"}
+    cmd = ["deepspeed", "--num_gpus", "1", "--master_port", "29640", str(ROOT / "train.py"), *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        _wait_for_steps(run, proc)
+        trainers = _trainers(proc.pid)
+        assert trainers, "no trainer process found under the launcher"
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the launcher also takes down the trainer's wandb service
+        output, _ = proc.communicate(timeout=300)
+        psutil.wait_procs(trainers, timeout=120)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    saved = ckpt.complete_checkpoints(run / "stage1" / "checkpoints")
+    assert saved, f"no checkpoint was saved:\n{output[-5000:]}"
+    step = ckpt.read_state(saved[-1])["step"]
+    assert step >= 2 and step in steps(run)
+    assert f"interrupted at step {step}; checkpoint saved" in output, output[-5000:]
+    assert not (run / ".lock").exists(), f"the run_dir lock was left behind:\n{output[-3000:]}"
+    # the top-level `deepspeed` runner prints its own KeyboardInterrupt; the trainer prints none
+    trainer_tracebacks = [t for t in output.split("Traceback (most recent call last):")[1:]
+                          if "bin/deepspeed" not in t.splitlines()[1]]
+    assert not trainer_tracebacks, output[-5000:]
+    assert any((run / "wandb").glob("offline-run-*")), "wandb did not run: this case is about wandb on"
