@@ -4,17 +4,18 @@ free space, and only a complete export counts as a finished stage."""
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from test_robust import ENV, FAST, ROOT, _trainers, _wait_for_steps, steps
 
 from msd_train.training import checkpoint as ckpt
-
+from msd_train.training import rundir
 
 # ----------------------------------------------------------------------------- 1: Ctrl-C with wandb on
 
@@ -54,3 +55,44 @@ def test_ctrl_c_under_deepspeed_with_wandb_offline_saves_a_checkpoint_and_releas
                           if "bin/deepspeed" not in t.splitlines()[1]]
     assert not trainer_tracebacks, output[-5000:]
     assert any((run / "wandb").glob("offline-run-*")), "wandb did not run: this case is about wandb on"
+
+
+# ----------------------------------------------------------------------------- 2: locks that heal
+
+
+@pytest.mark.parametrize("content", ["", "{}", "[]", "null", '{"pid": -1}', '{"pid": "12", "host": 3}',
+                                     "\x00\x81garbage{", '{"pid": 123'])
+def test_a_lock_that_names_no_owner_is_taken_over(tmp_path, caplog, content):
+    (tmp_path / rundir.LOCK_FILE).write_text(content)
+    t0 = time.perf_counter()
+    with caplog.at_level("WARNING"):
+        with rundir.RunDirLock(tmp_path):
+            assert json.loads((tmp_path / rundir.LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert time.perf_counter() - t0 < 2
+    assert "names no owner" in caplog.text and "taking it over" in caplog.text
+    assert not (tmp_path / rundir.LOCK_FILE).exists()
+
+
+@pytest.mark.parametrize("err", [errno.EACCES, errno.EROFS])
+def test_an_unwritable_run_dir_is_one_message(tmp_path, monkeypatch, capsys, err):
+    """As a user sees it: train.py's run() prints one paragraph naming the run_dir, exit 1
+    (a read-only mount, or a run_dir made read-only after a first run: Hydra's own folder
+    inside it stays writable, the lock is the first write that fails)."""
+    from omegaconf import OmegaConf
+    from test_robust import base_train_cfg
+
+    from msd_train.training import run
+
+    def refuse(path, *a, **k):
+        raise OSError(err, os.strerror(err), str(path))
+
+    monkeypatch.setattr(rundir.os, "open", refuse)
+    monkeypatch.delenv("MSD_DEBUG", raising=False)
+    cfg = OmegaConf.create({**base_train_cfg(tmp_path), "run_dir": str(tmp_path / "run")})
+    with pytest.raises(SystemExit) as e:
+        run(cfg)
+    err_text = capsys.readouterr().err
+    assert e.value.code == 1
+    assert "Traceback" not in err_text and err_text.count("error:") == 1, err_text
+    assert f"cannot write the run_dir lock {tmp_path / 'run' / rundir.LOCK_FILE}" in err_text
+    assert "choose another run_dir" in err_text

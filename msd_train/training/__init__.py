@@ -25,7 +25,7 @@ def run(cfg) -> None:
     log = logging.getLogger("msd_train")
     lock = None
     recipe = None
-    with user_errors(TrainingError, FeatureStoreError, BadSampleError, rundir.RunDirBusy,
+    with user_errors(TrainingError, FeatureStoreError, BadSampleError, rundir.RunDirError,
                      ckpt.CheckpointWriteError):
         try:
             try:
