@@ -12,7 +12,7 @@ import subprocess
 import time
 
 import pytest
-from test_robust import ENV, FAST, ROOT, _trainers, _wait_for_steps, steps
+from test_robust import ENV, FAST, ROOT, _trainers, _wait_for_steps, fake_checkpoint, steps
 
 from msd_train.training import checkpoint as ckpt
 from msd_train.training import rundir
@@ -96,3 +96,39 @@ def test_an_unwritable_run_dir_is_one_message(tmp_path, monkeypatch, capsys, err
     assert "Traceback" not in err_text and err_text.count("error:") == 1, err_text
     assert f"cannot write the run_dir lock {tmp_path / 'run' / rundir.LOCK_FILE}" in err_text
     assert "choose another run_dir" in err_text
+
+
+# ----------------------------------------------------------------------------- 8: disk full, every form
+
+
+def _head():
+    from transformers import AutoConfig
+
+    from msd_train.draft import MSDDraftConfig, MSDDraftModel
+
+    cfg = MSDDraftConfig.from_target_config(AutoConfig.from_pretrained(ROOT / "data" / "tiny-llava"), "tiny")
+    return MSDDraftModel(cfg)
+
+
+def _no_room(monkeypatch):
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: type("U", (), {"free": 4096})())
+
+
+def test_a_full_disk_is_recognised_whatever_torch_says(tmp_path, monkeypatch):
+    root = tmp_path / "stage1" / "checkpoints"
+    fake_checkpoint(root, 100)
+    tmp = root / ".tmp-step-000200"
+    cut = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1344 vs 1280")
+    _no_room(monkeypatch)
+    with pytest.raises(ckpt.CheckpointWriteError) as e:
+        with ckpt.writing(root, tmp, "checkpoint step 200"):
+            tmp.mkdir()
+            raise cut
+    assert "the disk is full" in str(e.value) and "kept: step-000100" in str(e.value)
+    assert not tmp.exists()
+
+    head = _head()  # the export path: the same message, and no partial export left behind
+    monkeypatch.setattr(head, "save_pretrained", lambda *a, **k: (_ for _ in ()).throw(cut))
+    with pytest.raises(ckpt.CheckpointWriteError, match="the disk is full: writing the final export"):
+        ckpt.export_atomic(head, tmp_path / "stage1" / "final")
+    assert sorted(p.name for p in (tmp_path / "stage1").iterdir()) == ["checkpoints"]
