@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from test_robust import ENV, FAST, ROOT, _trainers, _wait_for_steps, fake_checkpoint, steps
@@ -132,3 +133,49 @@ def test_a_full_disk_is_recognised_whatever_torch_says(tmp_path, monkeypatch):
     with pytest.raises(ckpt.CheckpointWriteError, match="the disk is full: writing the final export"):
         ckpt.export_atomic(head, tmp_path / "stage1" / "final")
     assert sorted(p.name for p in (tmp_path / "stage1").iterdir()) == ["checkpoints"]
+
+
+# ----------------------------------------------------------------------------- 9: an interrupted export
+
+
+def test_only_a_complete_export_is_a_finished_stage(tmp_path):
+    from omegaconf import OmegaConf
+
+    from msd_train.training.recipe import TrainRecipe
+
+    final = tmp_path / "stage1" / "final"
+    final.mkdir(parents=True)
+    (final / "config.json").write_text(_head().config.to_json_string())  # what a kill could once leave
+    recipe = TrainRecipe(OmegaConf.create({"stage": {"id": 1}, "run_dir": str(tmp_path), "train": {"max_steps": 2},
+                                           "logging": {"progress": False}}))
+    recipe.step, recipe.main = 2, True  # resumed from the checkpoint of the last step
+    exported = []
+    recipe.export = exported.append
+    recipe.train()
+    assert exported == ["final"], "a final/ without weights was taken for a finished stage"
+
+    ckpt.export_atomic(_head(), final)
+    assert ckpt.export_complete(final)
+    exported.clear()
+    recipe.train()
+    assert exported == [], "a complete final/ is a finished stage"
+    weights = final / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # cut short
+    assert not ckpt.export_complete(final)
+
+
+def test_an_export_killed_mid_write_leaves_the_previous_one_whole(tmp_path):
+    final = tmp_path / "final"
+    ckpt.export_atomic(_head(), final)
+    before = {p.name: p.read_bytes() for p in final.iterdir()}
+    head = _head()
+
+    def killed(folder, **kw):
+        (Path(folder) / "config.json").write_text("{}")  # the first file is out, then the kill
+        raise KeyboardInterrupt
+
+    head.save_pretrained = killed
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.export_atomic(head, final)
+    assert {p.name: p.read_bytes() for p in final.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["final"], "the partial write must not stay behind"

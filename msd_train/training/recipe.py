@@ -176,7 +176,7 @@ class TrainRecipe:
         init = None
         if cfg.stage.init_from and not resuming:
             init = Path(cfg.stage.init_from)
-            if not (init / "config.json").is_file():
+            if not ckpt.export_complete(init):
                 # The default init_from is RUN_DIR/stageN/final: name the command that writes it.
                 earlier = init.parent.name
                 hint = (f"run stage={earlier[5:]} with the same run_dir first" if init.name == "final"
@@ -394,7 +394,7 @@ class TrainRecipe:
 
     def train(self) -> None:
         tc = self.cfg.train
-        if self.step >= tc.max_steps and (self.stage_dir / "final" / "config.json").is_file():
+        if self.step >= tc.max_steps and ckpt.export_complete(self.stage_dir / "final"):
             if self.main:
                 log.info("stage %d already finished at step %d (%s); nothing to do. Use resume=false to retrain "
                          "or raise train.max_steps to continue.", self.stage, self.step, self.stage_dir / "final")
