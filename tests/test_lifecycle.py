@@ -9,14 +9,15 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from test_robust import ENV, FAST, ROOT, _trainers, _wait_for_steps, fake_checkpoint, steps
 
+from msd_train.training import build_locks, rundir
 from msd_train.training import checkpoint as ckpt
-from msd_train.training import rundir
 
 # ----------------------------------------------------------------------------- 1: Ctrl-C with wandb on
 
@@ -179,3 +180,53 @@ def test_an_export_killed_mid_write_leaves_the_previous_one_whole(tmp_path):
         ckpt.export_atomic(head, final)
     assert {p.name: p.read_bytes() for p in final.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir()] == ["final"], "the partial write must not stay behind"
+
+
+# ----------------------------------------------------------------------------- 7: a stale build lock
+
+
+def _build_lock(root: Path, age: float) -> Path:
+    """A torch-extensions build folder as a killed build leaves it: build.ninja and an empty lock."""
+    folder = root / "deepspeed_shm_comm"
+    folder.mkdir(parents=True)
+    (folder / "build.ninja").write_text("")
+    lock = folder / build_locks.LOCK_NAME
+    lock.touch()
+    for f in folder.iterdir():
+        os.utime(f, (time.time() - age, time.time() - age))
+    return lock
+
+
+def test_a_stale_build_lock_is_removed_and_named(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # never the real, shared cache
+    lock = _build_lock(tmp_path, age=3600)
+    with caplog.at_level("WARNING"):
+        assert build_locks.clear_stale_build_locks() == [lock]
+    assert not lock.exists() and (lock.parent / "build.ninja").exists()
+    assert f"removed the stale build lock {lock}" in caplog.text
+
+
+def test_a_build_lock_held_by_a_live_build_is_left_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = _build_lock(tmp_path, age=3600)  # old, but its builder is alive and holds it open
+    builder = subprocess.Popen([sys.executable, "-c", f"import os, time; os.open({str(lock)!r}, os.O_RDONLY); "
+                                                      "print('open', flush=True); time.sleep(60)"],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert builder.stdout.readline().strip() == "open"
+        assert build_locks.clear_stale_build_locks() == []
+        assert lock.exists()
+    finally:
+        builder.kill()
+        builder.wait()
+
+
+def test_a_fresh_unheld_build_lock_is_waited_for_with_its_name_then_taken_as_stale(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(build_locks, "STALE_AFTER", 1.0)
+    lock = _build_lock(tmp_path, age=0)  # another machine sharing the cache may be building
+    t0 = time.perf_counter()
+    with caplog.at_level("WARNING"):
+        assert build_locks.clear_stale_build_locks(poll=0.1) == [lock]
+    assert 0.5 < time.perf_counter() - t0 < 5
+    assert f"waiting for the build lock {lock}" in caplog.text and "delete it to go on now" in caplog.text
