@@ -59,6 +59,31 @@ def test_ctrl_c_under_deepspeed_with_wandb_offline_saves_a_checkpoint_and_releas
     assert any((run / "wandb").glob("offline-run-*")), "wandb did not run: this case is about wandb on"
 
 
+def test_a_dead_wandb_turns_wandb_off_with_one_warning_and_logging_goes_on(tmp_path, caplog, monkeypatch):
+    """The fast half of the case above: a logger whose service is gone costs a warning, not the run."""
+    import wandb
+    from omegaconf import OmegaConf
+
+    from msd_train.training.recipe import TrainRecipe
+
+    class DeadRun:
+        calls = 0
+
+        def log(self, *a, **k):
+            DeadRun.calls += 1
+            raise ConnectionResetError("Connection lost")
+
+    monkeypatch.setattr(wandb, "teardown", lambda *a, **k: (_ for _ in ()).throw(ConnectionResetError()))
+    recipe = TrainRecipe(OmegaConf.create({"stage": {"id": 1}, "run_dir": str(tmp_path)}))
+    recipe.main, recipe.wandb = True, DeadRun()
+    recipe.stage_dir.mkdir(parents=True)
+    with caplog.at_level("WARNING"):
+        for step in (1, 2, 3):
+            recipe._log({"step": step, "loss": 1.0})
+    assert steps(tmp_path) == [1, 2, 3] and DeadRun.calls == 1 and recipe.wandb is None
+    assert caplog.text.count("wandb failed while logging (ConnectionResetError: Connection lost)") == 1
+
+
 # ----------------------------------------------------------------------------- 2: locks that heal
 
 
