@@ -110,6 +110,7 @@ def test_disk_full_while_checkpointing_says_so_and_what_was_kept(tmp_path, monke
         with ckpt.writing(root, tmp, "checkpoint step 200"):
             raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos; basic_ios::clear: "
                                "iostream error")
+    monkeypatch.undo()  # room on the disk again
     with pytest.raises(RuntimeError, match="something else"):  # other failures pass through unchanged
         with ckpt.writing(root, tmp, "checkpoint step 200"):
             raise RuntimeError("something else")

@@ -16,6 +16,7 @@ def run(cfg) -> None:
     from msd_train.features.store import FeatureStoreError
     from msd_train.training import checkpoint as ckpt
     from msd_train.training import rundir
+    from msd_train.training.build_locks import clear_stale_build_locks
     from msd_train.training.recipe import TrainingError, TrainRecipe
     from msd_train.validate import ConfigError, check_train, user_errors
 
@@ -25,7 +26,7 @@ def run(cfg) -> None:
     log = logging.getLogger("msd_train")
     lock = None
     recipe = None
-    with user_errors(TrainingError, FeatureStoreError, BadSampleError, rundir.RunDirBusy,
+    with user_errors(TrainingError, FeatureStoreError, BadSampleError, rundir.RunDirError,
                      ckpt.CheckpointWriteError):
         try:
             try:
@@ -51,11 +52,16 @@ def run(cfg) -> None:
                 if refusal:
                     raise TrainingError(refusal)
             rundir.exit_with_launcher()
+            # DeepSpeed compiles its communication op when the engine starts, waiting silently on
+            # a build lock that a killed launch may have left.
+            clear_stale_build_locks()
             recipe = TrainRecipe(cfg)
             recipe.setup()
             recipe.train()
         finally:
-            if recipe is not None and hasattr(recipe, "group"):
-                recipe.cleanup()
-            if lock is not None:
-                lock.release()
+            try:
+                if recipe is not None and hasattr(recipe, "group"):
+                    recipe.cleanup()
+            finally:
+                if lock is not None:
+                    lock.release()

@@ -4,7 +4,8 @@ Layout of a stage folder::
 
     stage1/checkpoints/step-000100/   DeepSpeed engine state (tag "engine") + recipe_state.json
     stage1/checkpoints/.tmp-...       a write in progress (ignored, removed on the next save)
-    stage1/final/, stage1/best/       exports: config.json + model.safetensors
+    stage1/final/, stage1/best/       exports: config.json + model.safetensors (written like
+                                      checkpoints: into .tmp-final, then renamed)
 
 A checkpoint is complete when ``recipe_state.json`` exists in it; it is written last and
 the folder is renamed into place only after that, so a crash leaves at most a ``.tmp``
@@ -122,19 +123,18 @@ def rotate(root: Path, keep: int) -> None:
 
 
 def _disk_full(err: BaseException, where: Path) -> bool:
-    """ENOSPC/EDQUOT anywhere in the chain, or a C++ stream error (torch.save says only
-    ``basic_ios::clear: iostream error``) on a filesystem that has no room left."""
+    """ENOSPC/EDQUOT anywhere in the chain, or any other failed write on a filesystem that
+    has no room left: torch.save reports a full disk in words of its own (``basic_ios::clear:
+    iostream error``, ``unexpected pos 123 vs 456``) that change between versions."""
     e: BaseException | None = err
     while e is not None:
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         e = e.__cause__ or e.__context__
-    if "iostream error" in str(err) or "failed writing" in str(err) or "file write failed" in str(err):
-        try:
-            return shutil.disk_usage(where).free < 64 << 20
-        except OSError:
-            return False
-    return False
+    try:
+        return shutil.disk_usage(where).free < 64 << 20
+    except OSError:
+        return False
 
 
 @contextmanager
@@ -156,6 +156,26 @@ def writing(root: Path, tmp: Path, what: str):
                 f"the partial write was removed; {keep_msg}. Free space on that disk (or lower checkpoint.keep, "
                 f"or move run_dir to a larger disk) and launch the same command again.") from err
         raise
+
+
+def export_complete(folder: Path) -> bool:
+    """Whether ``folder`` holds a whole export: config.json parses and every weight file
+    (model.safetensors, or an index and its shards) is there and opens, its header covering
+    the file (one cut short does not). Cheap: no tensor is read. A finished stage is one
+    whose ``final/`` is complete, never one whose ``config.json`` alone survived."""
+    from safetensors import safe_open
+
+    from msd_train.hub.folders import export_weight_files, read_config
+
+    try:
+        read_config(folder)
+        for f in export_weight_files(folder):
+            if f.suffix == ".safetensors":
+                with safe_open(str(f), framework="pt"):
+                    pass
+    except Exception:  # whatever is missing or damaged, the export is not whole
+        return False
+    return True
 
 
 def export_atomic(model, out: Path, extra_files: dict[str, str] | None = None) -> None:

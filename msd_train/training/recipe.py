@@ -176,7 +176,7 @@ class TrainRecipe:
         init = None
         if cfg.stage.init_from and not resuming:
             init = Path(cfg.stage.init_from)
-            if not (init / "config.json").is_file():
+            if not ckpt.export_complete(init):
                 # The default init_from is RUN_DIR/stageN/final: name the command that writes it.
                 earlier = init.parent.name
                 hint = (f"run stage={earlier[5:]} with the same run_dir first" if init.name == "final"
@@ -215,6 +215,8 @@ class TrainRecipe:
             dir=str(self.run_dir), config=OmegaConf.to_container(self.cfg, resolve=True),
             resume="allow", id=f"{name}-{self.run_dir.name}".replace("/", "-")[:64],
         )
+        # wandb's client runs on asyncio, which logs every send to a service that has died.
+        logging.getLogger("asyncio").setLevel(logging.ERROR)
 
     # ------------------------------------------------------------------ resume
     def _resume_point(self) -> Path | None:
@@ -392,7 +394,7 @@ class TrainRecipe:
 
     def train(self) -> None:
         tc = self.cfg.train
-        if self.step >= tc.max_steps and (self.stage_dir / "final" / "config.json").is_file():
+        if self.step >= tc.max_steps and ckpt.export_complete(self.stage_dir / "final"):
             if self.main:
                 log.info("stage %d already finished at step %d (%s); nothing to do. Use resume=false to retrain "
                          "or raise train.max_steps to continue.", self.stage, self.step, self.stage_dir / "final")
@@ -456,6 +458,11 @@ class TrainRecipe:
                         "(SIGKILL stops without saving)", signum)
             return
         self.stop_requested = True
+        # The deepspeed launcher answers Ctrl-C by terminating the trainer's whole process tree,
+        # DataLoader workers included. This step's batches are already here, so a worker's end
+        # must not raise (torch's SIGCHLD handler) before the checkpoint is written. A no-op
+        # handler rather than SIG_DFL: Python reports a SIGCHLD pending across that switch.
+        signal.signal(signal.SIGCHLD, lambda *_: None)
         log.warning("received signal %d: saving a checkpoint after this step", signum)
 
     def _stop_agreed(self) -> bool:
@@ -508,8 +515,28 @@ class TrainRecipe:
             return
         with open(self.stage_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
-        if self.wandb is not None:
-            self.wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=int(metrics["step"]))
+        self._wandb("logging", lambda run: run.log({k: v for k, v in metrics.items() if k != "step"},
+                                                   step=int(metrics["step"])))
+
+    def _wandb(self, doing: str, call) -> None:
+        """``call(run)`` on the wandb run, if any. A failure stops wandb for the rest of the
+        launch with one warning: the launcher's Ctrl-C also kills wandb's service process (it
+        terminates the trainer's whole process tree), and the logger must not stand between
+        that signal and the checkpoint. metrics.jsonl keeps every step either way."""
+        if self.wandb is None:
+            return
+        try:
+            call(self.wandb)
+        except Exception as e:
+            self.wandb = None
+            log.warning("wandb failed while %s (%s: %s); training goes on without it, every step is still in %s",
+                        doing, type(e).__name__, e, self.stage_dir / "metrics.jsonl")
+            import wandb
+
+            try:  # unregisters wandb's exit hook, which would fail the same way at exit
+                wandb.teardown()
+            except Exception:
+                pass
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> None:
@@ -548,7 +575,6 @@ class TrainRecipe:
         log.info("exported %s", self.stage_dir / name)
 
     def cleanup(self) -> None:
-        if self.wandb is not None:
-            self.wandb.finish()
+        self._wandb("finishing its run", lambda run: run.finish())
         self._batches = self._batches_at = None  # ends the DataLoader's workers
         self.group.destroy()

@@ -2,8 +2,8 @@
 
 - :class:`RunDirLock`: one launch per run_dir. ``run_dir/.lock`` holds the owner's pid,
   host, start time and command; a second launch is refused with that owner named. A lock
-  left by a killed launch (its pid gone, or reused by another process, on this host) is
-  stale and taken over.
+  that names no live owner on this host (its pid gone or reused, or no owner at all: empty,
+  ``{}``, not JSON) is stale and taken over. An unwritable run_dir is one message.
 - :func:`set_aside`: ``resume=false`` moves a stage's previous outputs (checkpoints,
   exports, metrics, evaluation reports) into ``stageN/replaced-<time>/``, so two runs are
   never mixed and nothing is deleted.
@@ -34,13 +34,19 @@ log = logging.getLogger(__name__)
 LOCK_FILE = ".lock"
 
 
-class RunDirBusy(RuntimeError):
+class RunDirError(RuntimeError):
+    """The run_dir cannot be used by this launch (the message says why and what to do)."""
+
+
+class RunDirBusy(RunDirError):
     """Another live launch owns the run_dir."""
 
 
 def _process_start(pid: int) -> float | None:
     """Start time of ``pid`` (None when no such process): a pid reused by another
     process after the owner died has another start time."""
+    if pid <= 0:  # os.kill(-1, 0) would ask about every process
+        return None
     try:
         import psutil
 
@@ -56,21 +62,46 @@ def _process_start(pid: int) -> float | None:
 
 
 def _owner_alive(owner: dict) -> bool:
-    start = _process_start(int(owner.get("pid", -1)))
+    start = _process_start(owner["pid"])
     if start is None:
         return False
     recorded = owner.get("start_time")
-    return start < 0 or recorded is None or abs(start - float(recorded)) < 1.0
+    return start < 0 or not isinstance(recorded, (int, float)) or abs(start - float(recorded)) < 1.0
+
+
+def _owner(text: str) -> dict | None:
+    """The owner a lock file names (a positive pid and a host), or None when it names none:
+    empty (a launch killed between creating and writing it), ``{}``, or not JSON."""
+    try:
+        owner = json.loads(text)
+    except ValueError:
+        return None
+    ok = (isinstance(owner, dict) and isinstance(owner.get("pid"), int) and owner["pid"] > 0
+          and isinstance(owner.get("host"), str) and owner["host"])
+    return owner if ok else None
 
 
 class RunDirLock:
-    """``with RunDirLock(run_dir):`` for the whole launch (rank 0 only)."""
+    """``with RunDirLock(run_dir):`` for the whole launch (rank 0 only).
+
+    A lock that does not name a live owner on this host is stale and taken over with a
+    warning: its pid is gone (or reused), or it names no owner at all. One naming another
+    host is respected, since its process cannot be checked from here."""
 
     def __init__(self, run_dir: str | Path):
         self.path = Path(run_dir) / LOCK_FILE
         self.held = False
 
     def acquire(self) -> None:
+        try:
+            self._acquire()
+        except OSError as e:  # read-only or full file system, no permission
+            raise RunDirError(
+                f"cannot write the run_dir lock {self.path} ({type(e).__name__}: {e.strerror or e}); training "
+                f"writes its checkpoints, exports and metrics into run_dir={self.path.parent}, so it must be "
+                f"writable: fix its permissions or free space, or choose another run_dir") from e
+
+    def _acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         me = {"pid": os.getpid(), "host": socket.gethostname(), "start_time": _process_start(os.getpid()),
               "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
@@ -79,17 +110,21 @@ class RunDirLock:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 owner = self._read_owner()
-                if owner is None:
-                    continue  # the owner just released it, or wrote it half: look again
-                if owner.get("host") != me["host"] or _owner_alive(owner):
+                if owner is False:
+                    continue  # the owner just released it: try again
+                if owner is not None and (owner["host"] != me["host"] or _owner_alive(owner)):
                     raise RunDirBusy(
-                        f"run_dir {self.path.parent} is in use by another launch: pid {owner.get('pid')} on "
-                        f"{owner.get('host')}, started {owner.get('started')} ({owner.get('command')}). Two "
+                        f"run_dir {self.path.parent} is in use by another launch: pid {owner['pid']} on "
+                        f"{owner['host']}, started {owner.get('started')} ({owner.get('command')}). Two "
                         f"launches into one run_dir would overwrite each other's checkpoints and metrics; wait "
                         f"for it to end, stop it, or choose another run_dir. If that launch is gone (its machine "
                         f"died), delete {self.path}.") from None
-                log.warning("run_dir lock %s was left by pid %s on %s, which is gone; taking it over",
-                            self.path, owner.get("pid"), owner.get("host"))
+                if owner is None:
+                    log.warning("run_dir lock %s names no owner (left half-written by a killed launch); "
+                                "taking it over", self.path)
+                else:
+                    log.warning("run_dir lock %s was left by pid %s on %s, which is gone; taking it over",
+                                self.path, owner["pid"], owner["host"])
                 self.path.unlink(missing_ok=True)
                 continue
             with os.fdopen(fd, "w") as f:
@@ -98,26 +133,27 @@ class RunDirLock:
             return
         raise RunDirBusy(f"could not take the run_dir lock {self.path}; another launch keeps creating it")
 
-    def _read_owner(self) -> dict | None:
-        try:
-            owner = json.loads(self.path.read_text())
-            return owner if isinstance(owner, dict) else {}
-        except FileNotFoundError:
-            return None
-        except (OSError, json.JSONDecodeError):
-            # Written half by a launch killed between create and write: no live owner to name.
-            time.sleep(0.2)
+    def _read_owner(self) -> dict | None | bool:
+        """The owner the lock names; None when it names none; False when it is gone."""
+        for attempt in range(2):
             try:
-                return json.loads(self.path.read_text())
-            except (OSError, json.JSONDecodeError):
-                return {"pid": -1, "host": socket.gethostname()}
+                owner = _owner(self.path.read_text(errors="replace"))
+            except FileNotFoundError:
+                return False
+            if owner is not None or attempt:
+                return owner
+            time.sleep(0.2)  # a launch may be between creating the file and writing it: look again
+        return None
 
     def release(self) -> None:
         if self.held:
-            owner = self._read_owner() or {}
-            if owner.get("pid") == os.getpid():
-                self.path.unlink(missing_ok=True)
             self.held = False
+            try:
+                owner = self._read_owner()
+                if owner and owner["pid"] == os.getpid():
+                    self.path.unlink()
+            except OSError as e:  # the run_dir went away or read-only under us: the next launch takes it over
+                log.warning("could not remove the run_dir lock %s (%s)", self.path, e)
 
     def __enter__(self) -> RunDirLock:
         self.acquire()
