@@ -47,6 +47,7 @@ class PromptPass:
     visual: torch.Tensor  # (1, L) bool: image tokens
     pixel: dict  # the processor's image tensors (only their grid shapes are read)
     rope_deltas: torch.Tensor | None = None  # M-RoPE: the target's text position minus token index
+    layer_states: torch.Tensor | None = None  # (1, L, k*H): the inputs of the head's feature layers, if any
 
 
 @dataclass
@@ -92,8 +93,8 @@ class HeadDrafter:
         cache = DynamicCache()
         self.rope_deltas = draft_rope_deltas(self.draft.config, prompt.rope_deltas)
         if prompt.ids.shape[1] > 1:
-            features = Features(prompt.embeds, prompt.hidden, prompt.visual, prompt.pos)
-            self.draft(**self.draft.target_inputs(features), past_key_values=cache, use_cache=True)
+            features = Features(prompt.embeds, prompt.hidden, prompt.visual, prompt.pos, layer_states=prompt.layer_states)
+            self.draft(**self.draft.target_inputs(features, target), past_key_values=cache, use_cache=True)
         self.cache, self.graphs = workspace.load("head", cache, capacity), workspace.graphs
 
     def draft_block(self, target, pending: Pending, config, generator: torch.Generator | None = None) -> Tree:
@@ -138,14 +139,14 @@ class HeadDrafter:
 
     def _step(self, embeds, hidden, pos, mask, write_index):
         """The head forward as a function of tensors only (what a captured graph replays)."""
-        return (self.draft(embeds, hidden, position_ids=pos, attention_mask=mask,
-                           past_key_values=self.cache.at(write_index), use_cache=True).last_hidden_state,)
+        return (self.draft.step(embeds, hidden, position_ids=pos, attention_mask=mask,
+                                past_key_values=self.cache.at(write_index), use_cache=True),)
 
     def distribution(self, target, out: torch.Tensor, sampling: SamplingParams, log: bool = False) -> torch.Tensor:
         """The draft distribution (T, V) after the head's outputs ``out`` (R, T, H):
         probabilities (sampling: warped; greedy: any distribution with the right argmax),
         or log-probabilities with ``log``."""
-        logits = target.lm_head(out[0].to(target.dtype))
+        logits = self.draft.logits(out[0], target)
         return log_probs(logits, sampling) if log else logits_to_probs(logits, sampling)
 
     # ----- shared steps -------------------------------------------------------------
@@ -156,7 +157,7 @@ class HeadDrafter:
         row: its prediction of the root's feature."""
         n = pending.hidden.shape[0]
         pos = target.continue_positions(self.cache.length, n, self.rope_deltas)
-        hidden = pending.hidden[None].expand(self.rows, -1, -1)
+        hidden = self.draft.project(pending.hidden)[None].expand(self.rows, -1, -1)
         causal = torch.ones(n, n, dtype=torch.bool, device=target.device).tril()
         out = self.head(target.embed_tokens(pending.tokens)[None], hidden, pos, causal)
         self.cache.length += n

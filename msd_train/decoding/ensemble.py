@@ -43,6 +43,7 @@ scores are summed per block (the search costs a sum, not a pass over the window)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import torch
@@ -60,6 +61,11 @@ class EnsembleDrafter(HeadDrafter):
     cache holds R rows)."""
 
     def __init__(self, draft, variants, mode: str, window: int | str, captions: list[str] | None = None):
+        if draft.feature_layers is not None:
+            raise ValueError(
+                f"ensemble drafting ({mode}) builds its input variants from the target's last layer, and this "
+                f"{draft.architecture} head reads the inputs of target layers {draft.feature_layers}; decode it "
+                f"with decoding.method=tree or chain and no ensemble")
         super().__init__(draft)
         self.variants = tuple(variants)
         self.mode = mode  # ibed | tabed
@@ -114,7 +120,7 @@ class EnsembleDrafter(HeadDrafter):
     def distribution(self, target, out: torch.Tensor, sampling: SamplingParams, log: bool = False) -> torch.Tensor:
         """The rows' mixture (T, V), or its log (what a tree ranks by: the mixture of the
         rows' raw distributions when ``sampling.rank_by`` is raw)."""
-        q = self.mix(out.to(target.dtype), target.lm_head, sampling, raw=log and sampling.rank_by == "raw")
+        q = self.mix(out.to(target.dtype), functools.partial(self.draft.logits, target=target), sampling, raw=log and sampling.rank_by == "raw")
         return q.log() if log else q
 
     def mix(self, out: torch.Tensor, lm_head, sampling: SamplingParams, raw: bool = False) -> torch.Tensor:

@@ -35,6 +35,7 @@ tokens (the root last) in ``pending_tokens``, on the device.
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -111,6 +112,9 @@ class DecodeState:
     pending_tokens: torch.Tensor | None = None
     drafter: HeadDrafter | None = None
     tokens: list[int] = field(default_factory=list)  # new tokens; tokens[-1] is the root x_m
+    #: the target layers whose inputs the head reads (``DraftHead.feature_layers``); None: the
+    #: last layer's post-norm output. ``pending_hidden`` holds those features.
+    feature_layers: list[int] | None = None
 
     @property
     def cache_len(self) -> int:
@@ -209,24 +213,27 @@ class Clock:
 
 
 @torch.inference_mode()
-def prefill_target(target, prompt, capacity: int | None = None, workspace: Workspace | None = None
-                   ) -> tuple[DecodeState, PromptPass]:
+def prefill_target(target, prompt, capacity: int | None = None, workspace: Workspace | None = None,
+                   feature_layers: list[int] | None = None) -> tuple[DecodeState, PromptPass]:
     """The target's forward over the prompt (images included), copied into the workspace's
     static cache (a new workspace when none is given) of at least ``capacity`` slots.
-    Returns the state and the prompt pass a drafter's prefill reads."""
+    Returns the state and the prompt pass a drafter's prefill reads; ``feature_layers``:
+    the head's (``DraftHead.feature_layers``), kept for every verification."""
     device = target.device
     ids = prompt.input_ids.to(device)[None]
     pixel = {k: v.to(device) for k, v in (prompt.pixel or {}).items()}
     embeds = target.embed(ids, pixel)
     pos, deltas = target.position_ids(ids, None, pixel)
-    hidden, cache = target.run_language_model(embeds, pos, None, None, use_cache=True)
+    hidden, cache, feats = target.run_for_head(embeds, pos, None, None, use_cache=True, layers=feature_layers)
     length = ids.shape[1]
     workspace = workspace if workspace is not None else Workspace()
     state = DecodeState(
         workspace, workspace.load("target", cache, capacity or length + 128), prompt_len=length,
-        rope_deltas=deltas, next_logits=target.lm_head(hidden[0, -1]), pending_hidden=hidden[0, -1:],
+        rope_deltas=deltas, next_logits=target.lm_head(hidden[0, -1]), pending_hidden=feats[0, -1:],
+        feature_layers=feature_layers,
     )
-    return state, PromptPass(ids, embeds, hidden, pos, ids == target.image_token_id, prompt.pixel or {}, deltas)
+    return state, PromptPass(ids, embeds, hidden, pos, ids == target.image_token_id, prompt.pixel or {}, deltas,
+                             None if feature_layers is None else feats)
 
 
 @torch.inference_mode()
@@ -235,8 +242,10 @@ def prefill(target, draft, prompt, capacity: int | None = None, drafter: HeadDra
     """Target forward over the prompt and the drafter's prefill (a ``HeadDrafter`` over
     ``draft`` unless a ``drafter`` is given; none when both are None), their caches in
     ``workspace``'s buffers (a new workspace when none is given)."""
-    state, p = prefill_target(target, prompt, capacity, workspace)
-    state.drafter = drafter if drafter is not None else (HeadDrafter(draft) if draft is not None else None)
+    state_drafter = drafter if drafter is not None else (HeadDrafter(draft) if draft is not None else None)
+    layers = state_drafter.draft.feature_layers if state_drafter is not None else None
+    state, p = prefill_target(target, prompt, capacity, workspace, layers)
+    state.drafter = state_drafter
     if state.drafter is not None:
         state.drafter.prefill(target, p, state.workspace, state.target_cache.capacity)
     return state
@@ -249,7 +258,7 @@ def prefill(target, draft, prompt, capacity: int | None = None, drafter: HeadDra
 def verify(target, state: DecodeState, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
     """One target forward over all tree nodes, written at cache slots ``[m, m + N)``: each
     sees the cached prefix and its ancestors, at position (root position + depth).
-    Returns logits (N, V) and post-norm features (N, H); ``commit`` keeps the path."""
+    Returns logits (N, V) and the head's features (N, H or k*H); ``commit`` keeps the path."""
     m, n = state.cache_len, len(tree)
     cache = state.target_cache
     embeds = target.embed_tokens(tree.tokens)[None]
@@ -257,16 +266,17 @@ def verify(target, state: DecodeState, tree: Tree) -> tuple[torch.Tensor, torch.
     seen = (torch.ones(n, n, dtype=torch.bool, device=target.device).tril() if tree.is_chain
             else tree.ancestor_mask())
     mask = key_mask(m, cache.capacity, seen, target.dtype)
-    return state.workspace.graphs.run("verify", _target_step(target, cache), embeds=embeds, pos=pos, mask=mask,
+    return state.workspace.graphs.run("verify", _target_step(target, cache, state.feature_layers), embeds=embeds, pos=pos, mask=mask,
                                       write_index=torch.arange(m, m + n, device=target.device))
 
 
-def _target_step(target, cache: PositionCache):
+def _target_step(target, cache: PositionCache, feature_layers: list[int] | None = None):
     """The target forward as a function of tensors only (what a captured graph replays):
-    logits (T, V) and features (T, H) of T tokens written at ``write_index``."""
+    logits (T, V) and the head's features (T, H or k*H) of T tokens written at ``write_index``."""
     def step(embeds, pos, mask, write_index):
-        hidden, _ = target.run_language_model(embeds, pos, mask, past_key_values=cache.at(write_index), use_cache=True)
-        return target.lm_head(hidden[0]), hidden[0]
+        hidden, _, feats = target.run_for_head(embeds, pos, mask, past_key_values=cache.at(write_index),
+                                               use_cache=True, layers=feature_layers)
+        return target.lm_head(hidden[0]), feats[0]
 
     return step
 
@@ -459,7 +469,7 @@ def decode(target, state: DecodeState, config: DecodeConfig, generator: torch.Ge
         else:
             path, bonus = accept_sampling(tree, logits_to_probs(logits, sampling), generator)
             acc = _sampled_acceptance(tree, path, bonus)
-        drafter.record_verified(acc.path, logits, target.lm_head)
+        drafter.record_verified(acc.path, logits, functools.partial(drafter.draft.logits, target=target))
         before = len(state.tokens)
         commit(state, acc, hidden)
         stop = find_stop(state.tokens, before, criteria, tokenizer)

@@ -1,14 +1,19 @@
-"""MSD draft head: config, model, and the alignment of target features to draft inputs."""
+"""Draft heads: the interface (head.py), the msd and msd3 architectures, their configs, and
+the alignment of target features to draft inputs."""
 
 from transformers import AutoConfig, AutoModel
 
-from msd_train.draft.config import MSDDraftConfig
+from msd_train.draft.config import MSD3DraftConfig, MSDDraftConfig
+from msd_train.draft.head import HEADS, DraftHead, head_class
 from msd_train.draft.model import MSDDraftModel, MSDDraftOutput, align_inputs, attention_bias, crop_cache
+from msd_train.draft.msd3 import MSD3DraftModel
 from msd_train.draft.positions import draft_position_ids, draft_rope_deltas
 
 # Lets AutoConfig/AutoModel open an exported head folder once this package is imported.
 AutoConfig.register(MSDDraftConfig.model_type, MSDDraftConfig, exist_ok=True)
 AutoModel.register(MSDDraftConfig, MSDDraftModel, exist_ok=True)
+AutoConfig.register(MSD3DraftConfig.model_type, MSD3DraftConfig, exist_ok=True)
+AutoModel.register(MSD3DraftConfig, MSD3DraftModel, exist_ok=True)
 
-__all__ = ["MSDDraftConfig", "MSDDraftModel", "MSDDraftOutput", "align_inputs", "attention_bias", "crop_cache",
+__all__ = ["HEADS", "DraftHead", "MSD3DraftConfig", "MSD3DraftModel", "MSDDraftConfig", "MSDDraftModel", "head_class", "MSDDraftOutput", "align_inputs", "attention_bias", "crop_cache",
            "draft_position_ids", "draft_rope_deltas"]

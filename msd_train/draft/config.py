@@ -187,3 +187,67 @@ class MSDDraftConfig(PreTrainedConfig):
         )
         fields.update(overrides)
         return cls(**fields)
+
+
+def default_feature_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's layers: the inputs of layers 2, N/2 and N-3, clamped into [0, N-1] and
+    without repeats (a shallow target has fewer distinct layers to read)."""
+    picked = [min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)]
+    return sorted(set(picked))
+
+
+@strict
+class MSD3DraftConfig(MSDDraftConfig):
+    r"""
+    Config of an MSD-3 head (EAGLE-3's architecture with MSD's decoupled visual tokens):
+    `fc: k*H -> H` (no bias) over the inputs of k target layers, one decoder layer whose
+    attention reads `cat(input_layernorm(e), hidden_norm(h))` (2H wide), a final norm and
+    its own `lm_head` over a draft vocabulary.
+
+    Args (besides MSDDraftConfig's; `fc_bias`, `first_layer_input_norm` and
+    `visual_offset` are not read):
+        feature_layers: target layers whose inputs (HF `hidden_states[i]`) are fused;
+            None: EAGLE-3's default 2, N/2, N-3 (`default_feature_layers`).
+        target_num_layers: the target's layer count (what the default is taken from).
+        draft_vocab_size: size of the draft vocabulary; None: min(32000, target vocabulary).
+        ttt_steps: steps of the training-time test (the head unrolled on its own outputs).
+        ttt_decay: weight of step i's loss is ttt_decay**i.
+        decouple_visual: True: the embedding stream carries the target's visual embeddings
+            (projector outputs) at image positions; False: the image placeholder token's
+            embedding there, as EAGLE-3 heads for VLMs were trained.
+    """
+
+    model_type = "msd3_draft"
+
+    feature_layers: list[int] | None = None
+    target_num_layers: int | None = None
+    draft_vocab_size: int | None = None
+    ttt_steps: int = 7
+    ttt_decay: float = 0.8
+
+    def __post_init__(self, **kwargs):
+        if self.feature_layers is None and self.target_num_layers is not None:
+            self.feature_layers = default_feature_layers(self.target_num_layers)
+        if self.feature_layers is not None:
+            self.feature_layers = [int(i) for i in self.feature_layers]
+        if self.draft_vocab_size is None and self.target_vocab_size is not None:
+            self.draft_vocab_size = min(32000, self.target_vocab_size)
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        super().validate_architecture()
+        if self.num_hidden_layers != 1:
+            raise ValueError(f"an msd3 head has one decoder layer, got num_hidden_layers={self.num_hidden_layers}")
+        if self.target_num_layers is not None and self.feature_layers is not None:
+            bad = [i for i in self.feature_layers if not 0 <= i < self.target_num_layers]
+            if bad:
+                raise ValueError(f"feature_layers {bad} are not layers of a {self.target_num_layers}-layer target "
+                                 f"(0 .. {self.target_num_layers - 1})")
+        if self.ttt_steps < 1:
+            raise ValueError(f"ttt_steps must be at least 1, got {self.ttt_steps}")
+
+    @classmethod
+    def from_target_config(cls, text_config, target_name_or_path: str | None, **overrides) -> "MSD3DraftConfig":
+        layers = text_config.get_text_config(decoder=True).num_hidden_layers
+        return super().from_target_config(text_config, target_name_or_path,
+                                          **{"target_num_layers": layers, **overrides})

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLDecoderLayer, Qwen2VLRotaryEmbedding
 from transformers.utils import ModelOutput
 
 from msd_train.draft.config import MSDDraftConfig
+from msd_train.draft.head import DraftHead, head_class_of_config, pair, register_head, saved_model_type
 from msd_train.draft.positions import draft_position_ids
 from msd_train.hf_compat import cache_kwargs
 
@@ -75,8 +75,7 @@ def align_inputs(
     Returns:
         (embeds, hidden, replace_mask, raw), each of length L-1; replace_mask is bool [B, L-1].
     """
-    embeds = inputs_embeds[:, 1:]
-    hidden = hidden_states[:, :-1]
+    embeds, hidden = pair(inputs_embeds, hidden_states)
     if visual_mask is None or not config.decouple_visual:
         replace_mask = torch.zeros(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
         return embeds, hidden, replace_mask, embeds
@@ -135,7 +134,8 @@ def attention_bias(
     return bias.masked_fill(~allowed, min_value)
 
 
-class MSDDraftModel(PreTrainedModel):
+@register_head
+class MSDDraftModel(DraftHead):
     """MSD draft head: fusion `fc`, decoupled visual inputs, transformers decoder layers.
 
     Build with `MSDDraftModel(MSDDraftConfig.from_target_config(target.config, name))`;
@@ -143,6 +143,7 @@ class MSDDraftModel(PreTrainedModel):
     `MSDDraftModel.from_pretrained(dir)`.
     """
 
+    architecture = "msd"
     config_class = MSDDraftConfig
     main_input_name = "input_embeds"
     supports_gradient_checkpointing = True
@@ -166,7 +167,17 @@ class MSDDraftModel(PreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def target_inputs(self, features) -> dict[str, torch.Tensor | None]:
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """Loads the class the saved config names: ``MSDDraftModel.from_pretrained`` opens
+        every head architecture (an ``msd3`` folder gives an ``MSD3DraftModel``)."""
+        if cls is MSDDraftModel:
+            other = head_class_of_config(saved_model_type(pretrained_model_name_or_path, **kwargs))
+            if other is not None and other is not cls:
+                return other.from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+    def target_inputs(self, features, target=None) -> dict[str, torch.Tensor | None]:
         """`forward`'s inputs over one target pass of L tokens, as keyword arguments.
 
         ``features`` holds ``inputs_embeds``, ``hidden_states``, ``visual_mask`` and
@@ -275,3 +286,53 @@ class MSDDraftModel(PreTrainedModel):
             cache=past_key_values,
             layer_input=layer_input if return_layer_input else None,
         )
+
+    # ----- the head interface (msd_train.draft.head) ------------------------------------
+
+    def logits(self, states: torch.Tensor, target) -> torch.Tensor:
+        """The head predicts the target's next feature; the target's lm_head reads it."""
+        return target.lm_head(states.to(target.dtype))
+
+    def training_loss(self, target, features, index, n_tokens: float, train, noise=None, forward=None):
+        """Feature regression plus the token term (``training.loss.msd_loss``)."""
+        from msd_train.training.loss import msd_loss  # the recipe's loss; training imports draft, not back
+
+        inputs = self.target_inputs(features, target)
+        if noise is not None:
+            inputs["hidden_states"] = noise(inputs["hidden_states"])
+        out = (forward or self)(**inputs)
+        loss, parts = msd_loss(out.last_hidden_state, features.hidden_states[:, 1:], target.lm_head,
+                               None, n_tokens, train.w_feat, train.w_tok, index=index)
+        return loss, {"feat_sum": parts["feat_sum"], "tok_sum": parts["tok_sum"], "agree_sum": parts["agree_sum"],
+                      "n": parts["n"]}
+
+    def training_metrics(self, sums: dict[str, float], train) -> dict[str, float]:
+        n = max(sums["n"], 1.0)
+        return {"loss": (train.w_feat * sums["feat_sum"] + train.w_tok * sums["tok_sum"]) / n,
+                "feat_loss": sums["feat_sum"] / n, "tok_loss": sums["tok_sum"] / n, "top1": sums["agree_sum"] / n}
+
+    def eval_loss(self, target, features, mask: torch.Tensor) -> torch.Tensor:
+        from msd_train.training.loss import msd_loss
+
+        out = self(**self.target_inputs(features, target)).last_hidden_state
+        loss, _ = msd_loss(out, features.hidden_states[:, 1:], target.lm_head, mask, n_tokens=1.0)
+        return loss
+
+    def rollout_hits(self, target, features, k: int) -> list[torch.Tensor]:
+        """Step 1 reads the target's features, step j > 1 the head's own step j-1
+        predictions at every earlier position (a proxy: real drafting keeps true features
+        for committed tokens). Step j at position t belongs to the chain anchored at t-j."""
+        inputs = self.target_inputs(features, target)
+        hidden = inputs["hidden_states"]
+        target_top = target.lm_head(features.hidden_states[:, 1:]).argmax(-1)
+        hits, h_in = [], hidden
+        for j in range(k):
+            out = self(**{**inputs, "hidden_states": h_in.to(inputs["input_embeds"].dtype)}).last_hidden_state
+            hit = self.logits(out, target).argmax(-1) == target_top
+            by_anchor = torch.zeros_like(hit)
+            by_anchor[:, : hit.shape[1] - j] = hit[:, j:]
+            hits.append(by_anchor)
+            nxt = hidden.clone()  # the next step reads this step's prediction of the following feature
+            nxt[:, 1:] = out[:, :-1].to(hidden.dtype)
+            h_in = nxt
+        return hits

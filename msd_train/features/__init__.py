@@ -14,20 +14,27 @@ from msd_train.targets import Features, Target
 class OnlineFeatures:
     """Runs the frozen target on each batch; no gradients, the target's dtype."""
 
-    def __init__(self, target: Target):
+    def __init__(self, target: Target, layers: list[int] | None = None):
         self.target = target
+        self.layers = layers  # the target layers whose inputs the head reads (None: the last output only)
 
     @torch.no_grad()
     def __call__(self, batch: dict) -> Features:
-        return self.target.features(batch["input_ids"], batch["attention_mask"], batch["pixel"])
+        return self.target.features(batch["input_ids"], batch["attention_mask"], batch["pixel"], layers=self.layers)
 
 
-def make_feature_source(cfg, target: Target):
-    """The configured source: ``features.mode=online`` or ``offline`` (a feature store)."""
+def make_feature_source(cfg, target: Target, layers: list[int] | None = None):
+    """The configured source: ``features.mode=online`` or ``offline`` (a feature store).
+    ``layers``: the head's ``feature_layers``."""
     mode = cfg.features.mode
     if mode == "online":
-        return OnlineFeatures(target)
+        return OnlineFeatures(target, layers)
     if mode == "offline":
+        if layers is not None:
+            raise ValueError(
+                f"features.mode=offline: feature stores hold the last layer's output only, and this head "
+                f"(draft.architecture={cfg.draft.get('architecture')}) reads the inputs of target layers {layers}; "
+                f"train it with features.mode=online")
         from msd_train.features.offline import OfflineFeatures
 
         return OfflineFeatures(cfg, target)

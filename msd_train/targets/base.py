@@ -45,6 +45,9 @@ class Features:
     visual_mask: torch.Tensor  # (B, L) bool
     position_ids: torch.Tensor  # (B, L) for 1-D RoPE, (3, B, L) for M-RoPE
     rope_deltas: torch.Tensor | None = None  # (B,) M-RoPE: text position minus token index
+    #: (B, L, k*H): the inputs of the k target layers a head reads (``DraftHead.feature_layers``),
+    #: concatenated in that order; None when only the last layer's output was asked for
+    layer_states: torch.Tensor | None = None
 
 
 class Target:
@@ -227,16 +230,47 @@ class Target:
         )
         return out.last_hidden_state, output_cache(out)
 
+    def run_for_head(
+        self,
+        inputs_embeds: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+        use_cache: bool = False,
+        layers: list[int] | None = None,
+    ):
+        """``run_language_model`` plus the features a head reads: returns (post-norm hidden
+        states, cache, head features). The head features are the post-norm states when
+        ``layers`` is None, else the inputs of those layers concatenated (B, T, k*H)."""
+        if layers is None:
+            hidden, cache = self.run_language_model(inputs_embeds, position_ids, attention_mask, past_key_values,
+                                                    use_cache)
+            return hidden, cache, hidden
+        out = self.language_model(
+            inputs_embeds=inputs_embeds,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            use_cache=use_cache,
+            output_hidden_states=True,
+            **cache_kwargs(past_key_values),
+        )
+        # hidden_states[i] is the input of layer i (hidden_states[0]: the embeddings)
+        states = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+        return out.last_hidden_state, output_cache(out), states
+
     @torch.no_grad()
     def features(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, pixel: dict | None = None
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, pixel: dict | None = None,
+        layers: list[int] | None = None,
     ) -> Features:
-        """One frozen forward: embeddings, last hidden states, visual mask, positions."""
+        """One frozen forward: embeddings, last hidden states, visual mask, positions, and
+        with ``layers`` the inputs of those layers (``Features.layer_states``)."""
         pixel = {k: v.to(self.device) for k, v in (pixel or {}).items()}
         input_ids = input_ids.to(self.device)
         if attention_mask is not None:
             attention_mask = attention_mask.to(self.device)
         embeds = self.embed(input_ids, pixel)
         pos, deltas = self.position_ids(input_ids, attention_mask, pixel)
-        hidden, _ = self.run_language_model(embeds, pos, attention_mask)
-        return Features(embeds, hidden, input_ids == self.image_token_id, pos, deltas)
+        hidden, _, states = self.run_for_head(embeds, pos, attention_mask, layers=layers)
+        return Features(embeds, hidden, input_ids == self.image_token_id, pos, deltas,
+                        None if layers is None else states)

@@ -37,12 +37,13 @@ from msd_train.config import stage_splits
 from msd_train.data.collate import StepBatches, collate, step_loader
 from msd_train.data.curriculum import Curriculum, mm_share
 from msd_train.data.dataset import build_split, write_skipped
-from msd_train.draft import MSDDraftConfig, MSDDraftModel
+from msd_train.draft import DraftHead, MSDDraftModel, head_class
+from msd_train.draft.msd3 import draft_vocabulary, token_counts
 from msd_train.features import make_feature_source
 from msd_train.targets import load_target
 from msd_train.training import checkpoint as ckpt
 from msd_train.training import rundir
-from msd_train.training.loss import draft_loss_mask, loss_index, msd_loss
+from msd_train.training.loss import draft_loss_mask, loss_index
 from msd_train.training.validation import evaluate_split
 
 log = logging.getLogger("msd_train")
@@ -97,12 +98,17 @@ class TrainRecipe:
             cfg.target.name_or_path, cfg.target.dtype, self.device, cfg.target.adapter,
             cfg.target.chat_template, cfg.target.trust_remote_code, cfg.target.attn_implementation,
         )
-        self.features = make_feature_source(cfg, self.target)
         self.pixels = cfg.features.mode == "online"
         self._setup_data()
 
         resume_from = self._resume_point()
         self.draft = self._build_draft(resume_from is not None)
+        if cfg.features.mode == "offline" and self.draft.feature_layers is not None:
+            raise TrainingError(
+                f"features.mode=offline: feature stores hold the target's last layer only, and the "
+                f"{self.draft.architecture} head reads the inputs of target layers {self.draft.feature_layers}; "
+                f"train it with features.mode=online")
+        self.features = make_feature_source(cfg, self.target, self.draft.feature_layers)
         tc = cfg.train
         precision = tc.precision if tc.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
         if tc.gradient_checkpointing:
@@ -169,10 +175,15 @@ class TrainRecipe:
                 f"stage {self.stage}'s curriculum asks for a multimodal share up to {max(cur.start, cur.end)} but "
                 f"{'data.multimodal yielded no usable conversations' if 'multimodal' in names else 'stage.splits lacks multimodal'}")
 
-    def _build_draft(self, resuming: bool) -> MSDDraftModel:
-        """A fresh head (``stage.init_from`` null), an exported one, or the shape to resume into."""
+    def _build_draft(self, resuming: bool) -> DraftHead:
+        """A fresh head (``stage.init_from`` null), an exported one, or the shape to resume into.
+        ``draft.architecture`` names the head's class (``msd_train.draft.HEADS``)."""
         cfg = self.cfg
         overrides = {k: v for k, v in OmegaConf.to_container(cfg.draft, resolve=True).items() if v is not None}
+        try:
+            head_cls = head_class(overrides.pop("architecture", "msd"))
+        except ValueError as e:
+            raise TrainingError(str(e)) from None
         init = None
         if cfg.stage.init_from and not resuming:
             init = Path(cfg.stage.init_from)
@@ -185,7 +196,11 @@ class TrainRecipe:
                     f"stage {self.stage} starts from {init} (stage.init_from), which holds no exported head; "
                     f"{hint}, or set stage.init_from=DIR")
         if init is not None:
-            draft = MSDDraftModel.from_pretrained(init)
+            draft = MSDDraftModel.from_pretrained(init)  # the class its config.json names
+            if draft.architecture != head_cls.architecture:
+                raise TrainingError(
+                    f"{init} (stage.init_from) holds an {draft.architecture} head, but this launch trains "
+                    f"draft.architecture={head_cls.architecture}; use head={draft.architecture} or another init_from")
             if draft.config.target_hidden_size != self.target.hidden_size:
                 raise TrainingError(
                     f"{init} was trained for a target with hidden size {draft.config.target_hidden_size}, "
@@ -197,10 +212,13 @@ class TrainRecipe:
                     setattr(draft.config, key, overrides[key])
         else:
             torch.manual_seed(cfg.seed)
-            config = MSDDraftConfig.from_target_config(
+            config = head_cls.config_class.from_target_config(
                 self.target.config, self.target.name, target_adapter=cfg.target.adapter,
                 target_vocab_size=self.target.vocab_size, **overrides)
-            draft = MSDDraftModel(config)
+            draft = head_cls(config)
+            if hasattr(draft, "set_vocabulary"):  # a draft vocabulary from this stage's assistant tokens
+                counts = token_counts([self.text, self.mm], self.target.vocab_size)
+                draft.set_vocabulary(*draft_vocabulary(counts, config.draft_vocab_size))
         return draft.to(self.device).train()
 
     def _setup_logging(self) -> None:
@@ -340,8 +358,8 @@ class TrainRecipe:
         tc = self.cfg.train
         item = self._next_batches()
         micro_batches, n_global = item["micro_batches"], item["n_global"]
-        # feat_sum, tok_sum, agree_sum, n, non-finite micro-batches (float64 on the device)
-        sums = torch.zeros(5, dtype=torch.float64, device=self.device)
+        head = self.engine.module
+        sums, bad = None, torch.zeros((), dtype=torch.float64, device=self.device)  # the head's named sums (float64)
         last = len(micro_batches) - 1
         for micro, batch in enumerate(micro_batches):
             index = loss_index(draft_loss_mask(batch["loss_mask"]))  # on the host: no device sync
@@ -349,28 +367,28 @@ class TrainRecipe:
             index = index.to(self.device, non_blocking=self.device.type == "cuda")
             feats = self.features(batch)
             ok = torch.isfinite(feats.hidden_states).all() & torch.isfinite(feats.inputs_embeds).all()
-            target_hidden = _finite(feats.hidden_states)
-            inputs = self.engine.module.target_inputs(
-                dataclasses.replace(feats, inputs_embeds=_finite(feats.inputs_embeds), hidden_states=target_hidden))
-            inputs["hidden_states"] = self._noise(inputs["hidden_states"], micro)
-            out = self.engine(**inputs)
-            loss, parts = msd_loss(out.last_hidden_state, target_hidden[:, 1:], self.target.lm_head,
-                                   None, n_global, tc.w_feat, tc.w_tok, index=index)
+            if feats.layer_states is not None:
+                ok = ok & torch.isfinite(feats.layer_states).all()
+            feats = dataclasses.replace(
+                feats, inputs_embeds=_finite(feats.inputs_embeds), hidden_states=_finite(feats.hidden_states),
+                layer_states=None if feats.layer_states is None else _finite(feats.layer_states))
+            loss, parts = head.training_loss(self.target, feats, index, n_global, tc,
+                                             noise=lambda h, micro=micro: self._noise(h, micro), forward=self.engine)
             ok = ok & torch.isfinite(loss)
             # The loss is already this micro-batch's share of the global-batch sum: skip
             # DeepSpeed's division by grad_accum, and undo its average over ranks.
             self.engine.backward(torch.where(ok, loss, torch.zeros_like(loss)) * self.world, scale_wrt_gas=False)
-            part = torch.stack([parts["feat_sum"].double(), parts["tok_sum"].double(),
-                                parts["agree_sum"].double(), parts["n"].double()])
-            sums[:4] += torch.where(ok, part, torch.zeros_like(part))
-            sums[4] += (~ok).double()
+            part = torch.stack([v.double() for v in parts.values()])
+            part = torch.where(ok, part, torch.zeros_like(part))
+            sums = part if sums is None else sums + part
+            bad = bad + (~ok).double()
             if micro == last:
-                sums = self.group.all_reduce(sums).tolist()  # the step's one host read
-                if sums[4] >= len(micro_batches) * self.world:
+                reduced = self.group.all_reduce(torch.cat([sums, bad[None]])).tolist()  # the step's one host read
+                sums, bad = dict(zip(parts, reduced[:-1])), reduced[-1]
+                if bad >= len(micro_batches) * self.world:
                     for g in self.engine.optimizer.param_groups:  # the scheduler resets it in step()
                         g["lr"] = 0.0
             self.engine.step()
-        bad = sums[4]
         if bad:
             self.bad_streak += 1
             self.bad_total += 1
@@ -381,9 +399,7 @@ class TrainRecipe:
                     f"lower train.lr or resume from an earlier checkpoint")
         else:
             self.bad_streak = 0
-        n = max(sums[3], 1.0)
-        return {"step": self.step + 1, "loss": (tc.w_feat * sums[0] + tc.w_tok * sums[1]) / n,
-                "feat_loss": sums[0] / n, "tok_loss": sums[1] / n, "top1": sums[2] / n,
+        return {"step": self.step + 1, **head.training_metrics(sums, tc),
                 "mm_share": item["n_mm"] / item["n_rows"],
                 "mm_share_scheduled": mm_share(self.step, **self._cur_kwargs()),
                 "lr": self.engine.get_lr()[0], "tokens": item["tokens"], "bad_steps": self.bad_total}

@@ -20,32 +20,24 @@ from __future__ import annotations
 
 import torch
 
-from msd_train.training.loss import draft_loss_mask, msd_loss
+from msd_train.training.loss import draft_loss_mask
 
 
 @torch.no_grad()
 def rollout_stats(draft, target, feats, loss_mask: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
-    """Counts for one batch: per step j, valid chains, correct-so-far chains, correct at j."""
-    inputs = draft.target_inputs(feats)
-    hidden = inputs["hidden_states"]
-    mask = draft_loss_mask(loss_mask.to(hidden.device)).bool()
-    target_top = target.lm_head(feats.hidden_states[:, 1:]).argmax(-1)
+    """Counts for one batch: per step j, valid chains, correct-so-far chains, correct at j.
+    The head's ``rollout_hits`` says which steps of which chains hit."""
+    hits = draft.rollout_hits(target, feats, k)
+    mask = draft_loss_mask(loss_mask.to(hits[0].device)).bool()
     B, T = mask.shape
-    valid = torch.zeros(k, device=hidden.device)
-    alive_prev = torch.zeros(k, device=hidden.device)
-    correct_all = torch.zeros(k, device=hidden.device)
-    correct_any = torch.zeros(k, device=hidden.device)
-    h_in = hidden
-    chain_ok = torch.ones(B, T, dtype=torch.bool, device=hidden.device)  # indexed by anchor
+    valid = torch.zeros(k, device=mask.device)
+    alive_prev = torch.zeros(k, device=mask.device)
+    correct_all = torch.zeros(k, device=mask.device)
+    correct_any = torch.zeros(k, device=mask.device)
+    chain_ok = torch.ones(B, T, dtype=torch.bool, device=mask.device)  # indexed by anchor
     anchor_valid = mask.clone()
-    for j in range(k):
-        out = draft(**{**inputs, "hidden_states": h_in.to(inputs["input_embeds"].dtype)}).last_hidden_state
-        top = target.lm_head(out.to(target.dtype)).argmax(-1)
-        hit = top == target_top  # at position t: step j of the chain anchored at t - j
-        # Re-index by anchor a = t - j: positions j..T-1 map to anchors 0..T-1-j.
-        hit_a = torch.zeros_like(chain_ok)
-        hit_a[:, : T - j] = hit[:, j:]
-        ok_pos = torch.zeros_like(chain_ok)
+    for j, hit_a in enumerate(hits):
+        ok_pos = torch.zeros_like(chain_ok)  # step j of anchor a predicts token a+2+j: a loss position
         ok_pos[:, : T - j] = mask[:, j:]
         anchor_valid = anchor_valid & ok_pos
         valid[j] = anchor_valid.sum()
@@ -53,10 +45,6 @@ def rollout_stats(draft, target, feats, loss_mask: torch.Tensor, k: int) -> dict
         correct_any[j] = (anchor_valid & hit_a).sum()
         chain_ok = chain_ok & hit_a
         correct_all[j] = (anchor_valid & chain_ok).sum()
-        # Next step reads this step's prediction of the following feature.
-        nxt = hidden.clone()
-        nxt[:, 1:] = out[:, :-1].to(hidden.dtype)
-        h_in = nxt
     return {"valid": valid, "alive_prev": alive_prev, "correct_all": correct_all, "correct_any": correct_any}
 
 
@@ -78,10 +66,9 @@ def evaluate_split(draft, target, batches, feature_source, k: int) -> dict[str, 
     loss_sum, n_tok = 0.0, 0.0
     for batch in batches:
         feats = feature_source(batch)
-        out = draft(**draft.target_inputs(feats)).last_hidden_state
-        dmask = draft_loss_mask(batch["loss_mask"].to(out.device))
+        dmask = draft_loss_mask(batch["loss_mask"].to(feats.hidden_states.device))
         n = float(dmask.sum())
-        loss, _ = msd_loss(out, feats.hidden_states[:, 1:], target.lm_head, dmask, n_tokens=1.0)
+        loss = draft.eval_loss(target, feats, dmask)
         loss_sum += float(loss)
         n_tok += n
         s = rollout_stats(draft, target, feats, batch["loss_mask"], k)

@@ -1,0 +1,126 @@
+"""One interface for every draft-head architecture, and the registry that picks the class.
+
+A head is a ``DraftHead``: training, validation, feature storage and both drafters call
+only the members below, never the concrete ``forward`` signature or the target's lm_head.
+
+    head.feature_layers                 which target features it reads: None for the last
+                                        layer's post-norm output (``msd``), else the
+                                        target layers whose inputs it reads (``msd3``)
+    head.target_inputs(features, target)  its inputs over one target pass (``pair``)
+    head.project(features)              target features -> the state its step reads
+    head.step(embeds, state, ...)       one drafting step over T new positions -> states
+    head.logits(states, target)         logits over the TARGET vocabulary
+    head.training_loss(...)             its loss over a batch, with named sums to log
+    head.rollout_hits(...)              top-1 hits of k-step chains, for simulated tau
+
+The pairing rule lives in ``pair``: draft position t reads the target feature h_t and
+the embedding e_{t+1} of the next token, and is trained to predict token t+2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedConfig, PreTrainedModel
+
+#: architecture name (``draft.architecture`` in conf/head/*.yaml) -> head class
+HEADS: dict[str, type] = {}
+
+
+def register_head(cls):
+    """Class decorator: make ``cls`` loadable by its architecture and its config's model_type."""
+    HEADS[cls.architecture] = cls
+    return cls
+
+
+def head_class(architecture: str) -> type:
+    if architecture not in HEADS:
+        raise ValueError(f"draft.architecture={architecture!r} is no head architecture; use one of {sorted(HEADS)}")
+    return HEADS[architecture]
+
+
+def head_class_of_config(model_type: str) -> type | None:
+    """The head class whose config has this ``model_type`` (None: not a head)."""
+    for cls in HEADS.values():
+        if cls.config_class.model_type == model_type:
+            return cls
+    return None
+
+
+def saved_model_type(path, **kwargs) -> str | None:
+    """``model_type`` of a saved head (a folder or a Hub id), without building it."""
+    folder = Path(path)
+    if folder.is_dir() and (folder / "config.json").is_file():
+        return json.loads((folder / "config.json").read_text()).get("model_type")
+    config, _ = PreTrainedConfig.get_config_dict(str(path), **{k: v for k, v in kwargs.items()
+                                                                if k in ("revision", "cache_dir")})
+    return config.get("model_type")
+
+
+def pair(first: torch.Tensor, per_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairing rule, over one target pass of L tokens: draft position t reads the
+    target feature h_t (``per_token[:, t]``) and the next token's embedding e_{t+1}
+    (``first[:, t + 1]``). Returns (embeds, features), each of length L-1."""
+    return first[:, 1:], per_token[:, :-1]
+
+
+class DraftHead(PreTrainedModel):
+    """The members every head architecture implements (see the module docstring)."""
+
+    architecture: str = ""
+
+    @property
+    def feature_layers(self) -> list[int] | None:
+        """Target layers whose inputs the head reads, or None: the last post-norm output."""
+        return None
+
+    def target_inputs(self, features, target=None) -> dict[str, torch.Tensor | None]:
+        """``forward``'s keyword inputs over one target pass (a ``targets.Features``)."""
+        raise NotImplementedError
+
+    def head_features(self, features) -> torch.Tensor:
+        """The per-token target features this head reads from a ``Features``."""
+        if self.feature_layers is None:
+            return features.hidden_states
+        if features.layer_states is None:
+            raise ValueError(f"a {self.architecture} head reads the inputs of target layers {self.feature_layers}; "
+                             f"compute the features with layers=head.feature_layers")
+        return features.layer_states
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features (as ``head_features`` gives them) -> the state ``step`` reads."""
+        return features
+
+    def step(self, input_embeds, states, position_ids=None, attention_mask=None, past_key_values=None,
+             use_cache: bool = True) -> torch.Tensor:
+        """One drafting step over T new positions: (B, T, H) states, whose logits are
+        ``logits(states)`` and which the next step reads as its ``states``."""
+        return self(input_embeds, states, position_ids=position_ids, attention_mask=attention_mask,
+                    past_key_values=past_key_values, use_cache=use_cache).last_hidden_state
+
+    def logits(self, states: torch.Tensor, target) -> torch.Tensor:
+        """Logits over the target's vocabulary after the head's ``states``."""
+        raise NotImplementedError
+
+    def training_loss(self, target, features, index, n_tokens: float, train, noise=None, forward=None):
+        """(loss, sums): the batch's loss, already divided by ``n_tokens`` (the global
+        count of loss positions), and detached named sums (with "n") to log.
+        ``index``: flat loss positions (``training.loss.loss_index``); ``noise``: applied
+        to the target features; ``forward``: the callable that runs the head (the
+        DeepSpeed engine in training)."""
+        raise NotImplementedError
+
+    def training_metrics(self, sums: dict[str, float], train) -> dict[str, float]:
+        """The logged metrics of one step from its summed ``training_loss`` sums."""
+        raise NotImplementedError
+
+    def eval_loss(self, target, features, mask: torch.Tensor) -> torch.Tensor:
+        """The held-out loss summed over ``mask`` (B, L-1) positions."""
+        raise NotImplementedError
+
+    def rollout_hits(self, target, features, k: int) -> list[torch.Tensor]:
+        """For each step j < k of the chain anchored at draft position a: (B, L-1) bool,
+        True where the head's top-1 token equals the target's (token a+2+j), by anchor."""
+        raise NotImplementedError
