@@ -231,9 +231,7 @@ def bench_decoding(cfg: dict, config):
     harness generates up to 1024 tokens a turn). A benchmark's own setting wins over
     ``decoding.max_new_tokens``, so that its numbers compare with published ones; change it
     with ``bench.max_new_tokens=N``."""
-    n = cfg.get("max_new_tokens")
-    if n is not None and int(n) < 1:
-        raise ValueError(f"bench.max_new_tokens={n}: must be at least 1 (null: use decoding.max_new_tokens)")
+    n = cfg.get("max_new_tokens")  # checked with the other settings (validate.check_eval)
     if n is None or int(n) == config.max_new_tokens:
         return config
     log.info("bench=%s generates up to %d new tokens a turn (bench.max_new_tokens; decoding.max_new_tokens=%d "

@@ -12,13 +12,20 @@ def run(cfg) -> None:
     mistake exits with its message (``MSD_DEBUG=1``: with the traceback)."""
     from omegaconf import OmegaConf
 
+    from msd_train.validate import ConfigError, check_train, user_errors
+
+    with user_errors():  # first, before torch and the training stack are imported: a mistake in seconds
+        try:
+            plain = OmegaConf.to_container(cfg, resolve=True)
+        except Exception as e:  # an interpolation that cannot resolve (a missing env variable)
+            raise ConfigError(f"the config does not resolve: {e}") from e
+        check_train(plain)
     from msd_train.data.formats import BadSampleError
     from msd_train.features.store import FeatureStoreError
     from msd_train.training import checkpoint as ckpt
     from msd_train.training import rundir
     from msd_train.training.build_locks import clear_stale_build_locks
     from msd_train.training.recipe import TrainingError, TrainRecipe
-    from msd_train.validate import ConfigError, check_train, user_errors
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "datasets", "httpx"):
@@ -29,11 +36,6 @@ def run(cfg) -> None:
     with user_errors(TrainingError, FeatureStoreError, BadSampleError, rundir.RunDirError,
                      ckpt.CheckpointWriteError):
         try:
-            try:
-                plain = OmegaConf.to_container(cfg, resolve=True)
-            except Exception as e:  # an interpolation that cannot resolve (a missing env variable)
-                raise ConfigError(f"the config does not resolve: {e}") from e
-            check_train(plain)
             rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
             stage_dir = Path(cfg.run_dir).resolve() / f"stage{int(cfg.stage.id)}"
             if rank == 0:
