@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from msd_train.paths import user_path
+
 _MISSING = object()
 
 
@@ -43,15 +45,6 @@ def user_errors(*kinds: type[BaseException]) -> Iterator[None]:
             raise
         print(f"error: {e}\n(set MSD_DEBUG=1 for the traceback)", file=sys.stderr, flush=True)
         sys.exit(1)
-
-
-def user_path(value: str | os.PathLike) -> Path:
-    """A file setting as the user wrote it: ``~`` and ``~user`` expanded, relative paths
-    left relative (to the launch directory). The one rule for every path a config or
-    command line gives (data files, image roots, ``draft=``, ``bench.path``, ``out=``,
-    ``features.path``, ``run_dir``): the checks here and the readers both apply it, so a
-    path that passes the check is the path that is read."""
-    return Path(os.path.expanduser(os.fspath(value)))
 
 
 def _get(cfg: Any, key: str) -> Any:

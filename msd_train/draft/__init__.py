@@ -3,12 +3,20 @@
 from transformers import AutoConfig, AutoModel
 
 from msd_train.draft.config import MSDDraftConfig
-from msd_train.draft.model import MSDDraftModel, MSDDraftOutput, align_inputs, attention_bias, crop_cache
+from msd_train.draft.model import (
+    MSDDraftModel,
+    MSDDraftOutput,
+    NonFiniteWeightsError,
+    align_inputs,
+    attention_bias,
+    check_finite,
+    crop_cache,
+)
 from msd_train.draft.positions import draft_position_ids, draft_rope_deltas
 
 # Lets AutoConfig/AutoModel open an exported head folder once this package is imported.
 AutoConfig.register(MSDDraftConfig.model_type, MSDDraftConfig, exist_ok=True)
 AutoModel.register(MSDDraftConfig, MSDDraftModel, exist_ok=True)
 
-__all__ = ["MSDDraftConfig", "MSDDraftModel", "MSDDraftOutput", "align_inputs", "attention_bias", "crop_cache",
-           "draft_position_ids", "draft_rope_deltas"]
+__all__ = ["MSDDraftConfig", "MSDDraftModel", "MSDDraftOutput", "NonFiniteWeightsError", "align_inputs",
+           "attention_bias", "check_finite", "crop_cache", "draft_position_ids", "draft_rope_deltas"]

@@ -135,6 +135,33 @@ def attention_bias(
     return bias.masked_fill(~allowed, min_value)
 
 
+class NonFiniteWeightsError(ValueError):
+    """A head whose weights hold NaN or inf: it would draft garbage that verification
+    silently rejects (or, for NaN logits, accepts); the message names the tensors."""
+
+
+def non_finite_tensors(named) -> list[str]:
+    """Names of the floating-point tensors in ``named`` ((name, tensor) pairs) that hold a
+    NaN or an inf, each with how many of its numbers are not finite."""
+    bad = []
+    for name, t in named:
+        if t.is_floating_point():
+            n = int((~torch.isfinite(t)).sum())
+            if n:
+                bad.append(f"{name} ({n} of {t.numel()})")
+    return bad
+
+
+def check_finite(named, where: str) -> None:
+    """Raise :class:`NonFiniteWeightsError` naming the non-finite tensors of ``named``."""
+    bad = non_finite_tensors(named)
+    if bad:
+        shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+        raise NonFiniteWeightsError(
+            f"{where}: the head's weights are not finite (NaN or inf in {shown}); it cannot draft. Use another "
+            "export (RUN_DIR/stageN/best, an earlier checkpoint exported with scripts/export.py) or retrain")
+
+
 class MSDDraftModel(PreTrainedModel):
     """MSD draft head: fusion `fc`, decoupled visual inputs, transformers decoder layers.
 
@@ -165,6 +192,15 @@ class MSDDraftModel(PreTrainedModel):
         self.rotary_emb = rotary_class(config)
         self.gradient_checkpointing = False
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """``PreTrainedModel.from_pretrained``, refusing a head with NaN or inf weights
+        (:class:`NonFiniteWeightsError`) rather than letting it draft."""
+        out = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        model = out[0] if isinstance(out, tuple) else out
+        check_finite(model.state_dict().items(), str(pretrained_model_name_or_path))
+        return out
 
     def target_inputs(self, features) -> dict[str, torch.Tensor | None]:
         """`forward`'s inputs over one target pass of L tokens, as keyword arguments.

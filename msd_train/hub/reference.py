@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from msd_train.draft import MSDDraftConfig, MSDDraftModel
+from msd_train.draft import MSDDraftConfig, MSDDraftModel, NonFiniteWeightsError, check_finite
 from msd_train.hub.folders import (
     REFERENCE_MODEL_TYPES,
     REFERENCE_WEIGHT_FILES,
@@ -249,6 +249,10 @@ def read_reference(folder: str | Path) -> ReferenceHead:
             f"{folder}/{name}: no fc.weight; this is not an MSD/EAGLE draft head "
             f"(a full {config['model_type']} model folder, perhaps?)"
         )
+    try:
+        check_finite(state.items(), f"{folder}/{name}")
+    except NonFiniteWeightsError as err:
+        raise IncompleteHeadError(str(err)) from None
     return ReferenceHead(folder, config, state, name)
 
 
