@@ -9,17 +9,33 @@ there is no such group, so `target` is a plain key and `resolve_target` looks th
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from omegaconf import DictConfig, OmegaConf
 
 from msd_train.config import CONF_DIR
+from msd_train.validate import ConfigError, user_errors
+
+
+@contextmanager
+def script_errors() -> Iterator[None]:
+    """``validate.user_errors`` for the hub scripts: a head that cannot be used, a missing
+    file, a refused value (a repo id, a head that does not fit the target) and a push the
+    Hub did not take are one paragraph and exit 1 (``MSD_DEBUG=1``: the traceback)."""
+    from msd_train.hub.push import PushError  # inside: `--help` does not wait for torch
+
+    with user_errors(FileNotFoundError, ValueError, PushError):  # ValueError: IncompleteHeadError too
+        yield
 
 
 def require_arguments(cfg: DictConfig, script: str) -> None:
-    """Exit with one line naming every required (`???`) argument left out, rather than
+    """Refuse, in one line naming every required (`???`) argument left out, rather than
     Hydra's error on the first one the script happens to read."""
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
-        raise SystemExit(f"{script}: missing required argument(s): {' '.join(f'{k}=...' for k in missing)}")
+        raise ConfigError(f"{script}: missing required argument(s): {' '.join(f'{k}=...' for k in missing)} "
+                          f"(see conf/hub/{script}.yaml)")
 
 
 def target_info(value: str | None):
