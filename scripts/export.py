@@ -16,14 +16,14 @@ import hydra
 from omegaconf import DictConfig
 
 from msd_train.config import CONF_DIR
-from msd_train.hub.cli import require_arguments, script_errors, target_info
-from msd_train.validate import ConfigError
+from msd_train.hub.cli import require_arguments, target_info, user_error_kinds
+from msd_train.validate import ConfigError, user_errors
 
 
 @hydra.main(config_path=str(CONF_DIR / "hub"), config_name="export", version_base=None)
 def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    with script_errors():  # a user's mistake: one paragraph, exit 1 (MSD_DEBUG=1: the traceback)
+    with user_errors(*user_error_kinds()):  # a user's mistake: one paragraph, exit 1 (MSD_DEBUG=1: the traceback)
         require_arguments(cfg, "export")
         if cfg.format not in ("msd", "reference"):
             raise ConfigError(f"format={cfg.format}: use msd or reference")

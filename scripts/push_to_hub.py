@@ -17,13 +17,14 @@ import hydra
 from omegaconf import DictConfig
 
 from msd_train.config import CONF_DIR
-from msd_train.hub.cli import require_arguments, script_errors
+from msd_train.hub.cli import require_arguments, user_error_kinds
+from msd_train.validate import user_errors
 
 
 @hydra.main(config_path=str(CONF_DIR / "hub"), config_name="push", version_base=None)
 def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    with script_errors():  # a refused head or id, no token, no network: one paragraph, exit 1
+    with user_errors(*user_error_kinds()):  # a refused head or id, no token, no network: one paragraph, exit 1
         require_arguments(cfg, "push")
         from msd_train.hub import push_head
 

@@ -9,24 +9,19 @@ there is no such group, so `target` is a plain key and `resolve_target` looks th
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 from omegaconf import DictConfig, OmegaConf
 
 from msd_train.config import CONF_DIR
-from msd_train.validate import ConfigError, user_errors
 
 
-@contextmanager
-def script_errors() -> Iterator[None]:
-    """``validate.user_errors`` for the hub scripts: a head that cannot be used, a missing
-    file, a refused value (a repo id, a head that does not fit the target) and a push the
-    Hub did not take are one paragraph and exit 1 (``MSD_DEBUG=1``: the traceback)."""
+def user_error_kinds() -> tuple[type[BaseException], ...]:
+    """What the hub scripts print as one paragraph and exit 1 on (``validate.user_errors``,
+    ``MSD_DEBUG=1``: the traceback): a missing file, a refused value (an argument, a repo
+    id, a head that cannot be used or does not fit: IncompleteHeadError is a ValueError)
+    and a push the Hub did not take."""
     from msd_train.hub.push import PushError  # inside: `--help` does not wait for torch
 
-    with user_errors(FileNotFoundError, ValueError, PushError):  # ValueError: IncompleteHeadError too
-        yield
+    return FileNotFoundError, ValueError, PushError
 
 
 def require_arguments(cfg: DictConfig, script: str) -> None:
@@ -34,7 +29,7 @@ def require_arguments(cfg: DictConfig, script: str) -> None:
     Hydra's error on the first one the script happens to read."""
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
-        raise ConfigError(f"{script}: missing required argument(s): {' '.join(f'{k}=...' for k in missing)} "
+        raise ValueError(f"{script}: missing required argument(s): {' '.join(f'{k}=...' for k in missing)} "
                           f"(see conf/hub/{script}.yaml)")
 
 
