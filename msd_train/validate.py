@@ -250,9 +250,21 @@ def check_eval(cfg, method: str) -> None:
     target = _get(cfg, "target.name_or_path")
     if method == "tree" and target is not _MISSING:
         check_decoding(decoding, target_vocab_size(target, _get(cfg, "target.trust_remote_code") is True))
+    if str(_get(cfg, "decoding.cuda_graphs")).lower() in ("true", "on"):
+        device = _get(cfg, "target.device")
+        device = "auto" if device is _MISSING or device is None else str(device)
+        if device.startswith("cpu") or (device == "auto" and not _cuda_available()):
+            raise ConfigError("decoding.cuda_graphs=true needs a CUDA target, this one runs on the CPU; use "
+                              "decoding.cuda_graphs=auto (on for CUDA targets, off on CPU)")
     _wandb(cfg, "wandb")
     if method != "ar":
         check_head(_get(cfg, "draft"))
+
+
+def _cuda_available() -> bool:
+    import torch  # only when CUDA graphs are asked for
+
+    return torch.cuda.is_available()
 
 
 def check_head(draft) -> None:

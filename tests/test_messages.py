@@ -106,6 +106,12 @@ def test_the_decoders_take_their_bounds_from_the_same_checks():
         SamplingParams(temperature=0.7, top_k=-5)
 
 
+def test_cuda_graphs_on_a_cpu_target_is_refused_up_front():
+    cfg = {"target": {"name_or_path": TINY, "device": "cpu"}, "decoding": {"method": "tree", "cuda_graphs": True}}
+    with pytest.raises(ConfigError, match="decoding.cuda_graphs=true needs a CUDA target"):
+        check_eval(cfg, "ar")
+
+
 def test_train_py_refuses_nan_before_anything_loads(tmp_path):
     out, seconds = run("train.py", f"run_dir={tmp_path}", "train.lr=nan")
     refused(out, "train.lr=nan is not a finite number")
