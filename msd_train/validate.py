@@ -132,8 +132,10 @@ def check_train(cfg) -> None:
                 "eval.every", "eval.rollout", "eval.batch_size", "checkpoint.every", "data.max_length",
                 "data.num_proc"):
         _number(cfg, key, int, lo=1)
-    for key in ("train.warmup_steps", "checkpoint.keep", "stage.curriculum.ramp_steps"):
+    for key in ("train.warmup_steps", "checkpoint.keep", "stage.curriculum.ramp_steps", "train.loader_workers"):
         _number(cfg, key, int, lo=0)
+    for key in ("train.prefetch", "logging.log_every", "features.samples_per_shard"):
+        _number(cfg, key, int, lo=1)
     # 0 would silently mean "all" to the readers' limit
     _number(cfg, "data.max_heldout", int, lo=1, hint=" (held-out conversations per modality for validation)")
     _number(cfg, "seed", int)

@@ -72,6 +72,38 @@ def test_non_finite_training_settings_are_refused(key, value):
         check_train(cfg)
 
 
+def _float_leaves(node, prefix=""):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _float_leaves(v, f"{prefix}{k}.")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _float_leaves(v, f"{prefix}{i}.")
+    elif isinstance(node, float):
+        yield prefix[:-1]
+
+
+@pytest.mark.parametrize("entry,overrides", [("train.py", ["stage=2"]), ("eval.py", ["decoding=tree"])])
+def test_every_float_setting_of_the_configs_must_be_finite(entry, overrides):
+    """Each float the shipped YAML holds, set to nan, is refused naming it: a float setting
+    added later without a check fails here."""
+    from omegaconf import OmegaConf
+    from test_config import _compose
+
+    plain = OmegaConf.to_container(_compose(entry, overrides), resolve=False)
+    keys = list(_float_leaves(plain))
+    assert "train.lr" in keys or "decoding.sampling.top_p" in keys
+    for key in keys:
+        cfg = json.loads(json.dumps(plain))
+        *parents, last = key.split(".")
+        node = cfg
+        for p in parents:
+            node = node[int(p)] if isinstance(node, list) else node[p]
+        node[int(last) if isinstance(node, list) else last] = math.nan
+        with pytest.raises(ConfigError, match=rf"{key}=nan is not a finite number"):
+            check_train(cfg) if entry == "train.py" else check_eval(cfg, "tree")
+
+
 @pytest.mark.parametrize("key,value,phrase", [
     ("sampling.temperature", math.nan, "decoding.sampling.temperature=nan is not a finite number"),
     ("sampling.temperature", math.inf, "decoding.sampling.temperature=inf is not a finite number"),
