@@ -308,6 +308,7 @@ def check_out_dir(out: str | Path) -> None:
 def check_generate(cfg) -> None:
     """``scripts/generate_features.py``'s config."""
     _number(cfg, "batch_size", int, lo=1)
+    _number(cfg, "features.samples_per_shard", int, lo=1)
     _number(cfg, "data.max_length", int, lo=1)
     _number(cfg, "data.max_heldout", int, lo=1)
     _choice(cfg, "data.on_bad_sample", ("skip", "error"))

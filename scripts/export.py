@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 from msd_train.config import CONF_DIR
 from msd_train.hub.cli import require_arguments, target_info, user_error_kinds
+from msd_train.paths import user_path
 from msd_train.validate import ConfigError, user_errors
 
 
@@ -30,10 +31,11 @@ def main(cfg: DictConfig) -> None:
         from msd_train.hub import export_msd, export_reference
 
         target = target_info(cfg.target)
+        checkpoint, out = user_path(cfg.checkpoint), user_path(cfg.out)
         if cfg.format == "msd":
-            summary = export_msd(cfg.checkpoint, cfg.out, target=target, dtype=cfg.dtype)
+            summary = export_msd(checkpoint, out, target=target, dtype=cfg.dtype)
         else:
-            summary = export_reference(cfg.checkpoint, cfg.out, target=target, embed_from=cfg.embed_from,
+            summary = export_reference(checkpoint, out, target=target, embed_from=cfg.embed_from,
                                        weights=cfg.weights, vocab_size=cfg.vocab_size)
     print(json.dumps(summary, indent=1))
 
