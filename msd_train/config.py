@@ -7,12 +7,17 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from msd_train.paths import user_path
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO_ROOT / "conf"
 
 # ${msd_root:} is the project checkout, so the embedded default's paths work from any cwd.
 if not OmegaConf.has_resolver("msd_root"):
     OmegaConf.register_new_resolver("msd_root", lambda: str(REPO_ROOT))
+# ${user_path:X}: X with ~ expanded (msd_train/paths.py), for paths Hydra itself creates
+if not OmegaConf.has_resolver("user_path"):
+    OmegaConf.register_new_resolver("user_path", lambda p: str(user_path(p)))
 
 
 def strip_launcher_args(argv: list[str] | None = None) -> None:

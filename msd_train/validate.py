@@ -11,6 +11,7 @@ on machines without the training stack.
 
 from __future__ import annotations
 
+import math
 import netrc
 import os
 import re
@@ -19,6 +20,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from msd_train.paths import user_path
 
 _MISSING = object()
 
@@ -66,6 +69,8 @@ def _number(cfg, key: str, kind: type, lo=None, hi=None, lo_open=False, allow_no
     if not ok_type:
         raise ConfigError(f"{key}={v!r} is not {'an integer' if kind is int else 'a number'}; "
                           f"give {key}=<{'integer' if kind is int else 'number'}>{hint}")
+    if not math.isfinite(v):  # nan passes every comparison below
+        raise ConfigError(f"{key}={v} is not a finite number; give {key}=<number>{hint}")
     if lo is not None and (v <= lo if lo_open else v < lo):
         bound = f"greater than {lo}" if lo_open else f"at least {lo}"
         raise ConfigError(f"{key}={v} must be {bound}{hint}")
@@ -94,13 +99,13 @@ def _sources(cfg, group: str, need_images: bool) -> None:
         key = f"data.{group}.{i}.path"
         if not path:
             raise ConfigError(f"{key} is empty; give the data file's path")
-        p = Path(str(path)).expanduser()
+        p = user_path(str(path))
         if p.is_dir():
             raise ConfigError(f"{key}={p} is a folder; give the JSON / JSONL file inside it")
         if not p.is_file():
             raise ConfigError(f"{key}={p}: no such file")
         root = src.get("image_root")
-        if need_images and root and not Path(str(root)).expanduser().is_dir():
+        if need_images and root and not user_path(str(root)).is_dir():
             raise ConfigError(f"data.{group}.{i}.image_root={root}: no such folder (the image paths of "
                               f"{p.name} are relative to it)")
 
@@ -127,8 +132,10 @@ def check_train(cfg) -> None:
                 "eval.every", "eval.rollout", "eval.batch_size", "checkpoint.every", "data.max_length",
                 "data.num_proc"):
         _number(cfg, key, int, lo=1)
-    for key in ("train.warmup_steps", "checkpoint.keep", "stage.curriculum.ramp_steps"):
+    for key in ("train.warmup_steps", "checkpoint.keep", "stage.curriculum.ramp_steps", "train.loader_workers"):
         _number(cfg, key, int, lo=0)
+    for key in ("train.prefetch", "logging.log_every", "features.samples_per_shard"):
+        _number(cfg, key, int, lo=1)
     # 0 would silently mean "all" to the readers' limit
     _number(cfg, "data.max_heldout", int, lo=1, hint=" (held-out conversations per modality for validation)")
     _number(cfg, "seed", int)
@@ -162,21 +169,104 @@ def check_train(cfg) -> None:
     _wandb(cfg, "logging.wandb")
 
 
-def check_eval(cfg, method: str) -> None:
-    """``eval.py``'s config: numbers, the head, the output folder (writable, checked now
-    rather than after all the decoding)."""
-    for key in ("decoding.max_new_tokens", "decoding.depth", "decoding.top_k", "decoding.total_tokens",
-                "decoding.k"):
+#: The decoding settings' choices, stated here (torch-free) and read by msd_train/decoding.
+METHODS = ("tree", "chain", "ar")
+RANK_BY = ("warped", "raw")  # what a sampling draft tree ranks its nodes by
+ENSEMBLES = ("ibed", "tabed")
+VARIANTS = ("M", "T", "P", "C")
+CUDA_GRAPHS = ("auto", True, False, "true", "false", "on", "off")
+
+
+def check_sampling(sampling) -> None:
+    """``decoding.sampling.*``: the warpers (checked by ``SamplingParams`` too)."""
+    cfg = {"decoding": {"sampling": sampling}}
+    _number(cfg, "decoding.sampling.temperature", float, lo=0, hint=" (0: greedy)")
+    _number(cfg, "decoding.sampling.top_p", float, lo=0, lo_open=True, hi=1, hint=" (1: off)")
+    _number(cfg, "decoding.sampling.top_k", int, lo=0, hint=" (0: off)")
+    _choice(cfg, "decoding.sampling.rank_by", RANK_BY)
+
+
+def check_decoding(decoding, vocab_size: int | None = None) -> None:
+    """``decoding.*`` against the bounds the decoders need: the one place they are checked
+    (``eval.py`` up front; ``DecodeConfig`` and ``SamplingParams`` on construction).
+    ``vocab_size``: the target's, when known, bounds the tree's ``top_k``."""
+    cfg = {"decoding": decoding}
+    _choice(cfg, "decoding.method", METHODS)
+    for key in ("decoding.max_new_tokens", "decoding.top_k", "decoding.k"):
         _number(cfg, key, int, lo=1)
+    _number(cfg, "decoding.depth", int, lo=0, hint=" (0: the root's top_k children only)")
+    # A tree is its root (the newest committed token) plus the drafted nodes verified with
+    # it (drafter.draft_tree keeps total_tokens - 1 of them): fewer than 2 drafts nothing.
+    _number(cfg, "decoding.total_tokens", int, lo=2, hint=" (the root plus at least one drafted token)")
+    top_k = _get(cfg, "decoding.top_k")
+    if vocab_size and isinstance(top_k, int) and top_k > vocab_size:
+        raise ConfigError(f"decoding.top_k={top_k} is more than the target's {vocab_size} tokens (each tree node "
+                          f"gets top_k children); give decoding.top_k of at most {vocab_size}, e.g. 10")
+    sampling = _get(cfg, "decoding.sampling")
+    if sampling is not _MISSING and sampling is not None:
+        check_sampling(sampling)
+    _choice(cfg, "decoding.ensemble", ENSEMBLES, allow_none=True)
+    variants = _get(cfg, "decoding.variants")
+    if variants is not _MISSING and variants is not None:
+        variants = [variants] if isinstance(variants, str) else list(variants)
+        if not variants or any(v not in VARIANTS for v in variants) or len(set(variants)) != len(variants):
+            raise ConfigError(f"decoding.variants={variants}: give distinct entries of {', '.join(VARIANTS)}, "
+                              "e.g. decoding.variants=[M,T]")
+    window = _get(cfg, "decoding.tabed_window")
+    if window is not _MISSING and window != "all":
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ConfigError(f"decoding.tabed_window={window!r}: give an integer of at least 1 (the most recent "
+                              "verified positions) or all (the whole verified history)")
+    graphs = _get(cfg, "decoding.cuda_graphs")
+    if graphs is not _MISSING and graphs not in CUDA_GRAPHS:
+        raise ConfigError(f"decoding.cuda_graphs={graphs!r}: use auto, true or false")
+
+
+def target_vocab_size(name_or_path, trust_remote_code: bool = False) -> int | None:
+    """The target's vocabulary size from its config.json (no weights loaded); None when
+    the config cannot be read here (the target's loader then says why)."""
+    if not name_or_path:
+        return None
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(user_path(str(name_or_path))), trust_remote_code=trust_remote_code)
+        return int(config.get_text_config().vocab_size)
+    except Exception:  # a Hub id offline, a custom model without trust_remote_code, ...
+        return None
+
+
+def check_eval(cfg, method: str) -> None:
+    """``eval.py``'s config: numbers, the decoding settings (a tree's top_k against the
+    target's vocabulary, read from its config.json), the head, the output folder
+    (writable, checked now rather than after all the decoding)."""
     _number(cfg, "warmup", int, lo=0)
+    _number(cfg, "seed", int)
     _number(cfg, "threads", int, lo=1, allow_none=True)
     for key in ("bench.max_samples", "bench.max_turns", "bench.max_per_category"):
         _number(cfg, key, int, lo=1, allow_none=True, hint=" (leave it null for all)")
-    _number(cfg, "decoding.sampling.temperature", float, lo=0)
-    _number(cfg, "decoding.sampling.top_p", float, lo=0, lo_open=True, hi=1)
+    _number(cfg, "bench.max_new_tokens", int, lo=1, allow_none=True, hint=" (null: use decoding.max_new_tokens)")
+    decoding = _get(cfg, "decoding")
+    decoding = {} if decoding is _MISSING or decoding is None else decoding
+    check_decoding(decoding)  # in a blink; then once more with the vocabulary (transformers' import)
+    target = _get(cfg, "target.name_or_path")
+    if method == "tree" and target is not _MISSING:
+        check_decoding(decoding, target_vocab_size(target, _get(cfg, "target.trust_remote_code") is True))
+    if str(_get(cfg, "decoding.cuda_graphs")).lower() in ("true", "on"):
+        device = _get(cfg, "target.device")
+        device = "auto" if device is _MISSING or device is None else str(device)
+        if device.startswith("cpu") or (device == "auto" and not _cuda_available()):
+            raise ConfigError("decoding.cuda_graphs=true needs a CUDA target, this one runs on the CPU; use "
+                              "decoding.cuda_graphs=auto (on for CUDA targets, off on CPU)")
     _wandb(cfg, "wandb")
     if method != "ar":
         check_head(_get(cfg, "draft"))
+
+
+def _cuda_available() -> bool:
+    import torch  # only when CUDA graphs are asked for
+
+    return torch.cuda.is_available()
 
 
 def check_head(draft) -> None:
@@ -184,7 +274,7 @@ def check_head(draft) -> None:
     if draft is None or draft is _MISSING or str(draft) == "":
         raise ConfigError("decoding=tree|chain needs a head: draft=PATH (an export folder, e.g. "
                           "runs/tiny/stage2/final, a released MSD head or a Hub repo id)")
-    path = Path(str(draft)).expanduser()
+    path = user_path(str(draft))
     if not path.exists():
         if str(draft).count("/") != 1 or str(draft).startswith((".", "/", "~")):
             raise ConfigError(
@@ -203,7 +293,7 @@ def check_head(draft) -> None:
 
 def check_out_dir(out: str | Path) -> None:
     """The output folder can be created and written, before anything is measured."""
-    out = Path(out)
+    out = user_path(out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"out={out} is a file; give a folder for the report")
     try:
@@ -218,6 +308,7 @@ def check_out_dir(out: str | Path) -> None:
 def check_generate(cfg) -> None:
     """``scripts/generate_features.py``'s config."""
     _number(cfg, "batch_size", int, lo=1)
+    _number(cfg, "features.samples_per_shard", int, lo=1)
     _number(cfg, "data.max_length", int, lo=1)
     _number(cfg, "data.max_heldout", int, lo=1)
     _choice(cfg, "data.on_bad_sample", ("skip", "error"))

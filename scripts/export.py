@@ -16,23 +16,27 @@ import hydra
 from omegaconf import DictConfig
 
 from msd_train.config import CONF_DIR
-from msd_train.hub.cli import require_arguments, target_info
+from msd_train.hub.cli import require_arguments, target_info, user_error_kinds
+from msd_train.paths import user_path
+from msd_train.validate import ConfigError, user_errors
 
 
 @hydra.main(config_path=str(CONF_DIR / "hub"), config_name="export", version_base=None)
 def main(cfg: DictConfig) -> None:
-    require_arguments(cfg, "export")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from msd_train.hub import export_msd, export_reference
+    with user_errors(*user_error_kinds()):  # a user's mistake: one paragraph, exit 1 (MSD_DEBUG=1: the traceback)
+        require_arguments(cfg, "export")
+        if cfg.format not in ("msd", "reference"):
+            raise ConfigError(f"format={cfg.format}: use msd or reference")
+        from msd_train.hub import export_msd, export_reference
 
-    target = target_info(cfg.target)
-    if cfg.format == "msd":
-        summary = export_msd(cfg.checkpoint, cfg.out, target=target, dtype=cfg.dtype)
-    elif cfg.format == "reference":
-        summary = export_reference(cfg.checkpoint, cfg.out, target=target, embed_from=cfg.embed_from,
-                                   weights=cfg.weights, vocab_size=cfg.vocab_size)
-    else:
-        raise SystemExit(f"format={cfg.format}: use msd or reference")
+        target = target_info(cfg.target)
+        checkpoint, out = user_path(cfg.checkpoint), user_path(cfg.out)
+        if cfg.format == "msd":
+            summary = export_msd(checkpoint, out, target=target, dtype=cfg.dtype)
+        else:
+            summary = export_reference(checkpoint, out, target=target, embed_from=cfg.embed_from,
+                                       weights=cfg.weights, vocab_size=cfg.vocab_size)
     print(json.dumps(summary, indent=1))
 
 

@@ -16,17 +16,19 @@ import hydra
 from omegaconf import DictConfig
 
 from msd_train.config import CONF_DIR
-from msd_train.hub.cli import require_arguments, target_info
+from msd_train.hub.cli import require_arguments, target_info, user_error_kinds
+from msd_train.validate import user_errors
 
 
 @hydra.main(config_path=str(CONF_DIR / "hub"), config_name="import_reference", version_base=None)
 def main(cfg: DictConfig) -> None:
-    require_arguments(cfg, "import_reference")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from msd_train.hub import import_reference
+    with user_errors(*user_error_kinds()):  # a user's mistake: one paragraph, exit 1 (MSD_DEBUG=1: the traceback)
+        require_arguments(cfg, "import_reference")
+        from msd_train.hub import import_reference
 
-    target = target_info(cfg.target)
-    report = import_reference(cfg.src, cfg.out, target=target, revision=cfg.revision)
+        target = target_info(cfg.target)
+        report = import_reference(cfg.src, cfg.out, target=target, revision=cfg.revision)
     print(f"imported {cfg.src} -> {cfg.out}")
     print(json.dumps({"config": report.config, "dropped_keys": report.dropped_keys,
                       "embedding_check": report.embedding.as_dict() if report.embedding else None,

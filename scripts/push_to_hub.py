@@ -12,27 +12,25 @@ conf/hub/push.yaml. See docs/hub.md.
 """
 
 import logging
-import sys
 
 import hydra
 from omegaconf import DictConfig
 
 from msd_train.config import CONF_DIR
-from msd_train.hub.cli import require_arguments
+from msd_train.hub.cli import require_arguments, user_error_kinds
+from msd_train.validate import user_errors
 
 
 @hydra.main(config_path=str(CONF_DIR / "hub"), config_name="push", version_base=None)
 def main(cfg: DictConfig) -> None:
-    require_arguments(cfg, "push")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from msd_train.hub import IncompleteHeadError, push_head
+    with user_errors(*user_error_kinds()):  # a refused head or id, no token, no network: one paragraph, exit 1
+        require_arguments(cfg, "push")
+        from msd_train.hub import push_head
 
-    try:
         push_head(cfg.checkpoint, cfg.repo_id, private=cfg.private, dry_run=cfg.dry_run, report=cfg.report,
                   license=cfg.license, datasets=list(cfg.datasets) if cfg.datasets else None,
                   commit_message=cfg.commit_message, base_model=cfg.base_model)
-    except (IncompleteHeadError, FileNotFoundError, ValueError) as err:
-        sys.exit(f"refusing to push: {err}")
 
 
 if __name__ == "__main__":

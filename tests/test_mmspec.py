@@ -78,8 +78,10 @@ def test_mmspec_defaults_follow_the_harness(tmp_path):
     # the .jsonl file itself works too, with image_root named
     same = load_bench({**cfg["bench"], "path": str(split / "mmspec.jsonl"), "image_root": str(split / "images")})
     assert [i.images for i in same] == [i.images for i in items]
-    with pytest.raises(ValueError, match="bench.max_new_tokens=0"):
-        bench_decoding({**cfg["bench"], "max_new_tokens": 0}, config)
+    from msd_train.validate import check_eval
+
+    with pytest.raises(ValueError, match="bench.max_new_tokens=0 must be at least 1"):
+        check_eval({**cfg, "bench": {**cfg["bench"], "max_new_tokens": 0}}, "ar")
 
 
 def test_broken_benchmark_files_name_the_file_and_line(tmp_path):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from msd_train.data.formats import BadSample, BadSampleError, read_conversations
+from msd_train.paths import user_path
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ def load_images(paths: list[str]):
 def file_digest(path: str | Path, algorithm: str = "sha1") -> str:
     """Hex digest of a file, read in 4 MiB chunks (data files and shards can be GBs)."""
     h = hashlib.new(algorithm)
-    with open(path, "rb") as f:
+    with open(user_path(path), "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()

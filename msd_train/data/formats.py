@@ -18,7 +18,9 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from msd_train.paths import user_path
 from msd_train.targets.chat import IMAGE_MARKER, count_image_markers
+from msd_train.validate import ConfigError
 
 # Roles seen in real ShareGPT / LLaVA dumps, mapped to chat roles.
 ROLE_MAP = {
@@ -67,6 +69,11 @@ class BadSampleError(ValueError):
         self.bad = bad
 
 
+class DataFileError(ConfigError):
+    """A data or benchmark file that cannot be read as written; the message names the
+    file, the line or record, and the fix (entry points print it as one paragraph)."""
+
+
 def read_text(path: Path) -> str:
     """The file as UTF-8 text (a byte-order mark is allowed); anything else is an error
     naming the file, the line of the first undecodable byte and the fix."""
@@ -75,7 +82,7 @@ def read_text(path: Path) -> str:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        raise ValueError(
+        raise DataFileError(
             f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at line {line}, byte offset {e.start}); "
             f"re-encode the file as UTF-8, e.g. `iconv -f latin1 -t utf-8 {path} > {path.stem}.utf8{path.suffix}` "
             "(use the file's real encoding in place of latin1)"
@@ -97,7 +104,7 @@ def read_records(path: Path, strict: bool = False) -> Iterator[tuple[int, object
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(
+            raise DataFileError(
                 f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); fix the file there, "
                 "or write it as JSONL, one record per line"
                 + ("" if strict else ", so that one broken record does not spoil the rest")
@@ -111,7 +118,7 @@ def read_records(path: Path, strict: bool = False) -> Iterator[tuple[int, object
             yield lineno, json.loads(line)
         except json.JSONDecodeError as e:
             if strict:
-                raise ValueError(f"{path}, line {lineno + 1}: not valid JSON ({e.msg} at column {e.colno}); "
+                raise DataFileError(f"{path}, line {lineno + 1}: not valid JSON ({e.msg} at column {e.colno}); "
                                  "fix or delete that line") from None
             yield lineno, BadSample(str(path), lineno, None, f"line {lineno + 1} is not valid JSON ({e.msg})",
                                     "fix or delete that line")
@@ -179,11 +186,11 @@ def _answered_after(raw_turns, start: int, role_key: str, content_key: str) -> b
 
 def read_conversations(path: str | Path, fmt: str = "auto", image_root: str | Path | None = None) -> Iterator[dict | BadSample]:
     """Yield normalised conversations (or BadSample) from one file."""
-    path = Path(path)
+    path = user_path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: data file not found; check data.*.path")
     src = str(path)
-    root = Path(image_root) if image_root else path.parent
+    root = user_path(image_root) if image_root else path.parent
     for index, rec in read_records(path):
         if isinstance(rec, BadSample):
             yield rec

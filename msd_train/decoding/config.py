@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from msd_train.decoding.drafter import HeadDrafter
-from msd_train.decoding.ensemble import EnsembleDrafter, check_ensemble
+from msd_train.decoding.ensemble import EnsembleDrafter
 from msd_train.decoding.sampling import SamplingParams
-
-METHODS = ("tree", "chain", "ar")
+from msd_train.validate import METHODS, check_decoding  # noqa: F401  (METHODS: msd_train.decoding's)
 
 
 @dataclass
@@ -40,21 +39,10 @@ class DecodeConfig:
     tabed_window: int | str = 32
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"decoding.method must be one of {METHODS}, got {self.method!r}")
-        if self.method == "tree" and (self.depth < 0 or self.top_k < 1 or self.total_tokens < 2):
-            raise ValueError(
-                f"tree decoding needs depth >= 0, top_k >= 1, total_tokens >= 2; got depth={self.depth}, "
-                f"top_k={self.top_k}, total_tokens={self.total_tokens}"
-            )
-        if self.method == "chain" and self.k < 1:
-            raise ValueError(f"chain decoding needs k >= 1, got k={self.k}")
         self.stop_strings = tuple(self.stop_strings or ())
         self.variants = tuple(self.variants or ("M",))
-        if self.ensemble is not None:
-            check_ensemble(self)
-        if self.cuda_graphs not in ("auto", True, False, "true", "false", "on", "off"):
-            raise ValueError(f"decoding.cuda_graphs must be auto, true or false, got {self.cuda_graphs!r}")
+        # the bounds live in msd_train/validate.py, which eval.py runs before any model loads
+        check_decoding({f.name: getattr(self, f.name) for f in fields(self) if f.name != "sampling"})
 
     @property
     def block_size(self) -> int:

@@ -51,9 +51,7 @@ import torch
 from msd_train.decoding.drafter import HeadDrafter, PromptPass
 from msd_train.decoding.sampling import SamplingParams, logits_to_probs
 from msd_train.draft import align_inputs, attention_bias, draft_position_ids, draft_rope_deltas
-
-VARIANTS = ("M", "T", "P", "C")
-ENSEMBLES = ("ibed", "tabed")
+from msd_train.validate import VARIANTS  # the settings' choices live with their checks (validate.check_decoding)
 
 
 class EnsembleDrafter(HeadDrafter):
@@ -355,16 +353,3 @@ def tabed_weights(rows: torch.Tensor, target: torch.Tensor, step: float = 0.1) -
         return torch.full((r,), 1.0 / r, device=rows.device)
     grid = simplex_grid(r, step, rows.device)
     return choose_weights(grid, *position_scores(rows, target, grid))
-
-
-def check_ensemble(config) -> None:
-    """Validate ``DecodeConfig``'s ensemble fields (called from its ``__post_init__``)."""
-    if config.ensemble not in ENSEMBLES:
-        raise ValueError(f"decoding.ensemble must be null or one of {ENSEMBLES}, got {config.ensemble!r}")
-    bad = [v for v in config.variants if v not in VARIANTS]
-    if bad or not config.variants or len(set(config.variants)) != len(config.variants):
-        raise ValueError(f"decoding.variants must be distinct entries of {VARIANTS}, got {list(config.variants)}")
-    window = config.tabed_window
-    if window != "all" and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"decoding.tabed_window must be an integer >= 1 (the most recent verified positions) "
-                         f"or 'all' (the whole verified history), got {window!r}")

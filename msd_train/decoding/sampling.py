@@ -7,11 +7,12 @@ the one the draft actually proposed from.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-RANK_BY = ("warped", "raw")  # what a sampling draft tree ranks its nodes by
+from msd_train.validate import check_sampling
 
 
 @dataclass(frozen=True)
@@ -37,12 +38,7 @@ class SamplingParams:
         return self.temperature <= 0
 
     def __post_init__(self):
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"sampling.top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if self.rank_by not in RANK_BY:
-            raise ValueError(f"sampling.rank_by must be one of {RANK_BY}, got {self.rank_by!r}")
+        check_sampling(dataclasses.asdict(self))  # the bounds: msd_train/validate.py
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -5,7 +5,15 @@ from transformers import AutoConfig, AutoModel
 
 from msd_train.draft.config import MSD3DraftConfig, MSDDraftConfig
 from msd_train.draft.head import HEADS, DraftHead, head_class
-from msd_train.draft.model import MSDDraftModel, MSDDraftOutput, align_inputs, attention_bias, crop_cache
+from msd_train.draft.model import (
+    MSDDraftModel,
+    MSDDraftOutput,
+    NonFiniteWeightsError,
+    align_inputs,
+    attention_bias,
+    check_finite,
+    crop_cache,
+)
 from msd_train.draft.msd3 import MSD3DraftModel
 from msd_train.draft.positions import draft_position_ids, draft_rope_deltas
 
@@ -15,5 +23,6 @@ AutoModel.register(MSDDraftConfig, MSDDraftModel, exist_ok=True)
 AutoConfig.register(MSD3DraftConfig.model_type, MSD3DraftConfig, exist_ok=True)
 AutoModel.register(MSD3DraftConfig, MSD3DraftModel, exist_ok=True)
 
-__all__ = ["HEADS", "DraftHead", "MSD3DraftConfig", "MSD3DraftModel", "MSDDraftConfig", "MSDDraftModel", "head_class", "MSDDraftOutput", "align_inputs", "attention_bias", "crop_cache",
-           "draft_position_ids", "draft_rope_deltas"]
+__all__ = ["HEADS", "DraftHead", "MSD3DraftConfig", "MSD3DraftModel", "MSDDraftConfig", "MSDDraftModel",
+           "MSDDraftOutput", "NonFiniteWeightsError", "align_inputs", "attention_bias", "check_finite", "crop_cache",
+           "draft_position_ids", "draft_rope_deltas", "head_class"]

@@ -21,6 +21,7 @@ from transformers.utils import ModelOutput
 
 from msd_train.draft.config import MSDDraftConfig
 from msd_train.draft.head import DraftHead, head_class_of_config, pair, register_head, saved_model_type
+from msd_train.draft.loss import msd_loss
 from msd_train.draft.positions import draft_position_ids
 from msd_train.hf_compat import cache_kwargs
 
@@ -134,6 +135,33 @@ def attention_bias(
     return bias.masked_fill(~allowed, min_value)
 
 
+class NonFiniteWeightsError(ValueError):
+    """A head whose weights hold NaN or inf: it would draft garbage that verification
+    silently rejects (or, for NaN logits, accepts); the message names the tensors."""
+
+
+def non_finite_tensors(named) -> list[str]:
+    """Names of the floating-point tensors in ``named`` ((name, tensor) pairs) that hold a
+    NaN or an inf, each with how many of its numbers are not finite."""
+    bad = []
+    for name, t in named:
+        if t.is_floating_point():
+            n = int((~torch.isfinite(t)).sum())
+            if n:
+                bad.append(f"{name} ({n} of {t.numel()})")
+    return bad
+
+
+def check_finite(named, where: str) -> None:
+    """Raise :class:`NonFiniteWeightsError` naming the non-finite tensors of ``named``."""
+    bad = non_finite_tensors(named)
+    if bad:
+        shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+        raise NonFiniteWeightsError(
+            f"{where}: the head's weights are not finite (NaN or inf in {shown}); it cannot draft. Use another "
+            "export (RUN_DIR/stageN/best, an earlier checkpoint exported with scripts/export.py) or retrain")
+
+
 @register_head
 class MSDDraftModel(DraftHead):
     """MSD draft head: fusion `fc`, decoupled visual inputs, transformers decoder layers.
@@ -169,13 +197,17 @@ class MSDDraftModel(DraftHead):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """Loads the class the saved config names: ``MSDDraftModel.from_pretrained`` opens
-        every head architecture (an ``msd3`` folder gives an ``MSD3DraftModel``)."""
+        """Loads the class the saved config names (``MSDDraftModel.from_pretrained`` opens every
+        head architecture: an ``msd3`` folder gives an ``MSD3DraftModel``), refusing a head
+        with NaN or inf weights (:class:`NonFiniteWeightsError`) rather than letting it draft."""
         if cls is MSDDraftModel:
             other = head_class_of_config(saved_model_type(pretrained_model_name_or_path, **kwargs))
             if other is not None and other is not cls:
                 return other.from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        out = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        model = out[0] if isinstance(out, tuple) else out
+        check_finite(model.state_dict().items(), str(pretrained_model_name_or_path))
+        return out
 
     def target_inputs(self, features, target=None) -> dict[str, torch.Tensor | None]:
         """`forward`'s inputs over one target pass of L tokens, as keyword arguments.
@@ -295,8 +327,6 @@ class MSDDraftModel(DraftHead):
 
     def training_loss(self, target, features, index, n_tokens: float, train, noise=None, forward=None):
         """Feature regression plus the token term (``training.loss.msd_loss``)."""
-        from msd_train.training.loss import msd_loss  # the recipe's loss; training imports draft, not back
-
         inputs = self.target_inputs(features, target)
         if noise is not None:
             inputs["hidden_states"] = noise(inputs["hidden_states"])
@@ -312,8 +342,6 @@ class MSDDraftModel(DraftHead):
                 "feat_loss": sums["feat_sum"] / n, "tok_loss": sums["tok_sum"] / n, "top1": sums["agree_sum"] / n}
 
     def eval_loss(self, target, features, mask: torch.Tensor) -> torch.Tensor:
-        from msd_train.training.loss import msd_loss
-
         out = self(**self.target_inputs(features, target)).last_hidden_state
         loss, _ = msd_loss(out, features.hidden_states[:, 1:], target.lm_head, mask, n_tokens=1.0)
         return loss

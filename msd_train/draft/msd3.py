@@ -19,7 +19,6 @@ own chain (steps 1..i at t): exactly what a chain drafted from anchor t sees.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
@@ -27,7 +26,14 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbeddin
 
 from msd_train.draft.config import MSD3DraftConfig
 from msd_train.draft.head import DraftHead, pair, register_head
-from msd_train.draft.model import _DECODER_LAYER, _SUPPORTED_ATTENTION, MSDDraftModel, MSDDraftOutput, attention_bias
+from msd_train.draft.model import (
+    _DECODER_LAYER,
+    _SUPPORTED_ATTENTION,
+    MSDDraftModel,
+    MSDDraftOutput,
+    attention_bias,
+    check_finite,
+)
 from msd_train.draft.positions import draft_position_ids
 from msd_train.hf_compat import cache_kwargs
 
@@ -86,6 +92,13 @@ class MSD3DraftModel(DraftHead):
         self.post_init()
 
     _position_ids = MSDDraftModel._position_ids
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """As ``MSDDraftModel.from_pretrained``: a head with NaN or inf weights is refused."""
+        out = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        check_finite((out[0] if isinstance(out, tuple) else out).state_dict().items(), str(pretrained_model_name_or_path))
+        return out
 
     def set_vocabulary(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:

@@ -29,12 +29,19 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from msd_train.paths import user_path
 from msd_train.targets.chat import IMAGE_MARKER, count_image_markers
+from msd_train.validate import ConfigError
 
 log = logging.getLogger(__name__)
 
 #: MMSpec's split layout: the records and the folder their `image` names are relative to.
 MMSPEC_FILE, MMSPEC_IMAGES = "mmspec.jsonl", "images"
+
+
+class BenchError(ConfigError):
+    """A benchmark file or record that cannot be measured as written; the message names
+    the file, the record and the fix (eval.py prints it as one paragraph, exit 1)."""
 
 
 @dataclass
@@ -69,7 +76,7 @@ def _with_markers(turns: list[str], n_images: int) -> list[str]:
         return turns
     if have == 0 and turns:
         return [(IMAGE_MARKER + "\n") * n_images + turns[0]] + turns[1:]
-    raise ValueError(f"{have} {IMAGE_MARKER} markers in the turns but {n_images} images")
+    raise BenchError(f"{have} {IMAGE_MARKER} markers in the turns but {n_images} images")
 
 
 def _captions(record, n_images: int, captions: dict | None) -> list[str]:
@@ -90,13 +97,14 @@ def _read_captions(path: str | None) -> dict | None:
     if not path:
         return None
     try:
-        out = json.loads(Path(path).read_text(encoding="utf-8"))
+        out = json.loads(user_path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise FileNotFoundError(f"bench captions file {path} not found") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"bench captions file {path}: not valid JSON ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BenchError(f"bench captions file {path}: not valid JSON ({e}); fix it, or drop the source's "
+                         "captions setting") from None
     if not isinstance(out, dict):
-        raise ValueError(f"bench captions file {path}: expected a JSON object {{image path: caption}}")
+        raise BenchError(f"bench captions file {path}: expected a JSON object {{image path: caption}}")
     return out
 
 
@@ -106,7 +114,10 @@ def load_conversations(path: str, image_root: str | None = None, fmt: str = "aut
     conversation that breaks mid-way keeps its turns before the break (with a warning)."""
     from msd_train.data.formats import BadSample, read_conversations, read_records
 
-    raw = dict(read_records(Path(path), strict=True))  # by the index read_conversations gives
+    raw = dict(read_records(user_path(path), strict=True))  # by the index read_conversations gives
+    if not raw:
+        raise BenchError(f"{path}: no records (an empty file); give the benchmark's conversations, or remove "
+                         "this source from the bench's sources")
     caption_map = _read_captions(captions)
     items = []
     for conv in read_conversations(path, fmt, image_root):
@@ -114,7 +125,7 @@ def load_conversations(path: str, image_root: str | None = None, fmt: str = "aut
             log.warning("%s", conv.message())
             continue
         if isinstance(conv, BadSample):
-            raise ValueError(conv.message())
+            raise BenchError(conv.message() + "; a benchmark measures every record it lists")
         turns = [m["content"] for m in conv["messages"] if m["role"] == "user"]
         record = raw.get(conv["index"], {})
         category = record.get(group_by) if isinstance(record, dict) else None
@@ -129,7 +140,7 @@ def load_jsonl(path: str, image_root: str | None = None, group_by: str = "catego
     the field ``group_by``. ``path``: the file, or an MMSpec split folder (``mmspec.jsonl``
     and ``images/``). ``image_root`` (default: that ``images/``, else the file's folder)
     is what relative image paths are relative to."""
-    path = Path(path)
+    path = user_path(path)
     if path.is_dir():
         if not (path / MMSPEC_FILE).is_file():
             raise FileNotFoundError(f"bench.path={path}: a folder without {MMSPEC_FILE}; pass the .jsonl file, or "
@@ -141,26 +152,34 @@ def load_jsonl(path: str, image_root: str | None = None, group_by: str = "catego
         raise FileNotFoundError(f"bench.path={path}: no such file or folder")
     from msd_train.data.formats import read_records
 
-    root = Path(image_root) if image_root else default_root
+    root = user_path(image_root) if image_root else default_root
     items = []
     for i, (_, rec) in enumerate(read_records(path, strict=True)):
         if not isinstance(rec, dict):
-            raise ValueError(f"{path}, record {i + 1}: not a JSON object; write one {{id, image, turns, ...}} per line")
+            raise BenchError(f"{path}, record {i + 1}: not a JSON object ({type(rec).__name__}); write one "
+                             "{id, image, turns, ...} object per line")
         sid = str(rec.get("id", f"{path.stem}-{i}"))
         turns = rec.get("turns")
         if isinstance(turns, str):
             turns = [turns]
-        if not turns or not all(isinstance(t, str) for t in turns):
-            raise ValueError(f"{path}, sample {sid}: 'turns' must be a non-empty list of strings")
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+            raise BenchError(f"{path}, record {i + 1} (sample {sid}): 'turns' is {turns!r}; give a non-empty list "
+                             "of non-empty strings, the user turns in order")
         images = rec.get("image") or rec.get("images") or []
-        images = [images] if isinstance(images, str) else list(images)
+        images = [images] if isinstance(images, str) else images
+        if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
+            raise BenchError(f"{path}, record {i + 1} (sample {sid}): 'image' is {images!r}; give an image path, "
+                             "a list of them, or null")
         images = [str(root / p) for p in images]
         try:
             turns = _with_markers(turns, len(images))
-        except ValueError as e:
-            raise ValueError(f"{path}, sample {sid}: {e}; give one marker per image or none") from None
+        except BenchError as e:
+            raise BenchError(f"{path}, record {i + 1} (sample {sid}): {e}; give one {IMAGE_MARKER} marker per "
+                             "image, or none (the images then go before the first turn)") from None
         items.append(BenchItem(sid, str(rec.get(group_by) or "default"), turns, images, str(path),
                                _captions(rec, len(images), None)))
+    if not items:
+        raise BenchError(f"{path}: no records (an empty file); write one {{id, image, turns, ...}} object per line")
     if items and group_by != "category" and all(it.category == "default" for it in items):
         log.warning("%s: no record has the field %r that bench.group_by names; every item is in one group",
                     path, group_by)
@@ -182,7 +201,8 @@ def load_hf(dataset: str, split: str = "test", subset: str | None = None, revisi
     items = []
     for i, rec in enumerate(ds):
         if turns_field not in rec:
-            raise KeyError(f"{dataset} [{split}]: no field {turns_field!r}; fields: {sorted(rec)}; set bench.turns_field")
+            raise BenchError(f"{dataset} [{split}]: no field {turns_field!r}; fields: {sorted(rec)}; "
+                             "set bench.turns_field")
         turns = rec[turns_field]
         turns = [turns] if isinstance(turns, str) else list(turns)
         images = rec.get(image_field) if image_field else None
@@ -190,8 +210,13 @@ def load_hf(dataset: str, split: str = "test", subset: str | None = None, revisi
         sid = str(rec.get(id_field, i)) if id_field else str(i)
         cat = str(rec.get(category_field)) if category_field and rec.get(category_field) is not None else None
         caps = _captions({"caption": rec.get(caption_field)}, len(images), None) if caption_field else []
-        items.append(BenchItem(sid, cat or category or dataset.split("/")[-1], _with_markers(turns, len(images)),
-                               images, f"{dataset}[{split}]", caps))
+        try:
+            turns = _with_markers(turns, len(images))
+        except BenchError as e:
+            raise BenchError(f"{dataset} [{split}], record {i} (sample {sid}): {e}; set bench.turns_field and "
+                             "bench.image_field to the question and image fields") from None
+        items.append(BenchItem(sid, cat or category or dataset.split("/")[-1], turns, images, f"{dataset}[{split}]",
+                               caps))
     return items
 
 
@@ -205,17 +230,17 @@ def load_bench(cfg: dict) -> list[BenchItem]:
                                         src.get("captions"), grouped_by(cfg))
     elif kind == "jsonl":
         if not cfg.get("path"):
-            raise ValueError("bench=jsonl needs bench.path=FILE.jsonl (and bench.image_root=DIR for relative images)")
+            raise BenchError("bench=jsonl needs bench.path=FILE.jsonl (and bench.image_root=DIR for relative images)")
         items = load_jsonl(cfg["path"], cfg.get("image_root"), grouped_by(cfg))
     elif kind == "hf":
         if not cfg.get("dataset"):
-            raise ValueError("bench=hf needs bench.dataset=OWNER/NAME (and bench.split, bench.turns_field, ...)")
+            raise BenchError("bench=hf needs bench.dataset=OWNER/NAME (and bench.split, bench.turns_field, ...)")
         keys = ("split", "subset", "revision", "id_field", "image_field", "turns_field", "category_field", "category",
                 "caption_field")
         items = load_hf(cfg["dataset"], max_samples=cfg.get("max_samples"),
                         **{k: cfg[k] for k in keys if cfg.get(k) is not None})
     else:
-        raise ValueError(f"bench.kind={kind!r}: choose conversations, jsonl or hf")
+        raise BenchError(f"bench.kind={kind!r}: choose conversations, jsonl or hf")
     return select(items, cfg.get("max_per_category"), cfg.get("max_samples"), cfg.get("max_turns"))
 
 
@@ -231,9 +256,7 @@ def bench_decoding(cfg: dict, config):
     harness generates up to 1024 tokens a turn). A benchmark's own setting wins over
     ``decoding.max_new_tokens``, so that its numbers compare with published ones; change it
     with ``bench.max_new_tokens=N``."""
-    n = cfg.get("max_new_tokens")
-    if n is not None and int(n) < 1:
-        raise ValueError(f"bench.max_new_tokens={n}: must be at least 1 (null: use decoding.max_new_tokens)")
+    n = cfg.get("max_new_tokens")  # checked with the other settings (validate.check_eval)
     if n is None or int(n) == config.max_new_tokens:
         return config
     log.info("bench=%s generates up to %d new tokens a turn (bench.max_new_tokens; decoding.max_new_tokens=%d "

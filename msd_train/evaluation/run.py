@@ -22,6 +22,7 @@ from msd_train.evaluation.bench import bench_decoding, grouped_by, load_bench
 from msd_train.evaluation.metrics import DEFINITIONS, summarize, summarize_by_category
 from msd_train.evaluation.report import write_report
 from msd_train.evaluation.runner import evaluate
+from msd_train.paths import user_path
 from msd_train.runtime import local_device, setup_group
 from msd_train.validate import ConfigError, check_eval, check_head, check_out_dir
 
@@ -76,8 +77,8 @@ def default_out(draft: str | None, bench: str, method: str) -> Path:
     """Beside the head's export folder when it is a local folder (where the model card
     looks for a report), named after it so that the reports of ``final/`` and ``best/``
     do not overwrite each other; else under ./eval."""
-    if draft and Path(draft).is_dir():
-        head = Path(draft).resolve()
+    if draft and user_path(draft).is_dir():
+        head = user_path(draft).resolve()
         return head.parent / f"eval-{head.name}-{bench}-{method}"
     return Path("eval") / f"{bench}-{method}"
 
@@ -132,7 +133,7 @@ def run_eval(cfg: dict, command: str | None = None) -> dict | None:
 
     check_eval(cfg, (cfg.get("decoding") or {}).get("method", "tree"))
     config = bench_decoding(cfg["bench"], decode_config(cfg["decoding"]))  # a benchmark may fix its length
-    out = Path(cfg["out"]) if cfg.get("out") else default_out(cfg.get("draft"), cfg["bench"].get("name", "bench"),
+    out = user_path(cfg["out"]) if cfg.get("out") else default_out(cfg.get("draft"), cfg["bench"].get("name", "bench"),
                                                               config.method)
     check_out_dir(out)  # now, not after the decoding
     items = _checked_items(cfg, config)  # before the target: a wrong path fails in seconds
@@ -167,12 +168,12 @@ def _checked_items(cfg: dict, config: DecodeConfig) -> list:
         check_head(cfg.get("draft"))
     items = load_bench(cfg["bench"])
     if not items:
-        raise ValueError(f"bench={cfg['bench'].get('name', 'bench')}: no items (check bench paths and max_* limits)")
+        raise ConfigError(f"bench={cfg['bench'].get('name', 'bench')}: no items (check bench paths and max_* limits)")
     if config.ensemble is not None and "C" in config.variants:
         missing = [it for it in items if it.images and not it.captions]
         if missing:
             it = missing[0]
-            raise ValueError(f"{it.source}, sample {it.id}: decoding.variants has C but this sample's images have no "
+            raise ConfigError(f"{it.source}, sample {it.id}: decoding.variants has C but this sample's images have no "
                              f"captions ({len(missing)} of {len(items)} samples lack them); give each image a caption "
                              "(a `caption` field, or bench sources' `captions: FILE.json`) or drop C from decoding.variants")
     check_images(items)

@@ -44,6 +44,7 @@ from msd_train.features.store import (
     sha256_file,
     write_shard,
 )
+from msd_train.paths import user_path
 from msd_train.runtime import Group, atomic_write_text, local_device, resolve_dtype
 from msd_train.targets.lora import adapter_identity
 
@@ -301,7 +302,7 @@ def generate(cfg, dist=None, target=None) -> dict | None:
     # torch.distributed (older callers) or None
     group = dist if isinstance(dist, Group) else Group(dist if dist is not None and dist.is_initialized() else None)
     fc = cfg.features
-    out = Path(fc.path)
+    out = user_path(fc.path)
     device = local_device(cfg.target.device)
     dtype = resolve_store_dtype(str(fc.dtype), resolve_dtype(cfg.target.dtype, device))
     dry = bool(cfg.get("dry_run", False))

@@ -45,6 +45,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from msd_train.data.dataset import file_digest
+from msd_train.paths import user_path
 from msd_train.runtime import DTYPES, atomic_file
 
 FORMAT = "msd-train-features"
@@ -253,7 +254,7 @@ def parse_manifest(mpath: Path) -> dict:
 
 
 def read_manifest(path: str | Path) -> dict:
-    path = Path(path)
+    path = user_path(path)
     mpath = path / MANIFEST
     if not mpath.is_file():
         raise FeatureStoreError(
@@ -277,7 +278,7 @@ class FeatureStore:
     def __init__(self, path: str | Path, verify: str = "quick", max_open: int = 64):
         if verify not in ("none", "quick", "full"):
             raise ValueError(f"features.verify={verify}: use none, quick or full")
-        self.path = Path(path)
+        self.path = user_path(path)
         self.manifest = read_manifest(self.path)
         if not self.manifest.get("complete"):
             raise FeatureStoreError(

@@ -7,7 +7,7 @@ so evaluation boxes can load heads with it.
 
 from msd_train.hub.folders import IncompleteHeadError, detect_layout, load_export, resolve_folder
 from msd_train.hub.load import load_head
-from msd_train.hub.push import plan_push, push_head
+from msd_train.hub.push import PushError, plan_push, push_head
 from msd_train.hub.reference import (
     ImportReport,
     TargetInfo,
@@ -22,6 +22,7 @@ from msd_train.hub.vocab import VocabMap, check_embedding
 __all__ = [
     "ImportReport",
     "IncompleteHeadError",
+    "PushError",
     "TargetInfo",
     "VocabMap",
     "check_embedding",

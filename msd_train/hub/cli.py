@@ -14,12 +14,23 @@ from omegaconf import DictConfig, OmegaConf
 from msd_train.config import CONF_DIR
 
 
+def user_error_kinds() -> tuple[type[BaseException], ...]:
+    """What the hub scripts print as one paragraph and exit 1 on (``validate.user_errors``,
+    ``MSD_DEBUG=1``: the traceback): a missing file, a refused value (an argument, a repo
+    id, a head that cannot be used or does not fit: IncompleteHeadError is a ValueError)
+    and a push the Hub did not take."""
+    from msd_train.hub.push import PushError  # inside: `--help` does not wait for torch
+
+    return FileNotFoundError, ValueError, PushError
+
+
 def require_arguments(cfg: DictConfig, script: str) -> None:
-    """Exit with one line naming every required (`???`) argument left out, rather than
+    """Refuse, in one line naming every required (`???`) argument left out, rather than
     Hydra's error on the first one the script happens to read."""
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
-        raise SystemExit(f"{script}: missing required argument(s): {' '.join(f'{k}=...' for k in missing)}")
+        raise ValueError(f"{script}: missing required argument(s): {' '.join(f'{k}=...' for k in missing)} "
+                          f"(see conf/hub/{script}.yaml)")
 
 
 def target_info(value: str | None):

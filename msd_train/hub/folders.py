@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from msd_train.draft import MSDDraftConfig, MSDDraftModel
+from msd_train.draft import MSDDraftConfig, MSDDraftModel, NonFiniteWeightsError
 
 #: model_type of the released heads' config.json -> draft layer family
 REFERENCE_MODEL_TYPES = {"llava": "llama", "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2"}
@@ -103,6 +103,8 @@ def load_export(folder: str | Path, **from_pretrained_kwargs) -> MSDDraftModel:
     export_weight_files(folder)
     try:
         model, info = MSDDraftModel.from_pretrained(folder, output_loading_info=True, **from_pretrained_kwargs)
+    except NonFiniteWeightsError as err:
+        raise IncompleteHeadError(str(err)) from err
     except Exception as err:
         raise IncompleteHeadError(f"{folder}: the weights do not load ({type(err).__name__}: {err})") from err
     problems = {k: list(v) for k, v in info.items() if k in ("missing_keys", "mismatched_keys", "unexpected_keys") and v}

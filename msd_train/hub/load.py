@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 
 from msd_train.draft import MSDDraftModel
-from msd_train.hub.folders import detect_layout, load_export, resolve_folder
+from msd_train.hub.folders import IncompleteHeadError, detect_layout, load_export, resolve_folder
 from msd_train.hub.reference import TargetInfo, cast_head, convert_reference, read_reference
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def check_fits(model: MSDDraftModel, target, where: str) -> None:
     config = model.config
     text = target.config.get_text_config(decoder=True)
     if config.hidden_size != text.hidden_size:
-        raise ValueError(
+        raise IncompleteHeadError(
             f"{where}: the head has hidden size {config.hidden_size}, the target {getattr(target, 'name', '')} "
             f"has {text.hidden_size}: this head was trained for another target ({config.target_name_or_path})"
         )

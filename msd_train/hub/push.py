@@ -19,8 +19,14 @@ from pathlib import Path
 from msd_train.hub.card import find_report, model_card, read_training
 from msd_train.hub.folders import IncompleteHeadError, export_weight_files, is_repo_id, load_export
 from msd_train.hub.reference import IMPORT_RECORD
+from msd_train.paths import user_path
 
 log = logging.getLogger(__name__)
+
+class PushError(RuntimeError):
+    """The Hub did not take the upload (no network, offline mode, refused token or repo);
+    the message says why, with the token scrubbed, and what to do."""
+
 
 #: Files of an export folder that are published besides the weights.
 SIDE_FILES = ("config.json", "training.json", IMPORT_RECORD)
@@ -50,7 +56,7 @@ def plan_push(
 ) -> PushPlan:
     """Check the export folder (refusing an incomplete one) and build the card.
     `base_model`: the target's Hub id for the card (see `model_card`)."""
-    folder = Path(checkpoint)
+    folder = user_path(checkpoint)
     if not folder.is_dir():
         raise IncompleteHeadError(f"checkpoint={checkpoint}: no such folder")
     if not (folder / "config.json").is_file() and (folder / "final" / "config.json").is_file():
@@ -142,9 +148,24 @@ def push_head(
                 commit_message=commit_message or f"Upload MSD draft head from {plan.folder.name}",
             )
         except Exception as err:
-            raise RuntimeError(f"push to {repo_id} failed: {_scrub(f'{type(err).__name__}: {err}', token)}") from None
+            why = _scrub(f"{type(err).__name__}: {err}", token).rstrip(". ")
+            raise PushError(f"push to {repo_id} failed: {why}. "
+                            f"{_push_fix(err)}") from None
     echo(f"pushed: {getattr(result, 'commit_url', None) or f'https://huggingface.co/{repo_id}'}")
     return plan
+
+
+def _push_fix(err: Exception) -> str:
+    """What to do about a failed push, from what the failure was."""
+    import huggingface_hub
+
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set: unset it to push (dry_run=true works offline)"
+    if isinstance(err, (OSError, ConnectionError)) or "connect" in str(err).lower():
+        endpoint = huggingface_hub.constants.ENDPOINT
+        return (f"The Hub at {endpoint} could not be reached: check the network (and HF_ENDPOINT), then run the "
+                "same command again; dry_run=true shows what would be uploaded")
+    return "Check that the token may write to this repository (HF_TOKEN or `huggingface-cli login`) and try again"
 
 
 def check_push(repo_id: str, dry_run: bool, token: str | None = None) -> None:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from msd_train.draft import MSDDraftConfig, MSDDraftModel
+from msd_train.draft import MSDDraftConfig, MSDDraftModel, NonFiniteWeightsError, check_finite
 from msd_train.hub.folders import (
     REFERENCE_MODEL_TYPES,
     REFERENCE_WEIGHT_FILES,
@@ -44,6 +44,7 @@ from msd_train.hub.folders import (
     resolve_folder,
 )
 from msd_train.hub.vocab import EmbeddingCheck, VocabMap, check_embedding
+from msd_train.paths import user_path
 from msd_train.runtime import atomic_dir
 from msd_train.targets import resolve_dtype
 
@@ -224,9 +225,14 @@ def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
+        # torch's message is paragraphs of advice around one line of reason: keep that line
+        paras = [" ".join(p.split()) for p in str(err).split("\n\n") if p.strip()]
+        reason = next((p.replace("WeightsUnpickler error: ", "") for p in paras[1:]
+                       if not p.startswith(("Check the documentation", "Please file an issue"))), paras[0] if paras else "")
         raise IncompleteHeadError(
-            f"{path}: not loadable as plain tensors with torch.load(weights_only=True) ({err}); "
-            f"arbitrary pickles are never loaded"
+            f"{path}: not loadable as plain tensors with torch.load(weights_only=True) "
+            f"({reason or type(err).__name__}); arbitrary pickles are never loaded: convert the "
+            "weights to safetensors where they were made, or use a head saved as plain tensors"
         ) from err
 
 
@@ -249,6 +255,10 @@ def read_reference(folder: str | Path) -> ReferenceHead:
             f"{folder}/{name}: no fc.weight; this is not an MSD/EAGLE draft head "
             f"(a full {config['model_type']} model folder, perhaps?)"
         )
+    try:
+        check_finite(state.items(), f"{folder}/{name}")
+    except NonFiniteWeightsError as err:
+        raise IncompleteHeadError(str(err)) from None
     return ReferenceHead(folder, config, state, name)
 
 
@@ -481,7 +491,7 @@ def import_reference(src: str | Path, out: str | Path, target: TargetInfo | None
     folder = resolve_folder(src, revision)
     ref = read_reference(folder)
     model, report = convert_reference(ref, target, source=_source_name(src))
-    out = Path(out)
+    out = user_path(out)
 
     def write(tmp: Path):
         model.save_pretrained(tmp)

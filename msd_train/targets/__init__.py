@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from msd_train.paths import user_path
 from msd_train.runtime import resolve_dtype
 from msd_train.targets.base import Encoded, Features, Target
 from msd_train.targets.llava import LlavaTarget
@@ -77,6 +78,8 @@ def load_target(
     """
     from transformers import AutoConfig, AutoModelForImageTextToText
 
+    name_or_path = str(user_path(name_or_path))  # a Hub id is left as it is
+    adapter = str(user_path(adapter)) if adapter else adapter
     torch_dtype = resolve_dtype(dtype, device)
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     if config.model_type not in FAMILIES:

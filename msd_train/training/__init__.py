@@ -12,13 +12,26 @@ def run(cfg) -> None:
     mistake exits with its message (``MSD_DEBUG=1``: with the traceback)."""
     from omegaconf import OmegaConf
 
+    from msd_train.paths import user_path
+    from msd_train.validate import ConfigError, check_train, user_errors
+
+    for key in ("run_dir", "stage.init_from", "features.path"):  # read as paths past here, by Path(...)
+        value = OmegaConf.select(cfg, key, default=None)
+        if isinstance(value, str) and value.startswith("~"):
+            OmegaConf.update(cfg, key, str(user_path(value)))
+    with user_errors():  # first, before torch and the training stack are imported: a mistake in seconds
+        try:
+            plain = OmegaConf.to_container(cfg, resolve=True)
+        except Exception as e:  # an interpolation that cannot resolve (a missing env variable)
+            raise ConfigError(f"the config does not resolve: {e}") from e
+        check_train(plain)
     from msd_train.data.formats import BadSampleError
+    from msd_train.draft import NonFiniteWeightsError  # stage.init_from names a head with NaN weights
     from msd_train.features.store import FeatureStoreError
     from msd_train.training import checkpoint as ckpt
     from msd_train.training import rundir
     from msd_train.training.build_locks import clear_stale_build_locks
     from msd_train.training.recipe import TrainingError, TrainRecipe
-    from msd_train.validate import ConfigError, check_train, user_errors
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "datasets", "httpx"):
@@ -27,13 +40,8 @@ def run(cfg) -> None:
     lock = None
     recipe = None
     with user_errors(TrainingError, FeatureStoreError, BadSampleError, rundir.RunDirError,
-                     ckpt.CheckpointWriteError):
+                     ckpt.CheckpointWriteError, NonFiniteWeightsError):
         try:
-            try:
-                plain = OmegaConf.to_container(cfg, resolve=True)
-            except Exception as e:  # an interpolation that cannot resolve (a missing env variable)
-                raise ConfigError(f"the config does not resolve: {e}") from e
-            check_train(plain)
             rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
             stage_dir = Path(cfg.run_dir).resolve() / f"stage{int(cfg.stage.id)}"
             if rank == 0:
