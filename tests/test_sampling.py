@@ -111,7 +111,9 @@ class TinyHead:
     def __init__(self, lm: TinyLM, shift: int = 1):
         self.lm, self.shift = lm, shift
 
-    def target_inputs(self, features):
+    feature_layers = None
+
+    def target_inputs(self, features, target=None):
         e = features.inputs_embeds[:, 1:]
         return {"input_embeds": e, "hidden_states": features.hidden_states[:, :-1],
                 "replace_mask": torch.zeros(e.shape[:2], dtype=torch.bool), "raw_embeds": e,
@@ -121,6 +123,17 @@ class TinyHead:
                  attention_mask=None, past_key_values=None, use_cache=False):
         h = self.lm.layer(input_embeds, position_ids + self.shift, attention_mask, past_key_values)
         return SimpleNamespace(last_hidden_state=h, past_key_values=past_key_values)
+
+    def project(self, features):
+        return features
+
+    def step(self, input_embeds, states, position_ids=None, attention_mask=None, past_key_values=None,
+             use_cache=True):
+        return self(input_embeds, states, position_ids=position_ids, attention_mask=attention_mask,
+                    past_key_values=past_key_values, use_cache=use_cache).last_hidden_state
+
+    def logits(self, states, target):
+        return target.lm_head(states)
 
 
 def bad_head(seed: int) -> TinyHead:

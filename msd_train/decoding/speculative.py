@@ -224,7 +224,7 @@ def prefill_target(target, prompt, capacity: int | None = None, workspace: Works
     pixel = {k: v.to(device) for k, v in (prompt.pixel or {}).items()}
     embeds = target.embed(ids, pixel)
     pos, deltas = target.position_ids(ids, None, pixel)
-    hidden, cache, feats = target.run_for_head(embeds, pos, None, None, use_cache=True, layers=feature_layers)
+    hidden, cache, feats = _run_target(target, embeds, pos, None, None, feature_layers)
     length = ids.shape[1]
     workspace = workspace if workspace is not None else Workspace()
     state = DecodeState(
@@ -251,6 +251,14 @@ def prefill(target, draft, prompt, capacity: int | None = None, drafter: HeadDra
     return state
 
 
+def _run_target(target, embeds, pos, mask, cache, feature_layers):
+    """(post-norm hidden, cache, the head's features) of a cached target forward."""
+    if feature_layers is None:  # the last layer's output is the head's feature
+        hidden, cache = target.run_language_model(embeds, pos, mask, cache, use_cache=True)
+        return hidden, cache, hidden
+    return target.run_for_head(embeds, pos, mask, cache, use_cache=True, layers=feature_layers)
+
+
 # ----- verification ---------------------------------------------------------------------
 
 
@@ -274,8 +282,7 @@ def _target_step(target, cache: PositionCache, feature_layers: list[int] | None 
     """The target forward as a function of tensors only (what a captured graph replays):
     logits (T, V) and the head's features (T, H or k*H) of T tokens written at ``write_index``."""
     def step(embeds, pos, mask, write_index):
-        hidden, _, feats = target.run_for_head(embeds, pos, mask, past_key_values=cache.at(write_index),
-                                               use_cache=True, layers=feature_layers)
+        hidden, _, feats = _run_target(target, embeds, pos, mask, cache.at(write_index), feature_layers)
         return target.lm_head(hidden[0]), feats[0]
 
     return step
