@@ -348,7 +348,8 @@ def test_ensemble_tree_ranks_by_the_raw_mixture_when_asked():
 
     lm_head = torch.nn.Linear(6, 11)
     out = torch.randn(2, 3, 6)
-    ens = EnsembleDrafter(None, ("M", "T"), "ibed", 32)
+    head = SimpleNamespace(logits=lambda states, target: target.lm_head(states))  # an msd head's logits
+    ens = EnsembleDrafter(head, ("M", "T"), "ibed", 32)
     ens.weights = torch.tensor([0.5, 0.5])
     target = SimpleNamespace(dtype=torch.float32, lm_head=lm_head)
     params = SamplingParams(temperature=0.3, top_k=3, rank_by="warped")

@@ -59,7 +59,7 @@ class EnsembleDrafter(HeadDrafter):
     cache holds R rows)."""
 
     def __init__(self, draft, variants, mode: str, window: int | str, captions: list[str] | None = None):
-        if draft.feature_layers is not None:
+        if getattr(draft, "feature_layers", None) is not None:
             raise ValueError(
                 f"ensemble drafting ({mode}) builds its input variants from the target's last layer, and this "
                 f"{draft.architecture} head reads the inputs of target layers {draft.feature_layers}; decode it "
