@@ -194,6 +194,26 @@ def test_stage2_refuses_without_stage1(mini_run, tmp_path):
     assert "holds no exported head; run stage=1 with the same run_dir first" in out.stderr + out.stdout
 
 
+def test_gradient_checkpointing_trains_the_same_steps_and_recomputes_the_layers(in_process, mini_run, tmp_path):
+    """train.gradient_checkpointing=true on every declared transformers (CI runs this on the floor too):
+    the same losses as without it, and each layer's forward runs again in the backward pass."""
+    rows, calls = {}, {}
+    for on in (False, True):
+        r = recipe(["stage='1'", *mini_run, "train.max_steps=3", "train.micro_batch_size=2", "data.max_heldout=2",
+                    f"train.gradient_checkpointing={str(on).lower()}", f"run_dir={tmp_path / str(on)}"])
+        layers = r.engine.module.layers
+        calls[on] = [0] * len(layers)
+        for i, layer in enumerate(layers):
+            # The MLP's own forward, counted: module hooks are not run again when a checkpoint recomputes.
+            def counted(*args, _forward=layer.mlp.forward, _count=calls[on], _i=i):
+                _count[_i] += 1
+                return _forward(*args)
+            layer.mlp.forward = counted
+        rows[on] = run_steps(r)
+    assert rows[True] == rows[False]
+    assert calls[True] == [2 * n for n in calls[False]] and min(calls[False]) == 3  # one micro-batch per step
+
+
 
 @pytest.mark.slow
 def test_deepspeed_launcher_two_stages_on_the_embedded_default(tmp_path):

@@ -106,7 +106,9 @@ class TrainRecipe:
         tc = cfg.train
         precision = tc.precision if tc.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
         if tc.gradient_checkpointing:
-            self.draft.activation_checkpointing_enable()
+            # The name every transformers 5 release has (activation_checkpointing_enable is
+            # newer than 5.17); non-reentrant: recomputes exactly, and needs no input grads.
+            self.draft.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         params = [p for p in self.draft.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
