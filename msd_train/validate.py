@@ -143,6 +143,7 @@ def check_train(cfg) -> None:
     for key in ("train.weight_decay", "train.grad_clip", "train.w_feat", "train.w_tok", "train.noise_scale"):
         _number(cfg, key, float, lo=0)
     _number(cfg, "train.min_lr_ratio", float, lo=0, hi=1)
+    _number(cfg, "dist.timeout_minutes", float, lo=0, lo_open=True)
     betas = _get(cfg, "train.betas")
     if betas is not _MISSING:
         if not isinstance(betas, (list, tuple)) or len(betas) != 2:
@@ -309,6 +310,7 @@ def check_generate(cfg) -> None:
     """``scripts/generate_features.py``'s config."""
     _number(cfg, "batch_size", int, lo=1)
     _number(cfg, "features.samples_per_shard", int, lo=1)
+    _number(cfg, "dist.timeout_minutes", float, lo=0, lo_open=True)
     _number(cfg, "data.max_length", int, lo=1)
     _number(cfg, "data.max_heldout", int, lo=1)
     _choice(cfg, "data.on_bad_sample", ("skip", "error"))

@@ -194,6 +194,17 @@ def test_stage2_refuses_without_stage1(mini_run, tmp_path):
     assert "holds no exported head; run stage=1 with the same run_dir first" in out.stderr + out.stdout
 
 
+def test_dist_timeout_minutes_reaches_deepspeeds_process_group(in_process, mini_run, tmp_path, monkeypatch):
+    import datetime
+
+    import deepspeed
+
+    seen, init = [], deepspeed.init_distributed
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: (seen.append(kw["timeout"]), init(**kw))[1])
+    recipe(["stage='1'", *mini_run, "dist.timeout_minutes=45", "data.max_heldout=2", f"run_dir={tmp_path}"])
+    assert seen == [datetime.timedelta(minutes=45)]
+
+
 def test_gradient_checkpointing_trains_the_same_steps_and_recomputes_the_layers(in_process, mini_run, tmp_path):
     """train.gradient_checkpointing=true on every declared transformers (CI runs this on the floor too):
     the same losses as without it, and each layer's forward runs again in the backward pass."""
