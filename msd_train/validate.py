@@ -237,10 +237,22 @@ def target_vocab_size(name_or_path, trust_remote_code: bool = False) -> int | No
         return None
 
 
+# Target attention implementations that apply a dense 4-D mask exactly. Verification runs the
+# whole draft tree in one target forward under a tree mask; flash-attention kernels take
+# only causal/padding masks and would let each node see its siblings (wrong output).
+EXACT_ATTENTION = ("sdpa", "eager")
+
+
 def check_eval(cfg, method: str) -> None:
-    """``eval.py``'s config: numbers, the decoding settings (a tree's top_k against the
-    target's vocabulary, read from its config.json), the head, the output folder
-    (writable, checked now rather than after all the decoding)."""
+    """``eval.py``'s config: numbers, the target's attention, the decoding settings (a tree's
+    top_k against the target's vocabulary, read from its config.json), the head, the output
+    folder (writable, checked now rather than after all the decoding)."""
+    attn = _get(cfg, "target.attn_implementation")
+    if attn is not _MISSING and attn is not None and attn not in EXACT_ATTENTION:
+        raise ConfigError(
+            f"target.attn_implementation={attn} ignores the tree attention mask that verification needs, so "
+            f"speculative outputs would not match the target's own; evaluate with target.attn_implementation=sdpa "
+            f"(the default) or eager")
     _number(cfg, "warmup", int, lo=0)
     _number(cfg, "seed", int)
     _number(cfg, "threads", int, lo=1, allow_none=True)
