@@ -275,3 +275,26 @@ def test_a_large_shaped_target_folder_trains_with_the_unchanged_entry_point(in_p
     assert r.target.vocab_size == len(r.target.tokenizer) == 32064  # every id the target can emit decodes
     rows = run_steps(r)
     assert len(rows) == 2 and all(math.isfinite(x[0]) for x in rows)
+
+
+def test_a_bf16_run_exports_its_float32_master_weights_and_stage2_starts_from_them(in_process, mini_run, tmp_path):
+    """bf16 training keeps fp32 master weights in the optimizer and bf16 copies in the module: the
+    export stores the masters (labelled float32, as stored), so stage 2 starts from the trained values."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from msd_train.draft import MSDDraftModel
+
+    r = recipe(["stage='1'", *mini_run, "train.max_steps=2", "train.micro_batch_size=2", "train.precision=bf16",
+                "data.max_heldout=2", f"run_dir={tmp_path}"])
+    run_steps(r)
+    r.export("final")
+    masters = {n: safe_get_full_fp32_param(p).float() for n, p in r.engine.module.named_parameters()}
+    assert next(r.engine.module.parameters()).dtype == torch.bfloat16
+    stored = weights(tmp_path)
+    config = json.loads((tmp_path / "stage1" / "final" / "config.json").read_text())
+    assert {t.dtype for t in stored.values()} == {torch.float32} and config["dtype"] == "float32"
+    for n, w in stored.items():
+        assert torch.equal(w, masters[n]), n
+    assert any((w != w.bfloat16().float()).any() for w in stored.values())  # not the bf16 rounding
+    head = MSDDraftModel.from_pretrained(tmp_path / "stage1" / "final")
+    assert all(torch.equal(p, masters[n]) for n, p in head.named_parameters())

@@ -20,6 +20,7 @@ the engine state to continue bit-for-bit where it stopped.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -557,23 +558,27 @@ class TrainRecipe:
         self.group.barrier()
 
     def export(self, name: str) -> None:
-        """The head alone (config.json + model.safetensors), loadable with from_pretrained."""
-        module = self.engine.module
-        if self.cfg.deepspeed.get("zero_optimization", {}).get("stage", 0) == 3:
-            import deepspeed
+        """The head alone (config.json + model.safetensors), loadable with from_pretrained, in
+        float32: the optimizer's master weights. Under bf16 the module holds them rounded to
+        bf16; exporting the masters lets stage 2 (``stage.init_from``) continue from the
+        trained values, not from their rounding. Every rank takes part (ZeRO gathers them)."""
+        from deepspeed.utils import safe_get_full_fp32_param
 
-            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-                if self.main:
-                    self._export(module, name)
-        elif self.main:
-            self._export(module, name)
+        weights = {}
+        for n, p in self.engine.module.named_parameters():
+            master = safe_get_full_fp32_param(p)  # None without a master copy (fp32, no ZeRO): p is it
+            weights[n] = (p if master is None else master).detach().to("cpu", torch.float32)
+        if self.main:
+            self._export(weights, name)
         self.group.barrier()
 
-    def _export(self, module, name: str) -> None:
+    def _export(self, weights: dict[str, torch.Tensor], name: str) -> None:
         meta = {"stage": self.stage, "step": self.step, "command": " ".join(sys.argv),
                 "config": OmegaConf.to_container(self.cfg, resolve=True)}
-        module.config.dtype = "float32"
-        ckpt.export_atomic(module, self.stage_dir / name, {"training.json": json.dumps(meta, indent=1)})
+        head = MSDDraftModel(copy.deepcopy(self.engine.module.config))
+        head.load_state_dict(weights)
+        head.config.dtype = "float32"  # what is stored
+        ckpt.export_atomic(head, self.stage_dir / name, {"training.json": json.dumps(meta, indent=1)})
         log.info("exported %s", self.stage_dir / name)
 
     def cleanup(self) -> None:

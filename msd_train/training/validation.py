@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from msd_train.training.loss import draft_loss_mask, msd_loss
+from msd_train.training.loss import draft_loss_mask, lm_head_argmax, msd_loss
 
 
 @torch.no_grad()
@@ -29,7 +29,7 @@ def rollout_stats(draft, target, feats, loss_mask: torch.Tensor, k: int) -> dict
     inputs = draft.target_inputs(feats)
     hidden = inputs["hidden_states"]
     mask = draft_loss_mask(loss_mask.to(hidden.device)).bool()
-    target_top = target.lm_head(feats.hidden_states[:, 1:]).argmax(-1)
+    target_top = lm_head_argmax(target.lm_head, feats.hidden_states[:, 1:])
     B, T = mask.shape
     valid = torch.zeros(k, device=hidden.device)
     alive_prev = torch.zeros(k, device=hidden.device)
@@ -40,7 +40,7 @@ def rollout_stats(draft, target, feats, loss_mask: torch.Tensor, k: int) -> dict
     anchor_valid = mask.clone()
     for j in range(k):
         out = draft(**{**inputs, "hidden_states": h_in.to(inputs["input_embeds"].dtype)}).last_hidden_state
-        top = target.lm_head(out.to(target.dtype)).argmax(-1)
+        top = lm_head_argmax(target.lm_head, out)
         hit = top == target_top  # at position t: step j of the chain anchored at t - j
         # Re-index by anchor a = t - j: positions j..T-1 map to anchors 0..T-1-j.
         hit_a = torch.zeros_like(chain_ok)
