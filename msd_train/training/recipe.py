@@ -291,7 +291,7 @@ class TrainRecipe:
         tc = self.cfg.train
         if getattr(self, "_batches_at", None) != self.step:
             ds = StepBatches(self.text, self.mm, self.target, tc.micro_batch_size, tc.grad_accum, self.rank,
-                             self.world, pixels=self.pixels)
+                             self.world, pixels=self.pixels, features=self.features)
             self._batches = iter(step_loader(ds, self.curriculum, self.step, max(tc.max_steps, self.step) + 10**9,
                                              int(tc.loader_workers), self.device.type == "cuda",
                                              int(tc.prefetch)))
