@@ -8,11 +8,15 @@ lives here:
   rank takes ``cuda:LOCAL_RANK`` and makes it current (NCCL and object collectives use the
   current device).
 - ``setup_group``: join the launcher's process group (or make a one-process one for
-  DeepSpeed), NCCL on CUDA, gloo on CPU.
+  DeepSpeed), NCCL on CUDA, gloo on CPU, with a collective timeout of ``dist.timeout_minutes``
+  (torch's and DeepSpeed's 10 minutes are shorter than rank 0 tokenising a large dataset).
 - ``Group``: the collectives. A process group has a *communication device*: NCCL has only a
   CUDA backend, gloo is used here for CPU tensors. Every tensor handed to a collective is
   moved there first, so a CPU metric tensor never reaches NCCL (``RuntimeError: No backend
-  type associated with device type cpu``) and a CUDA one never reaches gloo.
+  type associated with device type cpu``) and a CUDA one never reaches gloo. Waits (barriers,
+  rank 0 first) and object exchanges go through a gloo group beside an NCCL one: a rank
+  waiting there blocks on the host instead of holding an NCCL collective open on its GPU,
+  and pickled objects need no device staging.
 - ``atomic_write_text`` / ``atomic_dir`` / ``atomic_file``: a crash leaves the old file or no
   file, never half of one.
 - ``DTYPES`` / ``resolve_dtype``: the dtype names the configs accept.
@@ -24,6 +28,7 @@ it on GPU boxes that lack them): deepspeed is imported only inside ``setup_group
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import shutil
 import socket
@@ -81,27 +86,34 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def setup_group(device: torch.device, deepspeed: bool = False) -> Group:
+#: minutes a collective may wait before the run fails (``dist.timeout_minutes`` in the configs):
+#: long enough for rank 0 to tokenise LLaVA-665k + ShareGPT while the other ranks wait.
+TIMEOUT_MINUTES = 120
+
+
+def setup_group(device: torch.device, deepspeed: bool = False, timeout_minutes: float | None = None) -> Group:
     """Join the process group the launcher prepared (``torchrun`` / ``deepspeed`` export
     RANK, WORLD_SIZE, MASTER_*).
 
     ``deepspeed=True`` (training) always makes a group, a one-process one under plain
     ``python``, because the engine needs one. Otherwise a single process gets no group and
-    every collective is a no-op.
+    every collective is a no-op. ``timeout_minutes`` (default ``TIMEOUT_MINUTES``) bounds
+    every collective's wait, the NCCL ones and the gloo waits alike.
     """
     import torch.distributed as dist
 
     backend = backend_for(device)
+    timeout = datetime.timedelta(minutes=float(timeout_minutes or TIMEOUT_MINUTES))
     if deepspeed:
         import deepspeed as ds
 
         if "RANK" not in os.environ:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=str(local_rank()),
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        ds.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+        ds.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group(backend)
-    return Group(dist if dist.is_available() and dist.is_initialized() else None)
+        dist.init_process_group(backend, timeout=timeout)
+    return Group(dist if dist.is_available() and dist.is_initialized() else None, timeout=timeout)
 
 
 class Group:
@@ -111,17 +123,24 @@ class Group:
     ``comm_device`` defaults to what the group's backend can carry: the current CUDA
     device for NCCL, the CPU for gloo. Tensor results come back on the communication
     device; callers read them once (``.tolist()``) where they need host numbers.
+    ``waits`` is the gloo group for barriers and objects: the default group when that is
+    gloo already, else a gloo group over the same ranks (made here, so every rank must
+    construct its ``Group`` at the same point, as ``setup_group`` does).
     """
 
-    def __init__(self, dist=None, comm_device: torch.device | str | None = None):
+    def __init__(self, dist=None, comm_device: torch.device | str | None = None,
+                 timeout: datetime.timedelta | None = None):
         self.dist = dist
         self.rank = dist.get_rank() if dist else 0
         self.world = dist.get_world_size() if dist else 1
         self.local_rank = local_rank() if dist else 0
+        backend = str(dist.get_backend()).lower() if dist else "gloo"
         if comm_device is None:
-            nccl = dist is not None and "nccl" in str(dist.get_backend()).lower()
-            comm_device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+            comm_device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
         self.comm_device = torch.device(comm_device)
+        self.waits = None
+        if backend != "gloo":
+            self.waits = dist.new_group(backend="gloo", timeout=timeout or datetime.timedelta(minutes=TIMEOUT_MINUTES))
 
     @property
     def main(self) -> bool:
@@ -141,28 +160,24 @@ class Group:
         return bool(self.all_reduce(t).item() > 0)
 
     def barrier(self) -> None:
+        """Wait for every rank, on the host (the gloo group)."""
         if self.dist is not None:
-            if self.comm_device.type == "cuda":
-                self.dist.barrier(device_ids=[self.comm_device.index])
-            else:
-                self.dist.barrier()
+            self.dist.barrier(group=self.waits)
 
     def broadcast_object(self, obj, src: int = 0):
-        """Rank ``src``'s ``obj`` on every rank (pickled through the communication device)."""
+        """Rank ``src``'s ``obj`` on every rank (pickled over the gloo group)."""
         if self.dist is None:
             return obj
         box = [obj]
-        self.dist.broadcast_object_list(box, src=src, device=self.comm_device)
+        self.dist.broadcast_object_list(box, src=src, group=self.waits, device=torch.device("cpu"))
         return box[0]
 
     def gather_object(self, obj) -> list:
-        """Every rank's ``obj``, in rank order, on every rank."""
+        """Every rank's ``obj``, in rank order, on every rank (over the gloo group)."""
         if self.dist is None:
             return [obj]
         out = [None] * self.world
-        # all_gather_object stages through torch.cuda.current_device() under NCCL, which
-        # local_device() has set to this rank's GPU.
-        self.dist.all_gather_object(out, obj)
+        self.dist.all_gather_object(out, obj, group=self.waits)
         return out
 
     @contextlib.contextmanager

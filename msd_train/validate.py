@@ -143,6 +143,7 @@ def check_train(cfg) -> None:
     for key in ("train.weight_decay", "train.grad_clip", "train.w_feat", "train.w_tok", "train.noise_scale"):
         _number(cfg, key, float, lo=0)
     _number(cfg, "train.min_lr_ratio", float, lo=0, hi=1)
+    _number(cfg, "dist.timeout_minutes", float, lo=0, lo_open=True)
     betas = _get(cfg, "train.betas")
     if betas is not _MISSING:
         if not isinstance(betas, (list, tuple)) or len(betas) != 2:
@@ -236,10 +237,22 @@ def target_vocab_size(name_or_path, trust_remote_code: bool = False) -> int | No
         return None
 
 
+# Target attention implementations that apply a dense 4-D mask exactly. Verification runs the
+# whole draft tree in one target forward under a tree mask; flash-attention kernels take
+# only causal/padding masks and would let each node see its siblings (wrong output).
+EXACT_ATTENTION = ("sdpa", "eager")
+
+
 def check_eval(cfg, method: str) -> None:
-    """``eval.py``'s config: numbers, the decoding settings (a tree's top_k against the
-    target's vocabulary, read from its config.json), the head, the output folder
-    (writable, checked now rather than after all the decoding)."""
+    """``eval.py``'s config: numbers, the target's attention, the decoding settings (a tree's
+    top_k against the target's vocabulary, read from its config.json), the head, the output
+    folder (writable, checked now rather than after all the decoding)."""
+    attn = _get(cfg, "target.attn_implementation")
+    if attn is not _MISSING and attn is not None and attn not in EXACT_ATTENTION:
+        raise ConfigError(
+            f"target.attn_implementation={attn} ignores the tree attention mask that verification needs, so "
+            f"speculative outputs would not match the target's own; evaluate with target.attn_implementation=sdpa "
+            f"(the default) or eager")
     _number(cfg, "warmup", int, lo=0)
     _number(cfg, "seed", int)
     _number(cfg, "threads", int, lo=1, allow_none=True)
@@ -309,6 +322,7 @@ def check_generate(cfg) -> None:
     """``scripts/generate_features.py``'s config."""
     _number(cfg, "batch_size", int, lo=1)
     _number(cfg, "features.samples_per_shard", int, lo=1)
+    _number(cfg, "dist.timeout_minutes", float, lo=0, lo_open=True)
     _number(cfg, "data.max_length", int, lo=1)
     _number(cfg, "data.max_heldout", int, lo=1)
     _choice(cfg, "data.on_bad_sample", ("skip", "error"))

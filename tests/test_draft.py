@@ -293,7 +293,7 @@ def test_gradient_checkpointing_gives_same_gradients():
     model(e, h).last_hidden_state.square().sum().backward()
     plain = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    model.activation_checkpointing_enable()  # the transformers-5 name of gradient_checkpointing_enable
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model(e, h).last_hidden_state.square().sum().backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, plain[name], msg=name)

@@ -105,6 +105,31 @@ def test_offline_features_equal_online_features(store, mini_run, target):
         torch.testing.assert_close(off.hidden_states[i, :last], on.hidden_states[i, :last], rtol=0, atol=1e-5)
 
 
+def test_offline_store_reads_happen_in_the_loader_workers(store, mini_run, target, monkeypatch):
+    """Training from a store: the DataLoader's workers read and check the shards with the
+    collation; the training thread only embeds and copies (no store read there)."""
+    from msd_train.data.collate import StepBatches, step_loader
+    from msd_train.data.curriculum import Curriculum
+
+    path, _ = store
+    source = OfflineFeatures(train_cfg(mini_run, path), target)
+    text, mm = split_rows(mini_run, target, "text"), split_rows(mini_run, target, "multimodal")
+    ds = StepBatches(text, mm, target, 2, 2, 0, 1, pixels=False, features=source)
+    loader = step_loader(ds, Curriculum(len(text), len(mm), 4, 0, 0.5, 0.5, 0, "linear"), 0, 2, 2, False)
+    reads = []
+    original = FeatureStore.read
+    monkeypatch.setattr(FeatureStore, "read", lambda self, key: (reads.append(key), original(self, key))[1])
+    steps = list(loader)  # forked workers: their reads are not counted here
+    batches = [b for s in steps for b in s["micro_batches"]]
+    assert len(batches) == 4 and all("offline" in b for b in batches) and any(b["n_images"] for b in batches)
+    feats = [source(b) for b in batches]
+    assert reads == []
+    for b, f in zip(batches, feats):  # the same features as reading in place
+        ref = source({k: v for k, v in b.items() if k != "offline"})
+        assert torch.equal(f.hidden_states, ref.hidden_states) and torch.equal(f.inputs_embeds, ref.inputs_embeds)
+    assert len(reads) == sum(len(b["keys"]) for b in batches)
+
+
 def test_manifest_mismatch_is_refused_with_the_difference(store, mini_run, target):
     path, _ = store
     with pytest.raises(FeatureStoreError, match=r"data.max_length: store 512, config 256"):

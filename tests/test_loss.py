@@ -26,3 +26,44 @@ def test_loss_is_invariant_to_how_the_batch_is_split():
 def test_draft_mask_targets_token_t_plus_2():
     loss_mask = torch.tensor([[0, 0, 0, 1, 1, 0]])
     assert draft_loss_mask(loss_mask).tolist() == [[0, 1, 1, 0, 0]]
+
+
+def test_chunked_loss_and_gradients_equal_the_unchunked_ones():
+    """The token term built chunk by chunk (logits of a few positions at a time, the gradient
+    taken per chunk) gives the loss, the logged parts and the gradients of the whole-batch
+    formula, whatever the chunk size."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50, bias=False).requires_grad_(False)
+    tgt = torch.randn(3, 7, 8)
+    mask = (torch.rand(3, 7) > 0.3).long()
+    base = torch.randn(3, 7, 8)
+
+    pred = base.clone().requires_grad_()
+    m = mask.bool()
+    p, f = pred[m], tgt[m]
+    feat = torch.nn.functional.smooth_l1_loss(p, f, reduction="none").mean(-1).sum()
+    q, logp = torch.softmax(head(f), -1), torch.log_softmax(head(p), -1)
+    tok = -(q * logp).sum()
+    ((feat + 0.1 * tok) / 20.0).backward()
+    agree = (logp.argmax(-1) == q.argmax(-1)).sum()
+
+    for chunk in (1, 4, int(m.sum()), 1000):
+        pred_c = base.clone().requires_grad_()
+        loss, parts = msd_loss(pred_c, tgt, head, mask, 20.0, chunk=chunk)
+        loss.backward()
+        torch.testing.assert_close(loss, (feat + 0.1 * tok).detach() / 20.0)
+        torch.testing.assert_close(parts["tok_sum"], tok.detach())
+        assert parts["agree_sum"] == agree and parts["n"] == m.sum()
+        torch.testing.assert_close(pred_c.grad, pred.grad)
+    with torch.no_grad():  # validation: no gradient kept
+        loss, _ = msd_loss(base, tgt, head, mask, 20.0, chunk=2)
+    torch.testing.assert_close(loss, (feat + 0.1 * tok).detach() / 20.0)
+
+
+def test_chunked_argmax_is_the_argmax():
+    from msd_train.training.loss import lm_head_argmax
+
+    torch.manual_seed(1)
+    head = torch.nn.Linear(8, 50, bias=False)
+    x = torch.randn(2, 9, 8)
+    assert torch.equal(lm_head_argmax(head, x, chunk=4), head(x).argmax(-1))

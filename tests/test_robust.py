@@ -248,6 +248,9 @@ def test_train_py_prints_one_paragraph_without_traceback(tmp_path):
 @pytest.mark.parametrize("script,args,phrase", [
     ("eval.py", ["decoding.max_new_tokens=0"], "decoding.max_new_tokens=0 must be at least 1"),
     ("eval.py", ["draft=data/tiny"], "draft=data/tiny is not a draft head"),
+    # refused before the target loads (this one does not exist)
+    ("eval.py", ["target.attn_implementation=flash_attention_2", "target.name_or_path=/no/such/target"],
+     "target.attn_implementation=flash_attention_2 ignores the tree attention mask"),
     ("scripts/generate_features.py", ["features.path=X", "batch_size=0"], "batch_size=0 must be at least 1"),
     ("scripts/push_to_hub.py", ["checkpoint=data/tiny-llava", "repo_id=me/bad name", "dry_run=true"],
      "is not a Hub repository id"),
@@ -255,7 +258,7 @@ def test_train_py_prints_one_paragraph_without_traceback(tmp_path):
 def test_other_entry_points_refuse_mistakes_without_traceback(tmp_path, script, args, phrase):
     out = subprocess.run([sys.executable, str(ROOT / script), *args], cwd=ROOT, env=ENV, capture_output=True,
                          text=True, timeout=300)
-    refused(out, phrase)
+    assert refused(out, phrase) and out.returncode == 1
 
 
 def test_eval_config_mistakes_fail_before_anything_loads(tmp_path):

@@ -1,5 +1,7 @@
 """msd_train.runtime: collectives reach the process group on its communication device."""
 
+import datetime
+
 import pytest
 import torch
 
@@ -33,11 +35,19 @@ class FakeNCCL:
     def all_reduce(self, t):
         self._check("all_reduce", t)
 
-    def broadcast_object_list(self, box, src=0, device=None):
-        self.calls.append(("broadcast_object_list", torch.device(device).type))
+    def new_group(self, backend=None, timeout=None):
+        self.calls.append(("new_group", backend, timeout))
+        return f"{backend}-group"
 
-    def barrier(self, device_ids=None):
-        self.calls.append(("barrier", device_ids))
+    def broadcast_object_list(self, box, src=0, group=None, device=None):
+        self.calls.append(("broadcast_object_list", group, torch.device(device).type))
+
+    def all_gather_object(self, out, obj, group=None):
+        self.calls.append(("all_gather_object", group))
+        out[:] = [obj] * self.world
+
+    def barrier(self, group=None, device_ids=None):
+        self.calls.append(("barrier", group))
 
 
 def test_collective_inputs_move_to_the_communication_device():
@@ -49,7 +59,7 @@ def test_collective_inputs_move_to_the_communication_device():
     out = group.all_reduce(metrics)
     assert out.device.type == "meta" and out.dtype == torch.float64
     group.broadcast_object({"error": None})
-    assert fake.calls[1:] == [("all_reduce", "meta"), ("broadcast_object_list", "meta")]
+    assert fake.calls[2:] == [("all_reduce", "meta"), ("broadcast_object_list", "gloo-group", "cpu")]
 
 
 def test_comm_device_follows_the_backend():
@@ -82,7 +92,50 @@ def test_rank0_first_orders_the_barrier():
             seen.append((rank, list(fake.calls)))
         seen.append((rank, list(fake.calls)))
     # rank 0 works before any barrier and waits after; rank 1 waits first
-    assert seen == [(0, []), (0, [("barrier", None)]), (1, [("barrier", None)]), (1, [("barrier", None)])]
+    wait = ("barrier", "gloo-group")
+    assert seen == [(0, []), (0, [wait]), (1, [wait]), (1, [wait])]
+
+
+def test_waits_and_object_exchanges_use_a_gloo_group_beside_nccl():
+    """Rank 0 tokenising for an hour keeps the others in a host-side gloo wait with the run's
+    timeout, not in an NCCL collective; metric tensors still go through the main group."""
+    fake = FakeNCCL()
+    timeout = datetime.timedelta(minutes=90)
+    g = runtime.Group(fake, comm_device="meta", timeout=timeout)
+    assert fake.calls == [("new_group", "gloo", timeout)]
+    fake.calls.clear()
+    with g.rank0_first():
+        pass
+    assert g.gather_object({"shard": 0}) == [{"shard": 0}] * 2
+    g.broadcast_object("error")
+    g.all_reduce(torch.zeros(2))
+    assert fake.calls == [("barrier", "gloo-group"), ("all_gather_object", "gloo-group"),
+                          ("broadcast_object_list", "gloo-group", "cpu"), ("all_reduce", "meta")]
+
+    class Gloo(FakeNCCL):  # a gloo main group is used as is
+        def get_backend(self):
+            return "gloo"
+
+    gloo = Gloo("cpu")
+    runtime.Group(gloo).barrier()
+    assert gloo.calls == [("barrier", None)]
+
+
+def test_the_timeout_setting_reaches_the_process_group(monkeypatch):
+    import deepspeed
+    import torch.distributed as dist
+
+    seen = {}
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, timeout=None: seen.update(torchrun=timeout))
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: seen.update(deepspeed=kw["timeout"]))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")  # as a launcher sets it (setup_group would otherwise write a one-rank env)
+    runtime.setup_group(torch.device("cpu"), timeout_minutes=7)
+    runtime.setup_group(torch.device("cpu"), deepspeed=True, timeout_minutes=7)
+    assert seen == {"torchrun": datetime.timedelta(minutes=7), "deepspeed": datetime.timedelta(minutes=7)}
+    runtime.setup_group(torch.device("cpu"))  # unset: the generous default, not torch's 10 minutes
+    assert seen["torchrun"] == datetime.timedelta(minutes=runtime.TIMEOUT_MINUTES) > datetime.timedelta(minutes=60)
 
 
 def test_atomic_writes_leave_the_old_file_when_the_writer_fails(tmp_path):

@@ -194,6 +194,37 @@ def test_stage2_refuses_without_stage1(mini_run, tmp_path):
     assert "holds no exported head; run stage=1 with the same run_dir first" in out.stderr + out.stdout
 
 
+def test_dist_timeout_minutes_reaches_deepspeeds_process_group(in_process, mini_run, tmp_path, monkeypatch):
+    import datetime
+
+    import deepspeed
+
+    seen, init = [], deepspeed.init_distributed
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: (seen.append(kw["timeout"]), init(**kw))[1])
+    recipe(["stage='1'", *mini_run, "dist.timeout_minutes=45", "data.max_heldout=2", f"run_dir={tmp_path}"])
+    assert seen == [datetime.timedelta(minutes=45)]
+
+
+def test_gradient_checkpointing_trains_the_same_steps_and_recomputes_the_layers(in_process, mini_run, tmp_path):
+    """train.gradient_checkpointing=true on every declared transformers (CI runs this on the floor too):
+    the same losses as without it, and each layer's forward runs again in the backward pass."""
+    rows, calls = {}, {}
+    for on in (False, True):
+        r = recipe(["stage='1'", *mini_run, "train.max_steps=3", "train.micro_batch_size=2", "data.max_heldout=2",
+                    f"train.gradient_checkpointing={str(on).lower()}", f"run_dir={tmp_path / str(on)}"])
+        layers = r.engine.module.layers
+        calls[on] = [0] * len(layers)
+        for i, layer in enumerate(layers):
+            # The MLP's own forward, counted: module hooks are not run again when a checkpoint recomputes.
+            def counted(*args, _forward=layer.mlp.forward, _count=calls[on], _i=i):
+                _count[_i] += 1
+                return _forward(*args)
+            layer.mlp.forward = counted
+        rows[on] = run_steps(r)
+    assert rows[True] == rows[False]
+    assert calls[True] == [2 * n for n in calls[False]] and min(calls[False]) == 3  # one micro-batch per step
+
+
 
 @pytest.mark.slow
 def test_deepspeed_launcher_two_stages_on_the_embedded_default(tmp_path):
@@ -244,3 +275,26 @@ def test_a_large_shaped_target_folder_trains_with_the_unchanged_entry_point(in_p
     assert r.target.vocab_size == len(r.target.tokenizer) == 32064  # every id the target can emit decodes
     rows = run_steps(r)
     assert len(rows) == 2 and all(math.isfinite(x[0]) for x in rows)
+
+
+def test_a_bf16_run_exports_its_float32_master_weights_and_stage2_starts_from_them(in_process, mini_run, tmp_path):
+    """bf16 training keeps fp32 master weights in the optimizer and bf16 copies in the module: the
+    export stores the masters (labelled float32, as stored), so stage 2 starts from the trained values."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from msd_train.draft import MSDDraftModel
+
+    r = recipe(["stage='1'", *mini_run, "train.max_steps=2", "train.micro_batch_size=2", "train.precision=bf16",
+                "data.max_heldout=2", f"run_dir={tmp_path}"])
+    run_steps(r)
+    r.export("final")
+    masters = {n: safe_get_full_fp32_param(p).float() for n, p in r.engine.module.named_parameters()}
+    assert next(r.engine.module.parameters()).dtype == torch.bfloat16
+    stored = weights(tmp_path)
+    config = json.loads((tmp_path / "stage1" / "final" / "config.json").read_text())
+    assert {t.dtype for t in stored.values()} == {torch.float32} and config["dtype"] == "float32"
+    for n, w in stored.items():
+        assert torch.equal(w, masters[n]), n
+    assert any((w != w.bfloat16().float()).any() for w in stored.values())  # not the bf16 rounding
+    head = MSDDraftModel.from_pretrained(tmp_path / "stage1" / "final")
+    assert all(torch.equal(p, masters[n]) for n, p in head.named_parameters())

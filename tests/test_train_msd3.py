@@ -8,6 +8,9 @@ from test_train import in_process, recipe  # noqa: F401 (in_process is a fixture
 
 from msd_train.draft import MSD3DraftModel, MSDDraftModel
 
+pytestmark = pytest.mark.usefixtures("in_process")  # one DeepSpeed process group for the module
+
+
 def run_steps(r):
     out = []
     while r.step < r.cfg.train.max_steps:
@@ -20,7 +23,7 @@ def run_steps(r):
 MSD3 = ["head=msd3", "draft.ttt_steps=3", "train.micro_batch_size=2", "eval.rollout=3", "eval.batch_size=4"]
 
 
-def test_two_stages_validation_and_export(in_process, mini_run, tmp_path):
+def test_two_stages_validation_and_export(mini_run, tmp_path):
     r = recipe(["stage='1'", *mini_run, *MSD3, "train.max_steps=2", f"run_dir={tmp_path}"])
     assert isinstance(r.engine.module, MSD3DraftModel)
     assert r.draft.feature_layers == [0, 1]  # the 2-layer target: inputs of its layers 0 and 1
@@ -52,7 +55,7 @@ def test_two_stages_validation_and_export(in_process, mini_run, tmp_path):
         recipe(["stage='2'", *mini_run, "train.max_steps=1", f"run_dir={tmp_path}"])
 
 
-def test_resume_is_exact(in_process, mini_run, tmp_path):
+def test_resume_is_exact(mini_run, tmp_path):
     common = ["stage='1'", *mini_run, *MSD3, "train.max_steps=4", "checkpoint.every=2", "eval.every=100"]
     straight = recipe([*common, f"run_dir={tmp_path / 'straight'}"])
     want = run_steps(straight)

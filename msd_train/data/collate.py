@@ -51,9 +51,11 @@ class StepBatches(torch.utils.data.Dataset):
     """
 
     def __init__(self, text, mm, target, micro_batch_size: int, grad_accum: int, rank: int, world: int,
-                 pixels: bool = True):
+                 pixels: bool = True, features=None):
         self.text, self.mm, self.target = text, mm, target
         self.mb, self.ga, self.rank, self.world, self.pixels = micro_batch_size, grad_accum, rank, world, pixels
+        # A feature source's host half (the offline store's reads and checks), run with the collation.
+        self.host_features = getattr(features, "host", None)
 
     def __len__(self) -> int:  # items are addressed by the sampler, not by position
         raise TypeError("StepBatches is read through StepSampler")
@@ -67,7 +69,10 @@ class StepBatches(torch.utils.data.Dataset):
         micro = []
         for a in range(self.ga):
             start = (a * self.world + self.rank) * self.mb
-            micro.append(collate(rows[start:start + self.mb], self.target, pixels=self.pixels))
+            batch = collate(rows[start:start + self.mb], self.target, pixels=self.pixels)
+            if self.host_features is not None:
+                batch["offline"] = self.host_features(batch)
+            micro.append(batch)
         return {"step": step, "micro_batches": micro, "cursor": cursor,
                 # Loss normalisation counts the loss tokens of the whole global batch (every rank knows it).
                 "n_global": float(sum(sum(r["loss_mask"][2:]) for r in rows)),

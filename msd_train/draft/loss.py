@@ -5,6 +5,12 @@
 summed over loss positions and divided by the number of loss positions in the whole
 global batch (all ranks, all accumulation steps), so every token weighs the same whatever
 the padding, the micro-batch split or the world size. Softmaxes run in fp32.
+
+The token term runs over chunks of ``chunk`` loss positions: full-vocabulary logits exist
+for one chunk at a time (Qwen's 152k vocabulary in fp32 is 0.6 MB per position and copy,
+several GB per micro-batch otherwise), and each chunk's gradient with respect to the
+draft's features is taken as it is computed, so the backward pass holds an (N, H)
+gradient instead of the logits (benchmarks/loss_memory/).
 """
 
 from __future__ import annotations
@@ -30,6 +36,48 @@ def loss_index(mask: torch.Tensor) -> torch.Tensor:
     return mask.reshape(-1).nonzero().squeeze(1)
 
 
+#: loss positions whose full-vocabulary logits are held at once (an fp32 copy at 152k vocab: 0.3 GB)
+CHUNK = 512
+
+
+class _TokenLoss(torch.autograd.Function):
+    """sum_i CE(softmax(lm_head f_i), log_softmax(lm_head p_i)) and the top-1 agreement count,
+    chunk by chunk; the gradient with respect to ``p`` is computed in the forward pass."""
+
+    @staticmethod
+    def forward(ctx, p, f, lm_head, chunk):
+        want_grad = ctx.needs_input_grad[0]
+        tok = torch.zeros((), dtype=torch.float32, device=p.device)
+        agree = torch.zeros((), dtype=torch.long, device=p.device)
+        grad = torch.zeros_like(p) if want_grad else None
+        dtype = lm_head.weight.dtype
+        for s in range(0, p.shape[0], chunk):
+            target_logp = torch.log_softmax(lm_head(f[s:s + chunk].to(dtype)).float(), -1)
+            with torch.enable_grad():
+                pc = p[s:s + chunk].detach().requires_grad_(want_grad)
+                draft_logp = torch.log_softmax(lm_head(pc.to(dtype)).float(), -1)
+                part = -(target_logp.exp() * draft_logp).sum()
+                if want_grad:
+                    grad[s:s + chunk] = torch.autograd.grad(part, pc)[0]
+            tok += part.detach()
+            agree += (draft_logp.argmax(-1) == target_logp.argmax(-1)).sum()
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(agree)
+        return tok, agree
+
+    @staticmethod
+    def backward(ctx, grad_tok, grad_agree):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_tok, None, None, None
+
+
+def lm_head_argmax(lm_head: torch.nn.Module, hidden: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """``lm_head(hidden).argmax(-1)`` over (..., H), without building all the logits at once."""
+    flat = hidden.reshape(-1, hidden.shape[-1]).to(lm_head.weight.dtype)
+    top = torch.cat([lm_head(flat[s:s + chunk]).argmax(-1) for s in range(0, flat.shape[0], chunk)])
+    return top.reshape(hidden.shape[:-1])
+
+
 def msd_loss(
     pred: torch.Tensor,
     target_hidden: torch.Tensor,
@@ -39,13 +87,15 @@ def msd_loss(
     w_feat: float = 1.0,
     w_tok: float = 0.1,
     index: torch.Tensor | None = None,
+    chunk: int = CHUNK,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss summed over ``mask`` positions and divided by ``n_tokens`` (global count).
 
     ``pred`` and ``target_hidden`` are (B, T, H): the draft's predicted features and the
     target's true next features. ``index`` (``loss_index(mask)`` on the pred's device), when
-    given, selects the same positions without a host sync. Returns the loss and detached
-    parts (sums, for logging).
+    given, selects the same positions without a host sync. ``chunk``: loss positions whose
+    logits are built at once (the result does not depend on it). Returns the loss and
+    detached parts (sums, for logging).
     """
     if index is None:
         m = mask.bool()
@@ -55,11 +105,6 @@ def msd_loss(
         f = target_hidden.flatten(0, 1).index_select(0, index).float()
         n = torch.full((), index.numel(), dtype=torch.long, device=pred.device)
     feat = F.smooth_l1_loss(p, f, reduction="none").mean(-1).sum()
-    with torch.no_grad():
-        target_logp = torch.log_softmax(lm_head(f.to(lm_head.weight.dtype)).float(), -1)
-    draft_logp = torch.log_softmax(lm_head(p.to(lm_head.weight.dtype)).float(), -1)
-    tok = -(target_logp.exp() * draft_logp).sum(-1).sum()
+    tok, agree = _TokenLoss.apply(p, f.detach(), lm_head, max(int(chunk), 1))
     loss = (w_feat * feat + w_tok * tok) / max(n_tokens, 1.0)
-    with torch.no_grad():
-        agree = (draft_logp.argmax(-1) == target_logp.argmax(-1)).sum()
     return loss, {"feat_sum": feat.detach(), "tok_sum": tok.detach(), "agree_sum": agree, "n": n}

@@ -21,7 +21,7 @@ from transformers.utils import ModelOutput
 
 from msd_train.draft.config import MSDDraftConfig
 from msd_train.draft.head import DraftHead, head_class_of_config, pair, register_head, saved_model_type
-from msd_train.draft.loss import msd_loss
+from msd_train.draft.loss import lm_head_argmax, msd_loss
 from msd_train.draft.positions import draft_position_ids
 from msd_train.hf_compat import cache_kwargs
 
@@ -352,11 +352,11 @@ class MSDDraftModel(DraftHead):
         for committed tokens). Step j at position t belongs to the chain anchored at t-j."""
         inputs = self.target_inputs(features, target)
         hidden = inputs["hidden_states"]
-        target_top = target.lm_head(features.hidden_states[:, 1:]).argmax(-1)
+        target_top = lm_head_argmax(target.lm_head, features.hidden_states[:, 1:])
         hits, h_in = [], hidden
         for j in range(k):
             out = self(**{**inputs, "hidden_states": h_in.to(inputs["input_embeds"].dtype)}).last_hidden_state
-            hit = self.logits(out, target).argmax(-1) == target_top
+            hit = lm_head_argmax(target.lm_head, out) == target_top  # the argmax of ``logits``, chunked
             by_anchor = torch.zeros_like(hit)
             by_anchor[:, : hit.shape[1] - j] = hit[:, j:]
             hits.append(by_anchor)

@@ -19,6 +19,7 @@ own chain (steps 1..i at t): exactly what a chain drafted from anchor t sees.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
@@ -26,6 +27,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbeddin
 
 from msd_train.draft.config import MSD3DraftConfig
 from msd_train.draft.head import DraftHead, pair, register_head
+from msd_train.draft.loss import lm_head_argmax
 from msd_train.draft.model import (
     _DECODER_LAYER,
     _SUPPORTED_ATTENTION,
@@ -205,11 +207,15 @@ class MSD3DraftModel(DraftHead):
 
     def _targets(self, target, features):
         """Target probabilities over the draft vocabulary at each draft position (B, T, N)
-        and whether the target's argmax lies in the draft vocabulary (B, T)."""
+        and whether the target's argmax lies in the draft vocabulary (B, T). Only the draft
+        vocabulary's rows of the lm_head are applied; the full argmax runs in chunks."""
         with torch.no_grad():
-            logits = target.lm_head(features.hidden_states[:, 1:]).float()
-            in_vocab = self.t2d[logits.argmax(-1)]
-            probs = logits[..., self.draft_ids].softmax(-1)
+            hidden = features.hidden_states[:, 1:]
+            head = target.lm_head
+            rows = head.weight[self.draft_ids]
+            bias = None if getattr(head, "bias", None) is None else head.bias[self.draft_ids]
+            probs = F.linear(hidden.to(rows.dtype), rows, bias).float().softmax(-1)
+            in_vocab = self.t2d[lm_head_argmax(head, hidden)]
         return probs, in_vocab
 
     @staticmethod
@@ -262,5 +268,7 @@ class MSD3DraftModel(DraftHead):
     def rollout_hits(self, target, features, k: int) -> list[torch.Tensor]:
         """The unrolled steps are the chains: step j at anchor a predicts token a+2+j."""
         outs = self.unroll(self.target_inputs(features, target), k)
-        target_top = target.lm_head(features.hidden_states[:, 1:]).argmax(-1)
-        return [self.logits(s, target).argmax(-1) == self._shift(target_top, j, -1) for j, s in enumerate(outs)]
+        target_top = lm_head_argmax(target.lm_head, features.hidden_states[:, 1:])
+        # the argmax of ``logits``: the draft-vocabulary argmax, mapped to its target id
+        return [self.draft_ids[self.draft_logits(s).argmax(-1)] == self._shift(target_top, j, -1)
+                for j, s in enumerate(outs)]

@@ -6,6 +6,11 @@ forward. The batch comes from the same curriculum and collator as online trainin
 key, checked against the batch's token ids, padded to the batch length, and moved to the
 target's device and dtype. Text embeddings come from the configured target's frozen table;
 the stored projector outputs are scattered in at the image positions.
+
+Two halves: ``host(batch)`` reads the shards and checks them against the batch on the
+host; the training DataLoader runs it in its worker processes (``StepBatches(features=)``),
+so the disk reads and checks overlap the steps and the training thread only embeds and
+copies to the device. A batch without that part (validation) has it read in place.
 """
 
 from __future__ import annotations
@@ -41,7 +46,9 @@ class OfflineFeatures:
         log.info("offline features: %s (%d samples, %s)", fc.path, len(self.store), self.store.manifest["dtype"])
 
     @torch.no_grad()
-    def __call__(self, batch: dict) -> Features:
+    def host(self, batch: dict) -> dict:
+        """The store's rows for ``batch`` (CPU tensors), checked against its tokens: the padded
+        hidden states, the visual embeddings in image-token order, stored M-RoPE ids."""
         target = self.target
         ids, attn = batch["input_ids"], batch["attention_mask"]
         B, L = ids.shape
@@ -63,21 +70,30 @@ class OfflineFeatures:
             visual.append(s.visual)
             if s.position_ids is not None:
                 stored_pos[i] = (s.position_ids, s.rope_delta)
+        vis = torch.cat(visual)
+        n_image = int((ids == target.image_token_id).sum())
+        if n_image != len(vis):
+            raise FeatureStoreError(f"batch {batch['keys']}: {n_image} image tokens but the store "
+                                    f"holds {len(vis)} visual embeddings for these samples; regenerate the store")
+        return {"hidden": hidden, "visual": vis, "stored_pos": stored_pos}
 
+    @torch.no_grad()
+    def __call__(self, batch: dict) -> Features:
+        target = self.target
+        part = batch.get("offline") or self.host(batch)
         device = target.device
-        ids = ids.to(device)
-        attn = attn.to(device)
+        nb = device.type == "cuda"  # from the loader's pinned memory: asynchronous copies
+        ids = batch["input_ids"].to(device, non_blocking=nb)
+        attn = batch["attention_mask"].to(device, non_blocking=nb)
         embeds = target.embed_tokens(ids)
         visual_mask = ids == target.image_token_id
-        vis = torch.cat(visual)
-        if int(visual_mask.sum()) != len(vis):
-            raise FeatureStoreError(f"batch {batch['keys']}: {int(visual_mask.sum())} image tokens but the store "
-                                    f"holds {len(vis)} visual embeddings for these samples; regenerate the store")
+        vis = part["visual"]
         if len(vis):
-            embeds = embeds.masked_scatter(visual_mask.unsqueeze(-1).expand_as(embeds), vis.to(device, embeds.dtype))
+            embeds = embeds.masked_scatter(visual_mask.unsqueeze(-1).expand_as(embeds),
+                                           vis.to(device, embeds.dtype, non_blocking=nb))
         pos, deltas = target.position_ids(ids, attn, {})
-        for i, (p, d) in stored_pos.items():
+        for i, (p, d) in part["stored_pos"].items():
             n = p.shape[-1]
-            pos[:, i, :n] = p.to(device)
+            pos[:, i, :n] = p.to(device, non_blocking=nb)
             deltas[i] = d
-        return Features(embeds, hidden.to(device, target.dtype), visual_mask, pos, deltas)
+        return Features(embeds, part["hidden"].to(device, target.dtype, non_blocking=nb), visual_mask, pos, deltas)

@@ -20,6 +20,7 @@ the engine state to continue bit-for-bit where it stopped.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -89,7 +90,7 @@ class TrainRecipe:
 
         cfg = self.cfg
         self.device = runtime.local_device(cfg.target.device)
-        self.group = runtime.setup_group(self.device, deepspeed=True)
+        self.group = runtime.setup_group(self.device, deepspeed=True, timeout_minutes=cfg.dist.timeout_minutes)
         self.rank, self.world, self.local_rank = self.group.rank, self.group.world, self.group.local_rank
         self.main = self.group.main
         self.stage_dir.mkdir(parents=True, exist_ok=True)
@@ -112,7 +113,9 @@ class TrainRecipe:
         tc = cfg.train
         precision = tc.precision if tc.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
         if tc.gradient_checkpointing:
-            self.draft.activation_checkpointing_enable()
+            # The name every transformers 5 release has (activation_checkpointing_enable is
+            # newer than 5.17); non-reentrant: recomputes exactly, and needs no input grads.
+            self.draft.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         params = [p for p in self.draft.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -306,7 +309,7 @@ class TrainRecipe:
         tc = self.cfg.train
         if getattr(self, "_batches_at", None) != self.step:
             ds = StepBatches(self.text, self.mm, self.target, tc.micro_batch_size, tc.grad_accum, self.rank,
-                             self.world, pixels=self.pixels)
+                             self.world, pixels=self.pixels, features=self.features)
             self._batches = iter(step_loader(ds, self.curriculum, self.step, max(tc.max_steps, self.step) + 10**9,
                                              int(tc.loader_workers), self.device.type == "cuda",
                                              int(tc.prefetch)))
@@ -571,23 +574,29 @@ class TrainRecipe:
         self.group.barrier()
 
     def export(self, name: str) -> None:
-        """The head alone (config.json + model.safetensors), loadable with from_pretrained."""
-        module = self.engine.module
-        if self.cfg.deepspeed.get("zero_optimization", {}).get("stage", 0) == 3:
-            import deepspeed
+        """The head alone (config.json + model.safetensors), loadable with from_pretrained, in
+        float32: the optimizer's master weights. Under bf16 the module holds them rounded to
+        bf16; exporting the masters lets stage 2 (``stage.init_from``) continue from the
+        trained values, not from their rounding. Every rank takes part (ZeRO gathers them)."""
+        from deepspeed.utils import safe_get_full_fp32_param
 
-            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-                if self.main:
-                    self._export(module, name)
-        elif self.main:
-            self._export(module, name)
+        weights = {}
+        for n, p in self.engine.module.named_parameters():
+            master = safe_get_full_fp32_param(p)  # None without a master copy (fp32, no ZeRO): p is it
+            weights[n] = (p if master is None else master).detach().to("cpu", torch.float32)
+        if self.main:
+            self._export(weights, name)
         self.group.barrier()
 
-    def _export(self, module, name: str) -> None:
+    def _export(self, weights: dict[str, torch.Tensor], name: str) -> None:
         meta = {"stage": self.stage, "step": self.step, "command": " ".join(sys.argv),
                 "config": OmegaConf.to_container(self.cfg, resolve=True)}
-        module.config.dtype = "float32"
-        ckpt.export_atomic(module, self.stage_dir / name, {"training.json": json.dumps(meta, indent=1)})
+        module = self.engine.module
+        head = type(module)(copy.deepcopy(module.config))  # the head's own class (msd, msd3, ...)
+        buffers = {n: b.detach().cpu() for n, b in module.named_buffers() if n in head.state_dict()}
+        head.load_state_dict({**buffers, **weights})  # saved buffers too (msd3's d2t, t2d)
+        head.config.dtype = "float32"  # what is stored
+        ckpt.export_atomic(head, self.stage_dir / name, {"training.json": json.dumps(meta, indent=1)})
         log.info("exported %s", self.stage_dir / name)
 
     def cleanup(self) -> None:
