@@ -265,3 +265,40 @@ def test_greedy_decoding_with_an_msd3_head_equals_plain_decoding(msd3_setups, fa
 def test_ensembles_refuse_an_msd3_head(llava_target):
     with pytest.raises(ValueError, match="reads the inputs of target layers"):
         EnsembleDrafter(make_head("msd3", llava_target), ("M", "T"), "ibed", 32)
+
+
+# ----- the EAGLE-3 layout -----------------------------------------------------------------
+
+
+def test_eagle3_layout_round_trips_bit_exactly_and_decodes(msd3_setups, tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from msd_train.hub import detect_layout, load_head
+    from msd_train.hub.eagle3 import export_eagle3, import_eagle3, same_tensors
+
+    target, head, prompts = msd3_setups["llava"]
+    export_eagle3(head, tmp_path / "a")
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == head.d2t.shape[0]
+    stored = load_file(tmp_path / "a" / "model.safetensors")
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.hidden_norm.weight",
+            "midlayer.self_attn.q_proj.weight"} <= set(stored) and not any("embed" in k for k in stored)
+    assert stored["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * head.config.hidden_size
+    back = import_eagle3(tmp_path / "a")
+    assert same_tensors(back.state_dict(), head.state_dict())
+    assert back.config.decouple_visual == head.config.decouple_visual
+    export_eagle3(back, tmp_path / "b")
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+
+    # a third-party head (no "msd" block, no layer ids): EAGLE-3's layers of the target, placeholders at images
+    del config["msd"], config["eagle_config"]
+    (tmp_path / "a" / "config.json").write_text(json.dumps(config))
+    assert detect_layout(tmp_path / "a") == "eagle3"
+    released = load_head(tmp_path / "a", target)
+    assert released.feature_layers == head.feature_layers and not released.config.decouple_visual
+    plain = generate(target, None, prompts[0], DecodeConfig(method="ar", max_new_tokens=24, eos_token_ids=()))
+    out = generate(target, released, prompts[0], DecodeConfig(method="tree", depth=3, top_k=4, total_tokens=16,
+                                                               max_new_tokens=24, eos_token_ids=()))
+    assert out.tokens == plain.tokens

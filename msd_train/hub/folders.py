@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from msd_train.draft import MSDDraftConfig, MSDDraftModel, NonFiniteWeightsError
+from msd_train.draft import MSD3DraftConfig, MSDDraftConfig, MSDDraftModel, NonFiniteWeightsError
 
 #: model_type of the released heads' config.json -> draft layer family
 REFERENCE_MODEL_TYPES = {"llava": "llama", "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2"}
@@ -62,15 +62,20 @@ def read_config(folder: Path) -> dict:
 
 
 def detect_layout(folder: Path) -> str:
-    """'msd' for this project's export folders, 'reference' for the released layout."""
-    model_type = read_config(folder).get("model_type")
-    if model_type == MSDDraftConfig.model_type:
+    """'msd' for this project's export folders (every head architecture), 'reference' for
+    the released MSD layout, 'eagle3' for the EAGLE-3 layout (``msd_train.hub.eagle3``)."""
+    config = read_config(folder)
+    model_type = config.get("model_type")
+    if model_type in (MSDDraftConfig.model_type, MSD3DraftConfig.model_type):
         return "msd"
+    if any("Eagle3" in a for a in config.get("architectures") or []):
+        return "eagle3"
     if model_type in REFERENCE_MODEL_TYPES:
         return "reference"
     raise IncompleteHeadError(
         f"{folder}/config.json: model_type {model_type!r} is neither an MSD export "
-        f"({MSDDraftConfig.model_type!r}) nor a released MSD head ({', '.join(REFERENCE_MODEL_TYPES)})"
+        f"({MSDDraftConfig.model_type!r}, {MSD3DraftConfig.model_type!r}) nor a released MSD head "
+        f"({', '.join(REFERENCE_MODEL_TYPES)}) nor an EAGLE-3 head (architectures LlamaForCausalLMEagle3)"
     )
 
 
@@ -95,8 +100,10 @@ def export_weight_files(folder: Path) -> list[Path]:
 def load_export(folder: str | Path, **from_pretrained_kwargs) -> MSDDraftModel:
     """`MSDDraftModel.from_pretrained(folder)`, refusing anything but a complete head."""
     folder = Path(folder)
-    if detect_layout(folder) != "msd":
+    layout = detect_layout(folder)
+    if layout != "msd":
         raise IncompleteHeadError(
+            f"{folder} is an EAGLE-3-layout head; load it with msd_train.hub.load_head" if layout == "eagle3" else
             f"{folder} is a released-layout head; convert it with scripts/import_reference.py "
             f"(or load it with msd_train.hub.load_head)"
         )

@@ -20,7 +20,8 @@ def load_head(path_or_repo_id: str | Path, target=None, revision: str | None = N
     * a folder in the released MSD layout (`config.json` with model_type "llava" /
       "qwen2_vl" + `pytorch_model.bin` or `model.safetensors`), converted in memory
       exactly as `scripts/import_reference.py` would;
-    * a Hugging Face Hub repo id of either (`lucylyn/MSD-LLaVA1.5-7B`), downloaded with
+    * a folder in the EAGLE-3 layout (``msd_train.hub.eagle3``), as an msd3 head;
+    * a Hugging Face Hub repo id of any of these (`lucylyn/MSD-LLaVA1.5-7B`), downloaded with
       `snapshot_download` (head files only), at `revision` if given.
 
     `target`: the `msd_train.targets.Target` the head will draft for, or None. When
@@ -29,7 +30,13 @@ def load_head(path_or_repo_id: str | Path, target=None, revision: str | None = N
     and the head is moved to the target's device and dtype.
     """
     folder = resolve_folder(path_or_repo_id, revision)
-    if detect_layout(folder) == "reference":
+    layout = detect_layout(folder)
+    if layout == "eagle3":
+        from msd_train.hub.eagle3 import import_eagle3
+
+        layers = target.config.get_text_config(decoder=True).num_hidden_layers if target is not None else None
+        model = import_eagle3(folder, layers)
+    elif layout == "reference":
         info = TargetInfo.of(target) if target is not None else None
         model, report = convert_reference(read_reference(folder), info, source=str(path_or_repo_id))
         for note in report.notes:
