@@ -112,6 +112,9 @@ class TrainRecipe:
         self.features = make_feature_source(cfg, self.target, self.draft.feature_layers)
         tc = cfg.train
         precision = tc.precision if tc.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
+        if tc.gradient_checkpointing and not self.draft.supports_gradient_checkpointing:
+            raise TrainingError(f"train.gradient_checkpointing=true: the {self.draft.architecture} head does not "
+                                f"support it (one layer: little to save); set train.gradient_checkpointing=false")
         if tc.gradient_checkpointing:
             # The name every transformers 5 release has (activation_checkpointing_enable is
             # newer than 5.17); non-reentrant: recomputes exactly, and needs no input grads.
