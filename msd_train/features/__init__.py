@@ -30,12 +30,7 @@ def make_feature_source(cfg, target: Target, layers: list[int] | None = None):
     if mode == "online":
         return OnlineFeatures(target, layers)
     if mode == "offline":
-        if layers is not None:
-            raise ValueError(
-                f"features.mode=offline: feature stores hold the last layer's output only, and this head "
-                f"(draft.architecture={cfg.draft.get('architecture')}) reads the inputs of target layers {layers}; "
-                f"train it with features.mode=online")
         from msd_train.features.offline import OfflineFeatures
 
-        return OfflineFeatures(cfg, target)
+        return OfflineFeatures(cfg, target, layers)
     raise ValueError(f"features.mode={mode}: use online or offline")

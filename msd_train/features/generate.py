@@ -202,9 +202,12 @@ def plan_shards(datasets: dict, samples_per_shard: int) -> list[ShardPlan]:
     return plans
 
 
-def estimate(datasets: dict, plans: list[ShardPlan], target, dtype: torch.dtype, id_dtype: torch.dtype) -> dict:
-    """Exact counts and the bytes the shards will take (headers aside), from the token ids."""
+def estimate(datasets: dict, plans: list[ShardPlan], target, dtype: torch.dtype, id_dtype: torch.dtype,
+             layers: list[int] | None = None) -> dict:
+    """Exact counts and the bytes the shards will take (headers aside), from the token ids;
+    ``layers``: the stored layer inputs (each adds H per stored row)."""
     itemsize, H = torch.tensor([], dtype=dtype).element_size(), target.hidden_size
+    extra = H * len(layers or [])  # per stored row, beyond the last layer's H
     ids_size = torch.tensor([], dtype=id_dtype).element_size()
     mrope = target.family != "llava"
     out = {"samples": 0, "tokens": 0, "visual_tokens": 0, "bytes": 0, "splits": {}}
@@ -212,9 +215,10 @@ def estimate(datasets: dict, plans: list[ShardPlan], target, dtype: torch.dtype,
         part = datasets[p.split].select(p.rows)
         ids, masks, nvis = part["input_ids"], part["loss_mask"], part["n_visual"]
         _, shares = prefix_plan(ids, target.image_token_id, masks)
-        b = max(shares) * H * itemsize
+        b = max(shares) * (H + extra) * itemsize
         for seq, m, v, P in zip(ids, masks, nvis, shares):
             b += sample_bytes(len(seq), v, needed_rows(m) - P, H, itemsize, ids_size, mrope and v > 0)
+            b += (needed_rows(m) - P) * extra * itemsize
         s = out["splits"].setdefault(p.split, {"samples": 0, "tokens": 0, "visual_tokens": 0, "bytes": 0, "shards": 0})
         for d in (s, out):
             d["samples"] += len(ids)
@@ -270,8 +274,10 @@ def _shard_ok(path: Path, rec: dict | None, plan: ShardPlan) -> str | None:
     return "ok"
 
 
-def _features_of(rows: list[dict], target, batch_size: int) -> list[SampleFeatures]:
-    """Frozen forwards over ``rows`` in length-sorted batches; results in ``rows`` order."""
+def _features_of(rows: list[dict], target, batch_size: int, layers: list[int] | None = None) -> list[SampleFeatures]:
+    """Frozen forwards over ``rows`` in length-sorted batches; results in ``rows`` order.
+    With ``layers`` a token's row is the inputs of those layers, then the last output
+    ((k+1)*H wide: what an msd3 head reads, and what its loss compares with)."""
     from msd_train.data.collate import collate, sample_key
 
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]))
@@ -279,8 +285,9 @@ def _features_of(rows: list[dict], target, batch_size: int) -> list[SampleFeatur
     for s in range(0, len(order), batch_size):
         idx = order[s:s + batch_size]
         batch = collate([rows[i] for i in idx], target, pixels=True)
-        f = target.features(batch["input_ids"], batch["attention_mask"], batch["pixel"])
-        embeds, hidden = f.inputs_embeds.cpu(), f.hidden_states.cpu()
+        f = target.features(batch["input_ids"], batch["attention_mask"], batch["pixel"], layers=layers)
+        hidden = f.hidden_states if layers is None else torch.cat([f.layer_states, f.hidden_states], -1)
+        embeds, hidden = f.inputs_embeds.cpu(), hidden.cpu()
         vmask, pos = f.visual_mask.cpu(), f.position_ids.cpu()
         for b, i in enumerate(idx):
             n = len(rows[i]["input_ids"])
@@ -311,10 +318,11 @@ def generate(cfg, dist=None, target=None) -> dict | None:
     id_dtype = ids_dtype(max(target.vocab_size, len(target.tokenizer)))
     names = _split_names(cfg)
 
+    layers = [int(i) for i in fc.layers] if fc.get("layers") is not None else None
     datasets = _build_splits(cfg, target, names, group)
     plans = plan_shards(datasets, int(fc.samples_per_shard))
     if dry:
-        return _dry_run(datasets, plans, target, dtype, id_dtype, out) if group.rank == 0 else None
+        return _dry_run(datasets, plans, target, dtype, id_dtype, out, layers) if group.rank == 0 else None
 
     header = {
         "format": FORMAT, "version": VERSION, "complete": False,
@@ -322,6 +330,8 @@ def generate(cfg, dist=None, target=None) -> dict | None:
         "ids_dtype": dtype_name(id_dtype), "samples_per_shard": int(fc.samples_per_shard),
         "data": data_fingerprint(cfg, names),
     }
+    if layers is not None:  # rows are these layers' inputs, then the last output (an msd3 head's features)
+        header["layers"] = layers
     _open_store(out, header, group)
     mine = plans[group.rank::group.world]
     done, todo = _finished_and_todo(out, mine, group.rank)
@@ -329,7 +339,7 @@ def generate(cfg, dist=None, target=None) -> dict | None:
     bar = _progress_bar(cfg, group, todo)
     for p in todo:
         rows = [datasets[p.split][i] for i in p.rows]
-        feats = _features_of(rows, target, int(cfg.batch_size))
+        feats = _features_of(rows, target, int(cfg.batch_size), layers)
         rec = write_shard(out / p.file, feats, dtype, id_dtype, target.image_token_id)
         rec.update(split=p.split, index=p.index, rank=group.rank, keys_sha1=p.keys_sha1())
         _append_record(progress, rec)
@@ -369,8 +379,8 @@ def _split_names(cfg) -> list[str]:
 
 
 def _dry_run(datasets: dict, plans: list[ShardPlan], target, dtype: torch.dtype, id_dtype: torch.dtype,
-             out: Path) -> dict:
-    est = estimate(datasets, plans, target, dtype, id_dtype)
+             out: Path, layers: list[int] | None = None) -> dict:
+    est = estimate(datasets, plans, target, dtype, id_dtype, layers)
     est["dtype"] = dtype_name(dtype)
     _print_estimate(est, target, out)
     return est
@@ -451,8 +461,8 @@ def _prepare_dir(out: Path, header: dict) -> str | None:
         mpath.unlink()
         old, damaged = None, True
     if old is not None:
-        old_header = {k: old.get(k) for k in ("format", "version", "dtype", "ids_dtype", "samples_per_shard")}
-        new_header = {k: header[k] for k in old_header}
+        old_header = {k: old.get(k) for k in ("format", "version", "dtype", "ids_dtype", "samples_per_shard", "layers")}
+        new_header = {k: header.get(k) for k in old_header}
         diffs = [f"{k}: store {old_header[k]!r}, now {new_header[k]!r}" for k in old_header
                  if old_header[k] != new_header[k]]
         if old.get("format") == FORMAT:

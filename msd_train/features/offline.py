@@ -28,10 +28,17 @@ log = logging.getLogger("msd_train.features")
 
 
 class OfflineFeatures:
-    def __init__(self, cfg, target: Target):
+    def __init__(self, cfg, target: Target, layers: list[int] | None = None):
         fc = cfg.features
         self.target = target
         self.store = FeatureStore(fc.path, verify=fc.get("verify", "quick"))
+        #: the layer inputs stored before each row's last output (what an msd3 head reads)
+        self.layers = self.store.manifest.get("layers")
+        if layers is not None and self.layers != list(layers):
+            raise FeatureStoreError(
+                f"the feature store {fc.path} holds the inputs of target layers {self.layers or 'none'}, and the head "
+                f"reads layers {list(layers)}; generate a store with features.layers={list(layers)} "
+                f"(python scripts/generate_features.py features.path=NEW_DIR features.layers={list(layers)})")
         names = stage_splits(cfg)  # the splits this stage reads must match the store's
         diffs = manifest_differences(self.store.manifest, target_identity(target, cfg.target.adapter),
                                      data_fingerprint(cfg, names))
@@ -52,7 +59,8 @@ class OfflineFeatures:
         target = self.target
         ids, attn = batch["input_ids"], batch["attention_mask"]
         B, L = ids.shape
-        hidden = torch.zeros(B, L, target.hidden_size, dtype=self.store.dtype)
+        width = target.hidden_size * (1 + len(self.layers or []))
+        hidden = torch.zeros(B, L, width, dtype=self.store.dtype)
         visual, stored_pos = [], {}
         for i, key in enumerate(batch["keys"]):
             s = self.store.read(key)
@@ -96,4 +104,6 @@ class OfflineFeatures:
             n = p.shape[-1]
             pos[:, i, :n] = p.to(device, non_blocking=nb)
             deltas[i] = d
-        return Features(embeds, part["hidden"].to(device, target.dtype, non_blocking=nb), visual_mask, pos, deltas)
+        rows = part["hidden"].to(device, target.dtype, non_blocking=nb)
+        H = target.hidden_size
+        return Features(embeds, rows[..., -H:], visual_mask, pos, deltas, rows[..., :-H] if self.layers else None)

@@ -104,11 +104,6 @@ class TrainRecipe:
 
         resume_from = self._resume_point()
         self.draft = self._build_draft(resume_from is not None)
-        if cfg.features.mode == "offline" and self.draft.feature_layers is not None:
-            raise TrainingError(
-                f"features.mode=offline: feature stores hold the target's last layer only, and the "
-                f"{self.draft.architecture} head reads the inputs of target layers {self.draft.feature_layers}; "
-                f"train it with features.mode=online")
         self.features = make_feature_source(cfg, self.target, self.draft.feature_layers)
         tc = cfg.train
         precision = tc.precision if tc.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")

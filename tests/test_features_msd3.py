@@ -1,0 +1,35 @@
+"""Offline features for an msd3 head: the store keeps the inputs of its layers per token."""
+
+import pytest
+import torch
+from test_features import batch_of, gen_cfg, split_rows, target, train_cfg  # noqa: F401 (target: a fixture)
+
+from msd_train.features.generate import generate
+from msd_train.features.offline import OfflineFeatures
+from msd_train.features.store import FeatureStoreError
+
+
+def test_a_store_with_layers_gives_the_online_layer_inputs(mini_run, target, tmp_path):  # noqa: F811
+    layers = [0, 1]  # the mini target's two layers: what an msd3 head reads by default
+    plain = generate(gen_cfg(mini_run, tmp_path / "plain", "splits=[multimodal]"), target=target)
+    manifest = generate(gen_cfg(mini_run, tmp_path / "k", "splits=[multimodal]", "features.layers=[0,1]"),
+                        target=target)
+    assert manifest["layers"] == layers and "layers" not in plain
+    # k layers plus the last: the hidden rows take (k+1) times the bytes, the rest (visual rows, ids) as before
+    assert plain["totals"]["bytes"] < manifest["totals"]["bytes"] < 3 * plain["totals"]["bytes"]
+
+    cfg = train_cfg(mini_run, tmp_path / "k", "stage.splits=[multimodal]")
+    source = OfflineFeatures(cfg, target, layers)
+    rows = split_rows(mini_run, target, "multimodal")[:3]
+    batch = batch_of(target, rows)
+    on = target.features(batch["input_ids"], batch["attention_mask"], batch["pixel"], layers=layers)
+    off = source({**batch, "pixel": {}})
+    for i, r in enumerate(rows):
+        last = max(j for j, m in enumerate(r["loss_mask"]) if m)
+        torch.testing.assert_close(off.hidden_states[i, :last], on.hidden_states[i, :last], rtol=0, atol=1e-5)
+        torch.testing.assert_close(off.layer_states[i, :last], on.layer_states[i, :last], rtol=0, atol=1e-5)
+
+    with pytest.raises(FeatureStoreError, match=r"features.layers=\[1\]"):
+        OfflineFeatures(cfg, target, [1])
+    with pytest.raises(FeatureStoreError, match="holds the inputs of target layers none"):
+        OfflineFeatures(train_cfg(mini_run, tmp_path / "plain", "stage.splits=[multimodal]"), target, layers)
