@@ -206,8 +206,8 @@ class TrainRecipe:
                 raise TrainingError(
                     f"{init} was trained for a target with hidden size {draft.config.target_hidden_size}, "
                     f"but {self.target.name} has {self.target.hidden_size}")
-            for key in ("decouple_visual", "visual_offset", "draft_positions"):
-                if key in overrides and getattr(draft.config, key) != overrides[key]:
+            for key in ("decouple_visual", "visual_offset", "draft_positions", "ttt_steps", "ttt_decay"):
+                if key in overrides and hasattr(draft.config, key) and getattr(draft.config, key) != overrides[key]:
                     log.info("draft.%s=%s overrides the stage-1 value %s", key, overrides[key],
                              getattr(draft.config, key))
                     setattr(draft.config, key, overrides[key])
