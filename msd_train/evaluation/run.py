@@ -193,6 +193,11 @@ def _load_models(cfg: dict, config: DecodeConfig, device: torch.device):
         from msd_train.hub.load import load_head
 
         draft = load_head(str(cfg["draft"]), target)
+        if config.ensemble is not None and draft.feature_layers is not None:
+            raise ConfigError(
+                f"decoding.ensemble={config.ensemble}: ensembles build their input variants from the target's last "
+                f"layer, and {cfg['draft']} is an {draft.architecture} head (it reads the inputs of target layers "
+                f"{draft.feature_layers}); evaluate it without decoding.ensemble")
     return target, draft
 
 
