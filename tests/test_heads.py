@@ -242,14 +242,16 @@ def fit_msd3(target, prompts, steps: int = 80):
 
 @pytest.fixture(scope="module")
 def msd3_setups(llava_target, qwen_target):
+    from builders import tiny_qwen25vl_target
+
     out = {}
-    for name, target in (("llava", llava_target), ("qwen2_vl", qwen_target)):
+    for name, target in (("llava", llava_target), ("qwen2_vl", qwen_target), ("qwen2_5_vl", tiny_qwen25vl_target())):
         prompts = [prompt(target, 1), prompt(target, 4)]
         out[name] = (target, fit_msd3(target, prompts), prompts)
     return out
 
 
-@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "qwen2_5_vl"])
 def test_greedy_decoding_with_an_msd3_head_equals_plain_decoding(msd3_setups, family):
     target, head, prompts = msd3_setups[family]
     accepted = []
