@@ -3,6 +3,7 @@
 import pytest
 import torch
 from test_features import batch_of, gen_cfg, split_rows, target, train_cfg  # noqa: F401 (target: a fixture)
+from test_peft import base_and_adapter  # noqa: F401 (a fixture)
 
 from msd_train.features.generate import generate
 from msd_train.features.offline import OfflineFeatures
@@ -33,3 +34,24 @@ def test_a_store_with_layers_gives_the_online_layer_inputs(mini_run, target, tmp
         OfflineFeatures(cfg, target, [1])
     with pytest.raises(FeatureStoreError, match="holds the inputs of target layers none"):
         OfflineFeatures(train_cfg(mini_run, tmp_path / "plain", "stage.splits=[multimodal]"), target, layers)
+
+
+def test_a_lora_targets_layer_inputs_are_the_adapted_ones(base_and_adapter):  # noqa: F811
+    """An msd3 head of a LoRA target reads the adapted model's layer inputs (as merging by hand gives)."""
+    from builders import random_image
+    from test_peft import CONV, merged_by_hand
+
+    from msd_train.targets import load_target
+
+    base, adapter, processor = base_and_adapter
+    plain = load_target(str(base), dtype="fp32")
+    tuned = load_target(str(base), dtype="fp32", adapter=str(adapter))
+    by_hand, _ = merged_by_hand(base, adapter, processor)
+    enc = plain.encode(CONV, [random_image(1)])
+    layers = [0, 1]
+    f = {name: t.features(enc.input_ids[None], None, enc.pixel, layers=layers)
+         for name, t in (("plain", plain), ("tuned", tuned), ("hand", by_hand))}
+    H = plain.hidden_size
+    assert torch.equal(f["tuned"].layer_states[..., :H], f["plain"].layer_states[..., :H])  # layer 0's input
+    assert (f["tuned"].layer_states[..., H:] - f["plain"].layer_states[..., H:]).abs().max() > 1e-3
+    torch.testing.assert_close(f["tuned"].layer_states, f["hand"].layer_states, rtol=1e-6, atol=1e-6)
