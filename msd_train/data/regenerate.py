@@ -8,7 +8,7 @@ earlier answers included), greedy or sampled, up to ``max_new_tokens``. A record
 
     {"id": ..., "messages": [...regenerated...], "images": [...], "n": position,
      "original": [...the messages as read...], "source": file, "index": position in file,
-     "regenerated": {"turns": k, "new_tokens": [...], "stops": [...]}}
+     "regenerated": {"turns": k, "new_tokens": [...], "stops": [...], "seconds": wall time}}
 
 is a ``messages`` JSONL record, so ``data.text`` / ``data.multimodal`` read the merged file
 ``regenerated.jsonl`` like any other (the extra keys are ignored).
@@ -51,14 +51,17 @@ def read_inputs(inputs: list[dict], limit: int | None) -> tuple[list[dict], list
     in file order, the first ``limit`` of them; and the samples skipped."""
     convs, bad = [], []
     for src in inputs:
-        for rec in read_conversations(src["path"], src.get("format", "auto"), src.get("image_root")):
-            if isinstance(rec, BadSample):
-                if rec.action == "skipped":
-                    bad.append(rec)
-                continue  # a truncated sample's kept exchanges follow as a record
-            convs.append(rec)
-            if limit is not None and len(convs) >= limit:
-                return convs, bad
+        try:
+            for rec in read_conversations(src["path"], src.get("format", "auto"), src.get("image_root")):
+                if isinstance(rec, BadSample):
+                    if rec.action == "skipped":
+                        bad.append(rec)
+                    continue  # a truncated sample's kept exchanges follow as a record
+                convs.append(rec)
+                if limit is not None and len(convs) >= limit:
+                    return convs, bad
+        except (ValueError, FileNotFoundError) as e:  # the readers' messages name the file and the fix
+            raise RegenerateError(str(e)) from None
     return convs, bad
 
 
@@ -96,6 +99,7 @@ def regenerate_conversation(target, conv: dict, settings: dict, n: int) -> dict:
     config = DecodeConfig(method="ar", max_new_tokens=int(settings["max_new_tokens"]), sampling=SamplingParams(
         temperature=float(settings["temperature"]), top_p=float(settings["top_p"]), top_k=int(settings["top_k"])))
     gen = torch.Generator(device=target.device).manual_seed(int(settings["seed"]) * 1_000_003 + n)
+    t0 = time.time()
     images = [Image.open(p).convert("RGB") for p in conv["images"]]
     out: list[dict] = []
     new_tokens, stops = [], []
@@ -125,7 +129,8 @@ def regenerate_conversation(target, conv: dict, settings: dict, n: int) -> dict:
     kept = count_image_markers(out)
     return {"id": conv["id"], "n": n, "messages": out, "images": conv["images"][:kept],
             "original": conv["messages"], "source": conv.get("source"), "index": conv.get("index"),
-            "regenerated": {"turns": len(new_tokens), "new_tokens": new_tokens, "stops": stops}}
+            "regenerated": {"turns": len(new_tokens), "new_tokens": new_tokens, "stops": stops,
+                            "seconds": round(time.time() - t0, 2)}}
 
 
 def _check_settings(out: Path, settings: dict, target_name: str) -> None:
