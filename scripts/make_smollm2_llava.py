@@ -123,7 +123,7 @@ def train_projector(model, processor, pairs, steps: int, batch_size: int, lr: fl
         loss.backward()
         opt.step()
         sched.step()
-        window.append(float(loss))
+        window.append(float(loss.detach()))
         if (step + 1) % log_every == 0 or step + 1 == steps:
             curve.append({"step": step + 1, "loss": sum(window) / len(window)})
             window = []

@@ -99,3 +99,28 @@ def test_target_config_loads_the_folder_and_plain_decoding_matches_the_lm(built)
     with_image = target.encode_prompt([{"role": "user", "content": "<image>\nwhat is this"}], [image])
     assert int((with_image.input_ids == target.image_token_id).sum()) == target.tokens_per_image == 36
     assert len(generate(target, None, with_image, config).tokens) == 12
+
+
+def test_projector_training_moves_only_the_projector_and_lowers_the_loss(tmp_path, one_thread):
+    """LLaVA stage 1 as scripts/make_smollm2_llava.py --train-projector runs it."""
+    import importlib.util
+
+    from builders import random_image
+
+    from msd_train.config import REPO_ROOT
+    from msd_train.targets.from_lm import chatml_llava
+
+    spec = importlib.util.spec_from_file_location("make_smollm2_llava", REPO_ROOT / "scripts" / "make_smollm2_llava.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    pairs = []
+    for i, answer in enumerate(["Red.", "Blue."]):
+        random_image(i, 48).save(tmp_path / f"{i}.png")
+        pairs.append((str(tmp_path / f"{i}.png"), "what colour is the shape", answer))
+    lm, tok = small_lm()
+    model, processor = chatml_llava(lm, tok)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state, curve = script.train_projector(model, processor, pairs, steps=20, batch_size=2, lr=1e-2, seed=0, log_every=5)
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed == {f"model.multi_modal_projector.{k}" for k in state}
+    assert [c["step"] for c in curve] == [5, 10, 15, 20] and curve[-1]["loss"] < curve[0]["loss"]

@@ -8,7 +8,8 @@ earlier answers included), greedy or sampled, up to ``max_new_tokens``. A record
 
     {"id": ..., "messages": [...regenerated...], "images": [...], "n": position,
      "original": [...the messages as read...], "source": file, "index": position in file,
-     "regenerated": {"turns": k, "new_tokens": [...], "stops": [...], "seconds": wall time}}
+     "regenerated": {"turns": k, "new_tokens": [...], "stops": [...], "seconds": wall time,
+                     "cpu_seconds": this process's CPU time (a throughput a busy machine spoils less)}}
 
 is a ``messages`` JSONL record, so ``data.text`` / ``data.multimodal`` read the merged file
 ``regenerated.jsonl`` like any other (the extra keys are ignored).
@@ -99,7 +100,7 @@ def regenerate_conversation(target, conv: dict, settings: dict, n: int) -> dict:
     config = DecodeConfig(method="ar", max_new_tokens=int(settings["max_new_tokens"]), sampling=SamplingParams(
         temperature=float(settings["temperature"]), top_p=float(settings["top_p"]), top_k=int(settings["top_k"])))
     gen = torch.Generator(device=target.device).manual_seed(int(settings["seed"]) * 1_000_003 + n)
-    t0 = time.time()
+    t0, c0 = time.time(), time.process_time()
     images = [Image.open(p).convert("RGB") for p in conv["images"]]
     out: list[dict] = []
     new_tokens, stops = [], []
@@ -130,7 +131,7 @@ def regenerate_conversation(target, conv: dict, settings: dict, n: int) -> dict:
     return {"id": conv["id"], "n": n, "messages": out, "images": conv["images"][:kept],
             "original": conv["messages"], "source": conv.get("source"), "index": conv.get("index"),
             "regenerated": {"turns": len(new_tokens), "new_tokens": new_tokens, "stops": stops,
-                            "seconds": round(time.time() - t0, 2)}}
+                            "seconds": round(time.time() - t0, 2), "cpu_seconds": round(time.process_time() - c0, 2)}}
 
 
 def _check_settings(out: Path, settings: dict, target_name: str) -> None:
