@@ -34,6 +34,8 @@ def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     settings = OmegaConf.to_container(cfg, resolve=True)
     with user_errors(RegenerateError, FileNotFoundError):
+        if OmegaConf.is_missing(cfg, "out"):
+            raise ConfigError("out is not set; give out=DIR, the folder for the regenerated conversations")
         for key in ("max_new_tokens", "max_prompt_tokens"):
             _number(settings, key, int, lo=1)
         for key in ("limit", "max_turns"):

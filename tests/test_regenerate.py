@@ -119,5 +119,7 @@ def test_command_line(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert len((out / MERGED).read_text().splitlines()) == 2
-    r = subprocess.run(cmd[:2] + ["limit=0"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(cmd[:3] + ["limit=0"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "limit=0 must be at least 1" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run(cmd[:1] + cmd[1:2], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 1 and "out is not set" in r.stderr and not (tmp_path / "???").exists()
