@@ -106,6 +106,13 @@ def test_ranks_share_the_work_and_any_world_size_resumes(target, reference, tmp_
     assert merged(out) == reference
 
 
+def test_a_conversation_left_with_no_exchange_is_not_merged(target, tmp_path):
+    """max_prompt_tokens below the first prompt: nothing to train on, so no record (the
+    readers refuse an empty conversation), but the manifest counts it."""
+    assert regenerate(target, settings(tmp_path, limit=2, max_prompt_tokens=5))["unanswered"] == 2
+    assert (tmp_path / MERGED).read_text() == ""
+
+
 def test_other_settings_in_the_same_folder_are_refused(target, tmp_path):
     regenerate(target, settings(tmp_path, limit=1))
     with pytest.raises(RegenerateError, match="max_new_tokens: 8 there, 9 now"):

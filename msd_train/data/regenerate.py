@@ -198,9 +198,11 @@ def regenerate(target, settings: dict, group=None, on_record=None) -> dict | Non
     missing = [n for n in range(len(convs)) if n not in done]
     if missing:
         raise RegenerateError(f"{out}: conversations {missing[:5]} have no record after every rank finished; relaunch to fill them")
-    records = [done[n] for n in range(len(convs))]
+    # A conversation whose first prompt is over max_prompt_tokens (or whose first answer is
+    # empty) keeps no exchange: left out, as the readers would refuse it.
+    records = [done[n] for n in range(len(convs)) if done[n]["regenerated"]["turns"]]
     atomic_write_text(out / MERGED, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-    manifest = {"conversations": len(records), "skipped_samples": len(bad),
+    manifest = {"conversations": len(records), "skipped_samples": len(bad), "unanswered": len(convs) - len(records),
                 "turns": sum(r["regenerated"]["turns"] for r in records),
                 "new_tokens": sum(sum(r["regenerated"]["new_tokens"]) for r in records),
                 "this_launch": {"conversations": len(todo), "new_tokens": tokens, "seconds": round(elapsed, 1),
