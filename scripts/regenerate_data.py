@@ -1,0 +1,61 @@
+"""Answer training conversations with the target itself (what EAGLE-3 trains on).
+
+    python scripts/regenerate_data.py out=DIR inputs='[{path: sharegpt.json}]' target=smollm2_llava
+    torchrun --nproc_per_node 8 scripts/regenerate_data.py out=DIR ...
+    python scripts/regenerate_data.py out=DIR ... limit=200 max_new_tokens=256 temperature=0.7
+
+Re-running the same command resumes: finished conversations are skipped, none is written
+twice. The result, DIR/regenerated.jsonl, is a messages JSONL with each conversation's
+original turns kept beside (``original``); train on it with
+``data.text='[{path: DIR/regenerated.jsonl}]'``. See msd_train/data/regenerate.py.
+"""
+
+import sys
+
+from msd_train.config import CONF_DIR, strip_launcher_args
+
+strip_launcher_args()
+
+import hydra  # noqa: E402  (after strip_launcher_args: Hydra must not see launcher flags)
+from omegaconf import DictConfig  # noqa: E402
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="regenerate", version_base=None)
+def main(cfg: DictConfig) -> None:
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from msd_train import runtime
+    from msd_train.data.regenerate import RegenerateError, regenerate
+    from msd_train.targets import load_target
+    from msd_train.validate import ConfigError, _number, user_errors
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
+    settings = OmegaConf.to_container(cfg, resolve=True)
+    with user_errors(RegenerateError, FileNotFoundError):
+        if OmegaConf.is_missing(cfg, "out"):
+            raise ConfigError("out is not set; give out=DIR, the folder for the regenerated conversations")
+        for key in ("max_new_tokens", "max_prompt_tokens"):
+            _number(settings, key, int, lo=1)
+        for key in ("limit", "max_turns"):
+            _number(settings, key, int, lo=1, allow_none=True)
+        _number(settings, "temperature", float, lo=0)
+        if not settings.get("inputs"):
+            raise ConfigError("inputs is empty; give inputs='[{path: FILE}]' (ShareGPT, LLaVA-Instruct or messages JSONL)")
+        group = runtime.setup_group(runtime.local_device(cfg.target.device))
+        try:
+            tc = cfg.target
+            target = load_target(tc.name_or_path, tc.dtype, runtime.local_device(tc.device), tc.adapter,
+                                 tc.chat_template, tc.trust_remote_code, tc.attn_implementation)
+            manifest = regenerate(target, settings, group)
+        finally:
+            group.destroy(barrier=False)
+    if manifest is not None:
+        t = manifest["this_launch"]
+        print(f"{manifest['conversations']} conversations in {settings['out']}/{manifest['file']}; this launch: "
+              f"{t['conversations']} conversations, {t['new_tokens']} new tokens in {t['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
