@@ -150,9 +150,10 @@ def test_a_skipped_non_finite_micro_batch_keeps_deepspeed_on_the_recipes_step(in
 
 
 @pytest.mark.slow
-def test_resume_after_kill_is_exact(mini_run, tmp_path):
+@pytest.mark.parametrize("head", ["msd", "msd3"])
+def test_resume_after_kill_is_exact(mini_run, tmp_path, head):
     common = [*mini_run, "train.max_steps=8", "checkpoint.every=2", "eval.every=100",
-              "train.micro_batch_size=2", "train.grad_accum=2"]
+              "train.micro_batch_size=2", "train.grad_accum=2", f"head={head}"]
     train(["stage=1", *common, f"run_dir={tmp_path / 'straight'}"])
     run = tmp_path / "resumed"
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "stage=1", *common, f"run_dir={run}"],
