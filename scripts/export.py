@@ -3,6 +3,7 @@
 
     python scripts/export.py checkpoint=runs/tiny/stage2/final format=msd out=heads/tiny dtype=bf16
     python scripts/export.py checkpoint=heads/tiny format=reference target=tiny out=heads/tiny-reference
+    python scripts/export.py checkpoint=runs/tiny/stage2/final format=eagle3 out=heads/tiny-eagle3  (msd3 heads)
 
 format=reference writes config.json + model.safetensors (weights=bin: pytorch_model.bin)
 with embed_tokens.weight taken from embed_from=, target=, or the folder the head was
@@ -26,14 +27,23 @@ def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with user_errors(*user_error_kinds()):  # a user's mistake: one paragraph, exit 1 (MSD_DEBUG=1: the traceback)
         require_arguments(cfg, "export")
-        if cfg.format not in ("msd", "reference"):
-            raise ConfigError(f"format={cfg.format}: use msd or reference")
+        if cfg.format not in ("msd", "reference", "eagle3"):
+            raise ConfigError(f"format={cfg.format}: use msd, reference or eagle3")
         from msd_train.hub import export_msd, export_reference
 
         target = target_info(cfg.target)
         checkpoint, out = user_path(cfg.checkpoint), user_path(cfg.out)
         if cfg.format == "msd":
             summary = export_msd(checkpoint, out, target=target, dtype=cfg.dtype)
+        elif cfg.format == "eagle3":  # an msd3 head in the EAGLE-3 layout (msd_train/hub/eagle3.py)
+            from msd_train.hub import load_head
+            from msd_train.hub.eagle3 import export_eagle3
+
+            head = load_head(checkpoint)
+            if head.feature_layers is None:
+                raise ConfigError(f"format=eagle3 holds msd3 heads; {checkpoint} is an {head.architecture} head "
+                                  f"(use format=msd or format=reference)")
+            summary = {"out": str(export_eagle3(head, out)), "format": "eagle3"}
         else:
             summary = export_reference(checkpoint, out, target=target, embed_from=cfg.embed_from,
                                        weights=cfg.weights, vocab_size=cfg.vocab_size)
