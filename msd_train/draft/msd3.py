@@ -127,11 +127,11 @@ class MSD3DraftModel(DraftHead):
         """The embedding stream over a target pass: the target's input embeddings (visual
         embeddings at image positions), or with ``decouple_visual`` off the placeholder's."""
         embeds = features.inputs_embeds
-        if self.config.decouple_visual or features.visual_mask is None or not bool(features.visual_mask.any()):
+        if self.config.decouple_visual or features.visual_mask is None:
             return embeds
-        if target is None:
+        if target is None:  # (not asked whether the pass has images: that would be a host sync per batch)
             raise ValueError("an msd3 head with decouple_visual=false needs the target (its image placeholder "
-                             "embedding) to read a pass with images")
+                             "embedding) to read a target pass")
         placeholder = target.embed_tokens.weight[target.image_token_id].to(embeds.dtype)
         return torch.where(features.visual_mask[..., None].bool(), placeholder, embeds)
 
