@@ -70,3 +70,10 @@ def test_resume_is_exact(mini_run, tmp_path):
     a, b = straight.engine.module.state_dict(), resumed.engine.module.state_dict()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_settings_an_msd3_head_cannot_take_are_named(mini_run, tmp_path):
+    with pytest.raises(Exception, match="train.gradient_checkpointing=false"):
+        recipe(["stage='1'", *mini_run, *MSD3, "train.gradient_checkpointing=true", f"run_dir={tmp_path / 'gc'}"])
+    with pytest.raises(Exception, match="draft.architecture='msd4' is no head architecture"):
+        recipe(["stage='1'", *mini_run, "draft.architecture=msd4", f"run_dir={tmp_path / 'name'}"])
