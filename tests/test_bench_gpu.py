@@ -92,7 +92,9 @@ def test_small_config_writes_every_field(tmp_path):
     assert cy["cycle_over_step"] == pytest.approx(cy["cycle_ms"] / cy["step_ms"], rel=1e-3)
     assert set(cy["speedup_at_tau"]) == {"2", "3", "4", "4.54"}
     for tau, s in cy["speedup_at_tau"].items():
-        assert s == pytest.approx(float(tau) / cy["cycle_over_step"], rel=1e-3)
+        # the report rounds to 4 decimals: on a loaded CPU the ratio is large and the
+        # speedup small enough (0.0349) that the rounding exceeds the relative tolerance
+        assert s == pytest.approx(float(tau) / cy["cycle_over_step"], rel=1e-3, abs=5e-5)
     loop = cy["in_decode_loop_ms"]
     assert loop["total"]["n"] == loop["draft"]["n"] > 0  # decode(timing=True) timed every cycle
 
