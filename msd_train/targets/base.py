@@ -221,14 +221,8 @@ class Target:
         use_cache: bool = False,
     ):
         """The language model alone; returns (post-norm hidden states, cache)."""
-        out = self.language_model(
-            inputs_embeds=inputs_embeds,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            use_cache=use_cache,
-            **cache_kwargs(past_key_values),
-        )
-        return out.last_hidden_state, output_cache(out)
+        hidden, cache, _ = self.run_for_head(inputs_embeds, position_ids, attention_mask, past_key_values, use_cache)
+        return hidden, cache
 
     def run_for_head(
         self,
@@ -242,18 +236,16 @@ class Target:
         """``run_language_model`` plus the features a head reads: returns (post-norm hidden
         states, cache, head features). The head features are the post-norm states when
         ``layers`` is None, else the inputs of those layers concatenated (B, T, k*H)."""
-        if layers is None:
-            hidden, cache = self.run_language_model(inputs_embeds, position_ids, attention_mask, past_key_values,
-                                                    use_cache)
-            return hidden, cache, hidden
         out = self.language_model(
             inputs_embeds=inputs_embeds,
             position_ids=position_ids,
             attention_mask=attention_mask,
             use_cache=use_cache,
-            output_hidden_states=True,
+            output_hidden_states=layers is not None,
             **cache_kwargs(past_key_values),
         )
+        if layers is None:
+            return out.last_hidden_state, output_cache(out), out.last_hidden_state
         # hidden_states[i] is the input of layer i (hidden_states[0]: the embeddings)
         states = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
         return out.last_hidden_state, output_cache(out), states
