@@ -4,7 +4,7 @@ import json
 import sys
 from pathlib import Path
 
-print("| run | tau | accept at pos 1, 2, 3 | tokens/s (plain) | speedup | draft / verify / accept ms per cycle | outputs = plain |")
+print("| run | tau | accepted at position 1, 2, 3 (conditional) | tokens/s (plain) | speedup | draft / verify / accept ms per cycle | outputs = plain |")
 print("|---|---|---|---|---|---|---|")
 for d in sys.argv[1:]:
     r = json.loads((Path(d) / "report.json").read_text())
