@@ -88,6 +88,9 @@ def main() -> None:
     ap.add_argument("--eval", nargs="*", default=[], help="extra eval.py overrides (e.g. bench.max_per_category=4)")
     ap.add_argument("--reuse", default=None,
                     help="a finished default run (e.g. runs/tiny): take the msd head's a and b from it")
+    ap.add_argument("--table-only", action="store_true",
+                    help="train and evaluate nothing: write the table from the runs and evaluations there are, "
+                         "listing what is missing")
     args = ap.parse_args()
     run_dir = Path(args.run_dir)
     py = sys.executable
@@ -101,8 +104,9 @@ def main() -> None:
     # "coupled" for msd keeps the folder earlier versions of this script trained.
     coupled = {h: run_dir / ("coupled" if h == "msd" else f"{h}-coupled") for h in args.heads}
     fresh = [h for h in args.heads if not (args.reuse and h == "msd")]
-    run_all([[py, "train.py", "stage=1", f"head={h}", f"run_dir={base[h]}", *common, *s1] for h in fresh], args.jobs)
-    run_all([[py, "train.py", "stage=2", f"head={h}", f"run_dir={base[h]}", *common, *s2] for h in fresh]
+    train = (lambda cmds, jobs: None) if args.table_only else run_all
+    train([[py, "train.py", "stage=1", f"head={h}", f"run_dir={base[h]}", *common, *s1] for h in fresh], args.jobs)
+    train([[py, "train.py", "stage=2", f"head={h}", f"run_dir={base[h]}", *common, *s2] for h in fresh]
             + [[py, "train.py", "stage=2", f"head={h}", f"run_dir={coupled[h]}", "draft.decouple_visual=false",
                 f"stage.init_from={base[h] / 'stage1' / 'final'}", *common, *s2] for h in args.heads], args.jobs)
     train_s = time.time() - t0
@@ -113,47 +117,61 @@ def main() -> None:
         variants[f"{h} c: stage 1 + 2, decoupling off"] = coupled[h] / "stage2"
     evals = {(name, d): run_dir / "eval" / f"{name.split(':')[0].replace(' ', '-')}-{d}"
              for name in variants for d in args.decoders}
-    run_all([[py, "eval.py", f"draft={variants[name] / 'final'}", f"out={out}", f"decoding={d}", "progress=false",
+    train([[py, "eval.py", f"draft={variants[name] / 'final'}", f"out={out}", f"decoding={d}", "progress=false",
               *args.eval] for (name, d), out in evals.items() if eval_done(out) is None], args.jobs)
     reports = {key: eval_done(out) for key, out in evals.items()}
-    rows = {}
+    rows, missing = {}, []
     for name, stage_dir in variants.items():
-        row = {"head": name.split()[0], **stage_stats(stage_dir)}
+        if not (stage_dir / "final").is_dir():
+            missing.append(f"{name}: training ({stage_dir} has no final export)")
+        row = {"head": name.split()[0], "sim_tau_split": {}, "steps": None,
+               **(stage_stats(stage_dir) if (stage_dir / "metrics.jsonl").exists() else {})}
         for d in args.decoders:
             r = reports[(name, d)]
+            if r is None:
+                missing.append(f"{name}: {d} evaluation")
+                row[d] = {"tau": None, "accept_at_pos": [], "per_category": {}, "outputs_match_ar": None}
+                continue
             row[d] = {"tau": r["overall"]["tau"], "accept_at_pos": r["overall"]["accept_at_pos"],
                       "per_category": {c: g["tau"] for c, g in r["per_category"].items()},
                       "outputs_match_ar": r["overall"].get("outputs_match_ar"), "n_turns": r["overall"]["n_turns"]}
         rows[name] = row
-    cats = sorted({c for r in reports.values() for c in r["per_category"]})
-    first = next(iter(reports.values()))
+    done = [r for r in reports.values() if r is not None]
+    cats = sorted({c for r in done for c in r["per_category"]})
+    splits = sorted({s for row in rows.values() for s in row["sim_tau_split"]})
+    first = done[0] if done else {"device": "-"}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"command": " ".join([Path(py).name, *sys.argv]), "train_wall_s": round(train_s, 1),
-            "decoding": {d: reports[(next(iter(variants)), d)]["decoding"] for d in args.decoders},
-            "device": first["device"], "date": time.strftime("%Y-%m-%d")}
+            "decoding": {d: next((r["decoding"] for (_, e), r in reports.items() if e == d and r), None)
+                         for d in args.decoders},
+            "device": first["device"], "date": time.strftime("%Y-%m-%d"), "missing": missing}
     (out / "ablation.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     f3 = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     lines = ["# Ablation on the embedded tiny target", "",
              f"Command: `{meta['command']}` ({meta['date']}, {meta['device']}; wall time of the training phase "
              f"{train_s / 60:.1f} min).", "",
-             "sim tau: held-out validation's 5-step self-rollout (mean of the text and image splits), last "
-             "validation of the stage. tree / chain tau: tokens committed per target forward on the tiny benchmark, "
-             "greedy. s/step: training seconds per optimizer step.", "",
-             "| head | steps | s/step | sim tau | " + " | ".join(f"{d} tau" for d in args.decoders)
+             "sim tau: held-out validation's 5-step self-rollout per held-out split, last validation of the stage "
+             "(stage 1 validates on text only). tree / chain tau: tokens committed per target forward on the tiny "
+             "benchmark, greedy. s/step: training seconds per optimizer step.", "",
+             "| head | steps | s/step | " + " | ".join(f"sim tau {s}" for s in splits) + " | "
+             + " | ".join(f"{d} tau" for d in args.decoders)
              + " | " + " | ".join(f"{d}: {c}" for d in args.decoders for c in cats) + " | matches AR |",
-             "|---" * (4 + len(args.decoders) * (1 + len(cats)) + 1) + "|"]
+             "|---" * (3 + len(splits) + len(args.decoders) * (1 + len(cats)) + 1) + "|"]
     for name, row in rows.items():
-        lines.append(f"| {name} | {row['steps']} | {row.get('s_per_step', float('nan')):.2f} | {f3(row['sim_tau'])} | "
+        lines.append(f"| {name} | {row['steps']} | {f3(row.get('s_per_step'))} | "
+                     + " | ".join(f3(row["sim_tau_split"].get(s)) for s in splits) + " | "
                      + " | ".join(f3(row[d]["tau"]) for d in args.decoders) + " | "
                      + " | ".join(f3(row[d]["per_category"].get(c)) for d in args.decoders for c in cats)
-                     + f" | {all(row[d]['outputs_match_ar'] for d in args.decoders)} |")
+                     + f" | {' / '.join(str(row[d]['outputs_match_ar']) for d in args.decoders)} |")
     lines += ["", "Per-position acceptance (P(position i accepted | earlier ones accepted), overall):", "",
               "| head | decoder | " + " | ".join(f"pos {i}" for i in range(1, 7)) + " |", "|---" * 8 + "|"]
     for name, row in rows.items():
         for d in args.decoders:
             acc = (row[d]["accept_at_pos"] + [None] * 6)[:6]
             lines.append(f"| {name} | {d} | " + " | ".join(f3(a) for a in acc) + " |")
+    if missing:
+        lines += ["", "Missing (not run to the end in this invocation):", ""] + [f"- {m}" for m in missing]
     (out / "ablation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
