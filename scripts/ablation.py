@@ -156,13 +156,13 @@ def main() -> None:
              "benchmark, greedy. s/step: training seconds per optimizer step.", "",
              "| head | steps | s/step | " + " | ".join(f"sim tau {s}" for s in splits) + " | "
              + " | ".join(f"{d} tau" for d in args.decoders)
-             + " | " + " | ".join(f"{d}: {c}" for d in args.decoders for c in cats) + " | matches AR |",
+             + "".join(f" | {d}: {c}" for d in args.decoders for c in cats) + " | matches AR |",
              "|---" * (3 + len(splits) + len(args.decoders) * (1 + len(cats)) + 1) + "|"]
     for name, row in rows.items():
         lines.append(f"| {name} | {row['steps']} | {f3(row.get('s_per_step'))} | "
                      + " | ".join(f3(row["sim_tau_split"].get(s)) for s in splits) + " | "
-                     + " | ".join(f3(row[d]["tau"]) for d in args.decoders) + " | "
-                     + " | ".join(f3(row[d]["per_category"].get(c)) for d in args.decoders for c in cats)
+                     + " | ".join(f3(row[d]["tau"]) for d in args.decoders)
+                     + "".join(f" | {f3(row[d]['per_category'].get(c))}" for d in args.decoders for c in cats)
                      + f" | {' / '.join(str(row[d]['outputs_match_ar']) for d in args.decoders)} |")
     lines += ["", "Per-position acceptance (P(position i accepted | earlier ones accepted), overall):", "",
               "| head | decoder | " + " | ".join(f"pos {i}" for i in range(1, 7)) + " |", "|---" * 8 + "|"]
