@@ -149,8 +149,8 @@ def main() -> None:
     (out / "ablation.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     f3 = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     lines = ["# Ablation on the embedded tiny target", "",
-             f"Command: `{meta['command']}` ({meta['date']}, {meta['device']}; wall time of the training phase "
-             f"{train_s / 60:.1f} min).", "",
+             f"Command: `{meta['command']}` ({meta['date']}, {meta['device']}"
+             + ("" if args.table_only else f"; wall time of the training phase {train_s / 60:.1f} min") + ").", "",
              "sim tau: held-out validation's 5-step self-rollout per held-out split, last validation of the stage "
              "(stage 1 validates on text only). tree / chain tau: tokens committed per target forward on the tiny "
              "benchmark, greedy. s/step: training seconds per optimizer step.", "",
