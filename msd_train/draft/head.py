@@ -70,6 +70,26 @@ class DraftHead(PreTrainedModel):
     """The members every head architecture implements (see the module docstring)."""
 
     architecture: str = ""
+    main_input_name = "input_embeds"
+    # heads are built from these transformers layers and need attention that takes 4-D masks
+    _no_split_modules = ["LlamaDecoderLayer", "Qwen2VLDecoderLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+
+    def _position_ids(self, position_ids, batch_size, query_length, past_length, device):
+        """Default `past + arange(T)`; broadcast [B, T] to [3, B, T] under M-RoPE."""
+        if position_ids is None:
+            position_ids = past_length + torch.arange(query_length, device=device)
+            position_ids = position_ids[None].expand(batch_size, query_length)
+        if self.config.uses_mrope and position_ids.ndim == 2:
+            position_ids = position_ids[None].expand(3, *position_ids.shape)
+        if not self.config.uses_mrope and position_ids.ndim != 2:
+            raise ValueError(
+                f"position_ids must be [batch, T] for 1-D RoPE, got {list(position_ids.shape)}; "
+                f"M-RoPE ids [3, batch, T] need a config with mrope_section"
+            )
+        return position_ids
 
     @property
     def feature_layers(self) -> list[int] | None:

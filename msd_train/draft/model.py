@@ -173,13 +173,8 @@ class MSDDraftModel(DraftHead):
 
     architecture = "msd"
     config_class = MSDDraftConfig
-    main_input_name = "input_embeds"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["LlamaDecoderLayer", "Qwen2VLDecoderLayer"]
     _skip_keys_device_placement = ["past_key_values"]
-    _supports_sdpa = True
-    _supports_flash_attn = False
-    _supports_flex_attn = False
 
     def __init__(self, config: MSDDraftConfig):
         super().__init__(config)
@@ -240,20 +235,6 @@ class MSDDraftModel(DraftHead):
                 raise ValueError("replace_mask was given without raw_embeds (the visual embeddings)")
             x = torch.where(replace_mask[..., None].bool(), raw_embeds.to(x.dtype), x)
         return x
-
-    def _position_ids(self, position_ids, batch_size, query_length, past_length, device):
-        """Default `past + arange(T)`; broadcast [B, T] to [3, B, T] under M-RoPE."""
-        if position_ids is None:
-            position_ids = past_length + torch.arange(query_length, device=device)
-            position_ids = position_ids[None].expand(batch_size, query_length)
-        if self.config.uses_mrope and position_ids.ndim == 2:
-            position_ids = position_ids[None].expand(3, *position_ids.shape)
-        if not self.config.uses_mrope and position_ids.ndim != 2:
-            raise ValueError(
-                f"position_ids must be [batch, T] for 1-D RoPE, got {list(position_ids.shape)}; "
-                f"M-RoPE ids [3, batch, T] need a config with mrope_section"
-            )
-        return position_ids
 
     def forward(
         self,

@@ -31,7 +31,6 @@ from msd_train.draft.loss import lm_head_argmax
 from msd_train.draft.model import (
     _DECODER_LAYER,
     _SUPPORTED_ATTENTION,
-    MSDDraftModel,
     MSDDraftOutput,
     attention_bias,
     check_finite,
@@ -65,12 +64,7 @@ def token_counts(datasets, vocab_size: int) -> torch.Tensor:
 class MSD3DraftModel(DraftHead):
     architecture = "msd3"
     config_class = MSD3DraftConfig
-    main_input_name = "input_embeds"
     supports_gradient_checkpointing = False
-    _no_split_modules = ["LlamaDecoderLayer", "Qwen2VLDecoderLayer"]
-    _supports_sdpa = True
-    _supports_flash_attn = False
-    _supports_flex_attn = False
 
     def __init__(self, config: MSD3DraftConfig):
         super().__init__(config)
@@ -92,8 +86,6 @@ class MSD3DraftModel(DraftHead):
         rotary_class = Qwen2VLRotaryEmbedding if config.uses_mrope else LlamaRotaryEmbedding
         self.rotary_emb = rotary_class(config)
         self.post_init()
-
-    _position_ids = MSDDraftModel._position_ids
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
