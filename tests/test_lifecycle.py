@@ -14,7 +14,17 @@ import time
 from pathlib import Path
 
 import pytest
-from test_robust import ENV, FAST, ROOT, _trainers, _wait_for_steps, fake_checkpoint, steps
+from test_robust import (
+    ENV,
+    FAST,
+    ROOT,
+    _trainers,
+    _wait_for_steps,
+    assert_stopped_with_checkpoint,
+    fake_checkpoint,
+    kill_session,
+    steps,
+)
 
 from msd_train.training import build_locks, rundir
 from msd_train.training import checkpoint as ckpt
@@ -42,15 +52,8 @@ def test_ctrl_c_under_deepspeed_with_wandb_offline_saves_a_checkpoint_and_releas
         output, _ = proc.communicate(timeout=300)
         psutil.wait_procs(trainers, timeout=120)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    saved = ckpt.complete_checkpoints(run / "stage1" / "checkpoints")
-    assert saved, f"no checkpoint was saved:\n{output[-5000:]}"
-    step = ckpt.read_state(saved[-1])["step"]
-    assert step >= 2 and step in steps(run)
-    assert f"interrupted at step {step}; checkpoint saved" in output, output[-5000:]
+        kill_session(proc)
+    assert_stopped_with_checkpoint(run, output)
     assert not (run / ".lock").exists(), f"the run_dir lock was left behind:\n{output[-3000:]}"
     # the top-level `deepspeed` runner prints its own KeyboardInterrupt; the trainer prints none
     trainer_tracebacks = [t for t in output.split("Traceback (most recent call last):")[1:]

@@ -521,6 +521,24 @@ def _trainers(launcher_pid: int) -> list:
             and not any(s in " ".join(p.cmdline()) for s in ("deepspeed.launcher", "torch.distributed.run"))]
 
 
+def kill_session(proc) -> None:
+    """SIGKILL the launcher's session: nothing of a failed case may live on."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def assert_stopped_with_checkpoint(run, output: str) -> int:
+    """A stopped launch left a complete checkpoint of a step it logged, and said so; returns the step."""
+    saved = ckpt.complete_checkpoints(run / "stage1" / "checkpoints")
+    assert saved, f"no checkpoint was saved:\n{output[-5000:]}"
+    step = ckpt.read_state(saved[-1])["step"]
+    assert step >= 2 and step in steps(run)
+    assert f"interrupted at step {step}; checkpoint saved" in output, output[-5000:]
+    return step
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher,how", [("deepspeed", "ctrl-c"), ("torchrun", "sigterm-group"),
                                           ("deepspeed", "sigterm-launcher-only")])
@@ -544,12 +562,5 @@ def test_stop_signals_under_launchers_save_a_checkpoint(mini_run, tmp_path, laun
         _, alive = psutil.wait_procs(trainers, timeout=120)
         assert not alive, f"trainer still running after the launcher stopped:\n{output[-3000:]}"
     finally:
-        try:  # the launcher's session: nothing of a failed case may live on
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    saved = ckpt.complete_checkpoints(run / "stage1" / "checkpoints")
-    assert saved, f"no checkpoint was saved:\n{output[-5000:]}"
-    step = ckpt.read_state(saved[-1])["step"]
-    assert step >= 2 and step in steps(run)
-    assert f"interrupted at step {step}; checkpoint saved" in output, output[-5000:]
+        kill_session(proc)
+    assert_stopped_with_checkpoint(run, output)
