@@ -7,7 +7,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from msd_train.paths import user_path
+from msd_train.paths import creatable_dir, user_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO_ROOT / "conf"
@@ -18,6 +18,20 @@ if not OmegaConf.has_resolver("msd_root"):
 # ${user_path:X}: X with ~ expanded (msd_train/paths.py), for paths Hydra itself creates
 if not OmegaConf.has_resolver("user_path"):
     OmegaConf.register_new_resolver("user_path", lambda p: str(user_path(p)))
+
+
+def _run_dir_path(value) -> str:
+    # Hydra resolves this while creating its output folder, before the run's own checks and
+    # outside their error handling: a run_dir that cannot be made is reported (exit 1) here.
+    from msd_train.validate import user_errors
+
+    with user_errors(ValueError):
+        return str(creatable_dir(value))
+
+
+# ${run_dir_path:X}: the same, refused with a one-line reason when the folder cannot be made
+if not OmegaConf.has_resolver("run_dir_path"):
+    OmegaConf.register_new_resolver("run_dir_path", _run_dir_path)
 
 
 def strip_launcher_args(argv: list[str] | None = None) -> None:

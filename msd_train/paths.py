@@ -13,3 +13,23 @@ def user_path(value: str | os.PathLike) -> Path:
     in the up-front checks (msd_train/validate.py) and in the readers alike, so a path
     that passes the check is the path that is read."""
     return Path(os.path.expanduser(os.fspath(value)))
+
+
+def creatable_dir(value: str | os.PathLike, setting: str = "run_dir") -> Path:
+    """``user_path(value)``, refused up front (ValueError naming ``setting``) when the folder
+    cannot be made: a file stands where a parent folder must go, or the nearest existing
+    parent is not writable. Hydra creates its output folder under ``run_dir`` before the
+    run's own checks, so without this a bad ``run_dir`` surfaces as Hydra's traceback."""
+    path = user_path(value)
+    parent = path
+    while not parent.exists():
+        if parent.parent == parent:
+            break
+        parent = parent.parent
+    if parent.exists() and not parent.is_dir():
+        raise ValueError(f"{setting}={value}: {parent} is a file, so the folder {path} cannot be made; "
+                         f"choose another {setting}=")
+    if parent.is_dir() and not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{setting}={value}: cannot create folders in {parent} (no write permission); "
+                         f"choose another {setting}=")
+    return path

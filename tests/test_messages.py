@@ -151,6 +151,13 @@ def test_train_py_refuses_nan_before_anything_loads(tmp_path):
     assert not (tmp_path / "stage1").exists()
 
 
+def test_a_run_dir_under_a_file_is_one_message(tmp_path):
+    # Hydra makes its output folder under run_dir before any of the run's own checks
+    (tmp_path / "blocker").write_text("a file, not a folder")
+    out, _ = run("train.py", f"run_dir={tmp_path}/blocker/run")
+    refused(out, f"run_dir={tmp_path}/blocker/run", f"{tmp_path}/blocker is a file", "choose another run_dir=")
+
+
 @pytest.mark.parametrize("override,phrase", [
     ("decoding.sampling.temperature=nan", "decoding.sampling.temperature=nan is not a finite number"),
     ("decoding.top_k=100000", "decoding.top_k=100000 is more than the target's 2048 tokens"),
