@@ -255,6 +255,7 @@ def check_eval(cfg, method: str) -> None:
             f"(the default) or eager")
     _number(cfg, "warmup", int, lo=0)
     _number(cfg, "seed", int)
+    _number(cfg, "dist.timeout_minutes", float, lo=0, lo_open=True)
     _number(cfg, "threads", int, lo=1, allow_none=True)
     for key in ("bench.max_samples", "bench.max_turns", "bench.max_per_category"):
         _number(cfg, key, int, lo=1, allow_none=True, hint=" (leave it null for all)")

@@ -41,9 +41,10 @@ def main(cfg: DictConfig) -> None:
         for key in ("limit", "max_turns"):
             _number(settings, key, int, lo=1, allow_none=True)
         _number(settings, "temperature", float, lo=0)
+        _number(cfg, "dist.timeout_minutes", float, lo=0, lo_open=True)
         if not settings.get("inputs"):
             raise ConfigError("inputs is empty; give inputs='[{path: FILE}]' (ShareGPT, LLaVA-Instruct or messages JSONL)")
-        group = runtime.setup_group(runtime.local_device(cfg.target.device))
+        group = runtime.setup_group(runtime.local_device(cfg.target.device), timeout_minutes=cfg.dist.timeout_minutes)
         try:
             tc = cfg.target
             target = load_target(tc.name_or_path, tc.dtype, runtime.local_device(tc.device), tc.adapter,

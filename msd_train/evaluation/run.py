@@ -126,7 +126,7 @@ class _Partial:
 def run_eval(cfg: dict, command: str | None = None) -> dict | None:
     """Evaluate ``cfg["draft"]`` on ``cfg["bench"]``; returns the report on rank 0."""
     device = local_device(cfg["target"].get("device", "auto"))  # cuda:LOCAL_RANK under a launcher
-    group = setup_group(device)
+    group = setup_group(device, timeout_minutes=(cfg.get("dist") or {}).get("timeout_minutes"))
     rank, world = group.rank, group.world
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg["threads"]))
