@@ -124,3 +124,37 @@ def test_projector_training_moves_only_the_projector_and_lowers_the_loss(tmp_pat
     changed = {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
     assert changed == {f"model.multi_modal_projector.{k}" for k in state}
     assert [c["step"] for c in curve] == [5, 10, 15, 20] and curve[-1]["loss"] < curve[0]["loss"]
+
+
+def test_a_head_trained_on_the_scaled_down_target_decodes_exactly(built, tmp_path, one_thread):
+    """Both stages of the training recipe (a few steps each) on the built folder, through
+    target=smollm2_llava, then the head's tree and chain decoding equal plain decoding on a
+    text and an image prompt."""
+    from builders import random_image, write_mini_data
+    from hydra import compose, initialize_config_dir
+
+    from msd_train.decoding.config import DecodeConfig
+    from msd_train.decoding.speculative import generate
+    from msd_train.hub import load_head
+    from msd_train.targets import load_target
+    from msd_train.training import run
+
+    _, out = built
+    data = write_mini_data(tmp_path, 16, 4, lambda i: random_image(100 + i, 16), (5, 8, 3, 6))
+    common = ["target=smollm2_llava", f"target.name_or_path={out}", *data, f"run_dir={tmp_path / 'run'}",
+              "logging.wandb.mode=disabled", "logging.progress=false", "train.loader_workers=0"]
+    for stage, steps in (("1", 6), ("2", 4)):
+        with initialize_config_dir(str(CONF_DIR), version_base=None):
+            cfg = compose("config", [f"stage='{stage}'", f"train.max_steps={steps}", *common])
+        run(cfg)
+    head = load_head(tmp_path / "run" / "stage2" / "final")
+    tc = cfg.target
+    target = load_target(tc.name_or_path, tc.dtype, "cpu", tc.adapter, tc.chat_template, tc.trust_remote_code,
+                         tc.attn_implementation)
+    prompts = [target.encode_prompt([{"role": "user", "content": "what colour is the circle"}], []),
+               target.encode_prompt([{"role": "user", "content": "<image>\nwhat is this"}], [random_image(7, 32)])]
+    for prompt in prompts:
+        plain = generate(target, None, prompt, DecodeConfig(method="ar", max_new_tokens=16, eos_token_ids=()))
+        for method in ("tree", "chain"):
+            spec = generate(target, head, prompt, DecodeConfig(method=method, max_new_tokens=16, eos_token_ids=()))
+            assert spec.tokens == plain.tokens, method
