@@ -64,6 +64,9 @@ def test_registry_lists_the_formats_and_each_folder_is_detected_as_its_own(tmp_p
         config = json.loads((tmp_path / name / "config.json").read_text())
         assert [f.name for f in formats.FORMATS.values() if f.detect(config)] == [name]
         assert detect_layout(tmp_path / name) == name
+    # vLLM's speculators layout names an Eagle3 architecture too, but is not this one
+    speculators = {"architectures": ["Eagle3Speculator"], "speculators_config": {"algorithm": "eagle3"}}
+    assert not formats.get("eagle3").detect(speculators)
 
 
 def test_a_registered_format_is_detected_and_a_write_only_one_is_not_loaded(tmp_path, monkeypatch):
@@ -86,6 +89,16 @@ def test_a_registered_format_is_detected_and_a_write_only_one_is_not_loaded(tmp_
     with pytest.raises(ValueError, match="already registered"):
         formats.register(fmt)
 
+
+
+def test_the_docs_formats_table_is_the_registry():
+    """docs/hub.md's table: one row per registered format, its heads and options as registered."""
+    lines = (ROOT / "docs" / "hub.md").read_text().splitlines()
+    start = lines.index("| `format=` | heads | the folder | options |") + 2  # past the header and |---|
+    rows = [line.split("|")[1:-1] for line in lines[start:lines.index("", start)]]
+    table = {r[0].strip(" `"): ([h.strip() for h in r[1].split(",")], [o.strip(" `") for o in r[3].split(",")])
+             for r in rows}
+    assert table == {f.name: (list(f.heads), list(f.options)) for f in formats.FORMATS.values()}
 
 # --- scripts/export.py ------------------------------------------------------------------------
 

@@ -47,7 +47,9 @@ _MSD_FIELDS = ("decouple_visual", "draft_positions", "ttt_steps", "ttt_decay", "
 
 
 def is_eagle3(config: dict) -> bool:
-    return any("Eagle3" in a for a in config.get("architectures") or [])
+    """An EAGLE-3 head in this layout (any `*Eagle3*` architecture), but not one in the
+    speculators layout (`Eagle3Speculator`, with its `speculators_config`), which vLLM reads."""
+    return any("Eagle3" in a for a in config.get("architectures") or []) and "speculators_config" not in config
 
 
 def sglang_layer_ids(feature_layers: list[int]) -> list[int]:
