@@ -219,7 +219,7 @@ def test_eagle3_export_of_a_qwen_head_says_what_sglang_does_differently(tmp_path
         assert same_tensors(back.state_dict(), head.state_dict())
 
     summary = export_eagle3(msd3_head(feature_layers=[3, 6]), tmp_path / "two")
-    assert any("fuses 2 target layers" in w and "SGLang will not load fc.weight" in w for w in summary["warnings"])
+    assert any("fuses 2 target layers" in w and "SGLang will not load this fc.weight" in w for w in summary["warnings"])
 
 
 def test_eagle3_layer_ids_of_third_party_and_older_exports(tmp_path):

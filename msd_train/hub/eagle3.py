@@ -91,12 +91,11 @@ def eagle3_config(head: MSD3DraftModel) -> tuple[dict, list[str]]:
     warnings = []
     if len(c.feature_layers) != 3:
         warnings.append(f"this head fuses {len(c.feature_layers)} target layers ({c.feature_layers}); SGLang's "
-                        f"LlamaForCausalLMEagle3 builds fc for 3 (a target this shallow has fewer distinct "
-                        f"EAGLE-3 layers), so SGLang will not load fc.weight")
+                        f"LlamaForCausalLMEagle3 builds fc for 3, so SGLang will not load this fc.weight")
     biases = [k for k, _ in head.midlayer.self_attn.named_parameters() if k.endswith(".bias")]
     if biases:
-        warnings.append(f"SGLang's EAGLE-3 layer has no q/k/v bias and skips midlayer.self_attn.{{{','.join(biases)}}} "
-                        f"without a word: served there, this {c.layer_family} head drafts differently")
+        warnings.append(f"SGLang's EAGLE-3 layer has no q/k/v bias and silently skips midlayer.self_attn."
+                        f"{{{','.join(biases)}}}: served there, this {c.layer_family} head drafts differently")
     return config, warnings
 
 
