@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Export a head: this project's folder, or the released MSD layout.
+"""Export a head to any head format of msd_train/hub/formats.py.
 
     python scripts/export.py checkpoint=runs/tiny/stage2/final format=msd out=heads/tiny dtype=bf16
     python scripts/export.py checkpoint=heads/tiny format=reference target=tiny out=heads/tiny-reference
@@ -7,7 +7,8 @@
 
 format=reference writes config.json + model.safetensors (weights=bin: pytorch_model.bin)
 with embed_tokens.weight taken from embed_from=, target=, or the folder the head was
-imported from. Arguments: conf/hub/export.yaml. See docs/hub.md.
+imported from. Each format takes only its own options. Arguments: conf/hub/export.yaml.
+See docs/hub.md.
 """
 
 import json
@@ -19,7 +20,10 @@ from omegaconf import DictConfig
 from msd_train.config import CONF_DIR
 from msd_train.hub.cli import require_arguments, target_info, user_error_kinds
 from msd_train.paths import user_path
-from msd_train.validate import ConfigError, user_errors
+from msd_train.validate import user_errors
+
+#: the keys of conf/hub/export.yaml that are options of some format's export
+OPTIONS = ("target", "dtype", "embed_from", "weights", "vocab_size")
 
 
 @hydra.main(config_path=str(CONF_DIR / "hub"), config_name="export", version_base=None)
@@ -27,26 +31,15 @@ def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with user_errors(*user_error_kinds()):  # a user's mistake: one paragraph, exit 1 (MSD_DEBUG=1: the traceback)
         require_arguments(cfg, "export")
-        if cfg.format not in ("msd", "reference", "eagle3"):
-            raise ConfigError(f"format={cfg.format}: use msd, reference or eagle3")
-        from msd_train.hub import export_msd, export_reference
+        from msd_train import hub  # fills the format registry
 
-        target = target_info(cfg.target)
-        checkpoint, out = user_path(cfg.checkpoint), user_path(cfg.out)
-        if cfg.format == "msd":
-            summary = export_msd(checkpoint, out, target=target, dtype=cfg.dtype)
-        elif cfg.format == "eagle3":  # an msd3 head in the EAGLE-3 layout (msd_train/hub/eagle3.py)
-            from msd_train.hub import load_head
-            from msd_train.hub.eagle3 import export_eagle3
-
-            head = load_head(checkpoint)
-            if head.feature_layers is None:
-                raise ConfigError(f"format=eagle3 holds msd3 heads; {checkpoint} is an {head.architecture} head "
-                                  f"(use format=msd or format=reference)")
-            summary = {"out": str(export_eagle3(head, out)), "format": "eagle3"}
-        else:
-            summary = export_reference(checkpoint, out, target=target, embed_from=cfg.embed_from,
-                                       weights=cfg.weights, vocab_size=cfg.vocab_size)
+        fmt = hub.formats.get(cfg.format)
+        # every option the format takes, and any other one the user set (null and
+        # weights=auto are the defaults): fmt.export refuses those rather than ignore them
+        options = {k: cfg[k] for k in OPTIONS if k in fmt.options or cfg[k] not in (None, "auto")}
+        if "target" in fmt.options:
+            options["target"] = target_info(cfg.target)
+        summary = fmt.export(user_path(cfg.checkpoint), user_path(cfg.out), **options)
     print(json.dumps(summary, indent=1))
 
 

@@ -1,4 +1,5 @@
-"""The EAGLE-3 layout that EAGLE-3 and SpecForge release (and SGLang serves), for msd3 heads.
+"""The EAGLE-3 layout that EAGLE-3 and SpecForge release and SGLang serves
+(`LlamaForCausalLMEagle3`), for msd3 heads.
 
 A folder holds config.json (`architectures: ["LlamaForCausalLMEagle3"]`, the layer's
 sizes, `vocab_size` of the target, `draft_vocab_size`) and model.safetensors with
@@ -7,15 +8,21 @@ sizes, `vocab_size` of the target, `draft_vocab_size`) and model.safetensors wit
 target vocabulary); no embedding. An msd3 head's parameters already carry these names, so
 export and import copy tensors without renaming: the round trip is bit-exact.
 
-What the layout has no field for is kept under `"msd"` in config.json (decoupling, draft
-positions, the training-time test, the target); `eagle_config.eagle_aux_hidden_state_layer_ids`
-names the fused layers as SGLang reads them. A third-party head without the `"msd"` block
-imports with `decouple_visual=False` (such heads were trained on placeholder embeddings).
+`eagle_config.eagle_aux_hidden_state_layer_ids` names the fused target layers the way
+SGLang reads it: SGLang captures the OUTPUT of each named layer (it adds 1 and takes that
+layer's input), while a head here names the layers whose INPUT it reads
+(`feature_layers`, HF `hidden_states[i]`), so the ids written are `feature_layers - 1`.
+(vLLM reads the same key as inputs, unshifted: serve this folder with SGLang; vLLM has
+`format=vllm`.) What the layout has no field for is kept under `"msd"` in config.json
+(decoupling, draft positions, the training-time test, the target, the exact
+`feature_layers`). A third-party head without the `"msd"` block imports with
+`decouple_visual=False` (such heads were trained on placeholder embeddings).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -23,7 +30,15 @@ from safetensors.torch import load_file, save_file
 
 from msd_train.draft import MSD3DraftConfig, MSD3DraftModel
 from msd_train.draft.config import default_feature_layers
+from msd_train.draft.head import DraftHead
 from msd_train.hub.folders import IncompleteHeadError
+from msd_train.hub.formats import HeadFormat
+from msd_train.hub.load import load_head
+from msd_train.hub.target import cast_head
+from msd_train.runtime import atomic_dir
+from msd_train.targets import resolve_dtype
+
+log = logging.getLogger(__name__)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 #: MSD3DraftConfig fields the EAGLE-3 config has no key for
@@ -32,15 +47,26 @@ _MSD_FIELDS = ("decouple_visual", "draft_positions", "ttt_steps", "ttt_decay", "
 
 
 def is_eagle3(config: dict) -> bool:
-    return any("Eagle3" in a for a in config.get("architectures") or [])
+    """An EAGLE-3 head in this layout (any `*Eagle3*` architecture), but not one in the
+    speculators layout (`Eagle3Speculator`, with its `speculators_config`), which vLLM reads."""
+    return any("Eagle3" in a for a in config.get("architectures") or []) and "speculators_config" not in config
 
 
-def export_eagle3(head: MSD3DraftModel, out: str | Path) -> Path:
-    """Write ``head`` to ``out`` in the EAGLE-3 layout (config.json + model.safetensors)."""
-    if not isinstance(head, MSD3DraftModel):
-        raise ValueError(f"the EAGLE-3 layout holds msd3 heads; this is an {getattr(head, 'architecture', '?')} head")
+def sglang_layer_ids(feature_layers: list[int]) -> list[int]:
+    """SGLang's `eagle_aux_hidden_state_layer_ids` for a head reading the inputs of these
+    target layers (SGLang names the layer whose output it captures)."""
+    return [i - 1 for i in feature_layers]
+
+
+def eagle3_config(head: MSD3DraftModel) -> tuple[dict, list[str]]:
+    """(config.json, warnings): the warnings name what SGLang does differently with this head."""
     c = head.config
-    rope = dict(c.rope_parameters or {})
+    rope = {k: v for k, v in (c.rope_parameters or {}).items() if k != "rope_theta"}
+    if c.draft_positions != "mrope":
+        # SGLang switches the draft to the target's M-RoPE ids whenever rope_scaling names
+        # sections; a head drafting with 1-D positions must not name them there.
+        rope.pop("mrope_section", None)
+    scaled = "mrope_section" in rope or rope.get("rope_type", "default") != "default"
     config = {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
@@ -53,21 +79,66 @@ def export_eagle3(head: MSD3DraftModel, out: str | Path) -> Path:
         "rms_norm_eps": c.rms_norm_eps,
         "hidden_act": c.hidden_act,
         "max_position_embeddings": c.max_position_embeddings,
-        "rope_theta": rope.get("rope_theta"),
-        "rope_scaling": rope if c.mrope_section or rope.get("rope_type", "default") != "default" else None,
+        "rope_theta": (c.rope_parameters or {}).get("rope_theta"),
+        "rope_scaling": rope if scaled else None,
         "vocab_size": c.target_vocab_size,
         "draft_vocab_size": c.draft_vocab_size,
         "tie_word_embeddings": False,
         "torch_dtype": str(head.lm_head.weight.dtype).removeprefix("torch."),
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.feature_layers)},
-        "msd": {k: getattr(c, k) for k in _MSD_FIELDS},
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_layer_ids(c.feature_layers)},
+        "msd": {"feature_layers": list(c.feature_layers), **{k: getattr(c, k) for k in _MSD_FIELDS}},
     }
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    warnings = []
+    if len(c.feature_layers) != 3:
+        warnings.append(f"this head fuses {len(c.feature_layers)} target layers ({c.feature_layers}); SGLang's "
+                        f"LlamaForCausalLMEagle3 builds fc for 3, so SGLang will not load this fc.weight")
+    biases = [k for k, _ in head.midlayer.self_attn.named_parameters() if k.endswith(".bias")]
+    if biases:
+        warnings.append(f"SGLang's EAGLE-3 layer has no q/k/v bias and silently skips midlayer.self_attn."
+                        f"{{{','.join(biases)}}}: served there, this {c.layer_family} head drafts differently")
+    return config, warnings
+
+
+def export_eagle3(head, out: str | Path, dtype: str | None = None) -> dict:
+    """Write an msd3 head (or the head in a folder / Hub id ``load_head`` opens) to ``out``
+    in the EAGLE-3 layout (config.json + model.safetensors), written atomically,
+    optionally cast to ``dtype``. Returns a summary (files, dtype, warnings)."""
+    where = "the head"
+    if not isinstance(head, DraftHead):
+        where, head = head, load_head(head)
+    FORMAT.check_holds(head, where)
+    if dtype:
+        head = cast_head(head, dtype=resolve_dtype(dtype, "cpu"))
+    config, warnings = eagle3_config(head)
     state = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out
+
+    def write(tmp: Path):
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    atomic_dir(Path(out), write)
+    for w in warnings:
+        log.warning("%s", w)
+    return {"out": str(out), "files": ["config.json", "model.safetensors"], "dtype": config["torch_dtype"],
+            "warnings": warnings}
+
+
+def _fused_layers(config: dict, path: Path, target_num_layers: int | None) -> list[int]:
+    """The head's `feature_layers`: the exact list an export of ours records; else the
+    ids SGLang reads, shifted to inputs; else EAGLE-3's default for the target's depth."""
+    msd = config.get("msd")
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if msd and msd.get("feature_layers") is not None:
+        return list(msd["feature_layers"])
+    if ids is not None:
+        # exports of ours from before the ids were written SGLang's way carry an "msd"
+        # block without feature_layers; their ids already are the inputs read
+        return list(ids) if msd else [i + 1 for i in ids]
+    n_layers = (msd or {}).get("target_num_layers") or target_num_layers
+    if n_layers is None:
+        raise IncompleteHeadError(f"{path} names no fused target layers (eagle_config."
+                                  f"eagle_aux_hidden_state_layer_ids); give the target's layer count")
+    return default_feature_layers(n_layers)
 
 
 def import_eagle3(folder: str | Path, target_num_layers: int | None = None) -> MSD3DraftModel:
@@ -83,13 +154,7 @@ def import_eagle3(folder: str | Path, target_num_layers: int | None = None) -> M
     if not is_eagle3(config):
         raise IncompleteHeadError(f"{path}: architectures {config.get('architectures')} is not {ARCHITECTURE}")
     msd = config.get("msd") or {}
-    layers = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    n_layers = msd.get("target_num_layers") or target_num_layers
-    if layers is None:
-        if n_layers is None:
-            raise IncompleteHeadError(f"{path} names no fused target layers (eagle_config."
-                                      f"eagle_aux_hidden_state_layer_ids); give the target's layer count")
-        layers = default_feature_layers(n_layers)
+    layers = _fused_layers(config, path, target_num_layers)
     state = load_file(str(folder / "model.safetensors"))
     rope = dict(config.get("rope_scaling") or {})
     if config.get("rope_theta") is not None:
@@ -105,8 +170,8 @@ def import_eagle3(folder: str | Path, target_num_layers: int | None = None) -> M
         hidden_act=config.get("hidden_act", "silu"),
         max_position_embeddings=config.get("max_position_embeddings", 4096), rope_parameters=rope,
         mrope_section=msd.get("mrope_section") or (config.get("rope_scaling") or {}).get("mrope_section"),
-        layer_family=family, feature_layers=list(layers), target_vocab_size=config["vocab_size"],
-        draft_vocab_size=config["draft_vocab_size"], target_num_layers=n_layers,
+        layer_family=family, feature_layers=layers, target_vocab_size=config["vocab_size"],
+        draft_vocab_size=config["draft_vocab_size"], target_num_layers=msd.get("target_num_layers") or target_num_layers,
         target_hidden_size=config["hidden_size"], decouple_visual=False,
     )
     fields.update({k: v for k, v in msd.items() if k in _MSD_FIELDS and v is not None})
@@ -120,6 +185,18 @@ def import_eagle3(folder: str | Path, target_num_layers: int | None = None) -> M
     return head.eval()
 
 
+def load_eagle3(folder: Path, target=None, source=None) -> MSD3DraftModel:
+    """`import_eagle3`, with the fused layers' default taken from a loaded `target`."""
+    layers = target.config.get_text_config(decoder=True).num_hidden_layers if target is not None else None
+    return import_eagle3(folder, layers)
+
+
 def same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     """Bit-exact equality of two state dicts."""
     return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+FORMAT = HeadFormat(
+    name="eagle3", heads=("msd3",), write=export_eagle3, detect=is_eagle3, load=load_eagle3, options=("dtype",),
+    describe=f"the EAGLE-3 layout (SpecForge, SGLang), architectures [{ARCHITECTURE!r}]",
+)

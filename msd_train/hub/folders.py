@@ -7,7 +7,8 @@ import json
 import re
 from pathlib import Path
 
-from msd_train.draft import MSD3DraftConfig, MSDDraftConfig, MSDDraftModel, NonFiniteWeightsError
+from msd_train.draft import MSDDraftModel, NonFiniteWeightsError
+from msd_train.hub import formats
 
 #: model_type of the released heads' config.json -> draft layer family
 REFERENCE_MODEL_TYPES = {"llava": "llama", "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2"}
@@ -62,21 +63,16 @@ def read_config(folder: Path) -> dict:
 
 
 def detect_layout(folder: Path) -> str:
-    """'msd' for this project's export folders (every head architecture), 'reference' for
-    the released MSD layout, 'eagle3' for the EAGLE-3 layout (``msd_train.hub.eagle3``)."""
+    """The name of the head format (``msd_train.hub.formats``) a folder is in: 'msd' for
+    this project's export folders (every head architecture), 'reference' for the released
+    MSD layout, 'eagle3' for the EAGLE-3 layout, ..."""
     config = read_config(folder)
-    model_type = config.get("model_type")
-    if model_type in (MSDDraftConfig.model_type, MSD3DraftConfig.model_type):
-        return "msd"
-    if any("Eagle3" in a for a in config.get("architectures") or []):
-        return "eagle3"
-    if model_type in REFERENCE_MODEL_TYPES:
-        return "reference"
-    raise IncompleteHeadError(
-        f"{folder}/config.json: model_type {model_type!r} is neither an MSD export "
-        f"({MSDDraftConfig.model_type!r}, {MSD3DraftConfig.model_type!r}) nor a released MSD head "
-        f"({', '.join(REFERENCE_MODEL_TYPES)}) nor an EAGLE-3 head (architectures LlamaForCausalLMEagle3)"
-    )
+    fmt = formats.detect(config)
+    if fmt is None:
+        known = "; ".join(f"{f.name}: {f.describe}" for f in formats.FORMATS.values())
+        raise IncompleteHeadError(f"{folder}/config.json (model_type {config.get('model_type')!r}) is in none of "
+                                  f"the head formats this project reads ({known})")
+    return fmt.name
 
 
 def export_weight_files(folder: Path) -> list[Path]:
@@ -102,11 +98,9 @@ def load_export(folder: str | Path, **from_pretrained_kwargs) -> MSDDraftModel:
     folder = Path(folder)
     layout = detect_layout(folder)
     if layout != "msd":
-        raise IncompleteHeadError(
-            f"{folder} is an EAGLE-3-layout head; load it with msd_train.hub.load_head" if layout == "eagle3" else
-            f"{folder} is a released-layout head; convert it with scripts/import_reference.py "
-            f"(or load it with msd_train.hub.load_head)"
-        )
+        raise IncompleteHeadError(f"{folder} is a head in the {layout} format, not this project's export folder; "
+                                  f"load it with msd_train.hub.load_head, or convert it with "
+                                  f"scripts/export.py checkpoint={folder} format=msd out=...")
     export_weight_files(folder)
     try:
         model, info = MSDDraftModel.from_pretrained(folder, output_loading_info=True, **from_pretrained_kwargs)

@@ -6,8 +6,9 @@ import logging
 from pathlib import Path
 
 from msd_train.draft import MSDDraftModel
-from msd_train.hub.folders import IncompleteHeadError, detect_layout, load_export, resolve_folder
-from msd_train.hub.reference import TargetInfo, cast_head, convert_reference, read_reference
+from msd_train.hub import formats
+from msd_train.hub.folders import IncompleteHeadError, detect_layout, resolve_folder
+from msd_train.hub.target import cast_head
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +22,7 @@ def load_head(path_or_repo_id: str | Path, target=None, revision: str | None = N
       "qwen2_vl" + `pytorch_model.bin` or `model.safetensors`), converted in memory
       exactly as `scripts/import_reference.py` would;
     * a folder in the EAGLE-3 layout (``msd_train.hub.eagle3``), as an msd3 head;
+    * a folder in any other format of ``msd_train.hub.formats`` that can be loaded;
     * a Hugging Face Hub repo id of any of these (`lucylyn/MSD-LLaVA1.5-7B`), downloaded with
       `snapshot_download` (head files only), at `revision` if given.
 
@@ -30,19 +32,11 @@ def load_head(path_or_repo_id: str | Path, target=None, revision: str | None = N
     and the head is moved to the target's device and dtype.
     """
     folder = resolve_folder(path_or_repo_id, revision)
-    layout = detect_layout(folder)
-    if layout == "eagle3":
-        from msd_train.hub.eagle3 import import_eagle3
-
-        layers = target.config.get_text_config(decoder=True).num_hidden_layers if target is not None else None
-        model = import_eagle3(folder, layers)
-    elif layout == "reference":
-        info = TargetInfo.of(target) if target is not None else None
-        model, report = convert_reference(read_reference(folder), info, source=str(path_or_repo_id))
-        for note in report.notes:
-            log.info("%s: %s", path_or_repo_id, note)
-    else:
-        model = load_export(folder)
+    fmt = formats.get(detect_layout(folder))
+    if fmt.load is None:
+        raise IncompleteHeadError(f"{path_or_repo_id}: a head in the {fmt.name} format is written for another engine; "
+                                  f"this project does not load it back (load the folder it was exported from)")
+    model = fmt.load(folder, target=target, source=str(path_or_repo_id))
     if target is not None:
         check_fits(model, target, str(path_or_repo_id))
         model = cast_head(model, device=target.device, dtype=target.dtype)

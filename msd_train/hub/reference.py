@@ -24,29 +24,27 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 
 import torch
 
 from msd_train.draft import MSDDraftConfig, MSDDraftModel, NonFiniteWeightsError, check_finite
+from msd_train.draft.head import DraftHead
 from msd_train.hub.folders import (
     REFERENCE_MODEL_TYPES,
     REFERENCE_WEIGHT_FILES,
     IncompleteHeadError,
-    detect_layout,
     load_export,
     read_config,
     resolve_folder,
 )
+from msd_train.hub.formats import HeadFormat
+from msd_train.hub.target import PUBLISHED_TARGETS, TargetInfo
 from msd_train.hub.vocab import EmbeddingCheck, VocabMap, check_embedding
 from msd_train.paths import user_path
 from msd_train.runtime import atomic_dir
-from msd_train.targets import resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -57,138 +55,6 @@ EMBED_KEY = "embed_tokens.weight"
 #: weights: RoPE frequencies and caches, recomputed from config.json at load. The released
 #: loader (`load_state_dict(strict=False)`) ignores them; so does the importer, with a note.
 NON_WEIGHT_BUFFER = re.compile(r"(^|\.)rotary_emb\.(inv_freq|original_inv_freq|cos_cached|sin_cached)$")
-
-#: The targets the published heads were trained for, by (model_type, hidden_size), and
-#: those targets' vocabulary sizes in their transformers format. Used only to fill the
-#: head's `target_*` fields when the importer is not told the target.
-PUBLISHED_TARGETS = {
-    ("llava", 4096): ("llava-hf/llava-1.5-7b-hf", 32064),
-    ("llava", 5120): ("llava-hf/llava-1.5-13b-hf", 32064),
-    ("qwen2_vl", 3584): ("Qwen/Qwen2-VL-7B-Instruct", 152064),
-}
-
-
-# --- the target, as far as heads care ------------------------------------------------------
-
-
-@dataclass
-class TargetInfo:
-    """What import/export need to know of a target: its name, sizes, embedding table.
-
-    The hub functions take this one kind of thing; a caller builds it once, from what it
-    holds: a loaded target (:meth:`of`) or a target's folder or Hub id (:meth:`from_files`,
-    which never loads the model). The embedding table is read on first use only (an
-    export with ``embed_from=`` never reads it).
-    """
-
-    name: str
-    model_type: str | None
-    vocab_size: int
-    hidden_size: int
-    read_embedding: Callable[[], torch.Tensor] = field(repr=False)
-    original_vocab_size: int | None = None  # LLaVA: the tokenizer's base vocabulary (no appended tokens)
-    adapter: str | None = None
-    mrope_section: list[int] | None = None
-
-    @cached_property
-    def embedding(self) -> torch.Tensor:
-        """[vocab, H], the target's input embedding table."""
-        return self.read_embedding()
-
-    @classmethod
-    def of(cls, target) -> TargetInfo:
-        """A loaded `msd_train.targets.Target` (any object with `config` and `embed_tokens`)."""
-        config = target.config
-        text = config.get_text_config(decoder=True)
-        return cls(
-            name=str(getattr(target, "name", None) or getattr(config, "_name_or_path", "")),
-            model_type=config.model_type,
-            vocab_size=text.vocab_size,
-            hidden_size=text.hidden_size,
-            read_embedding=lambda: target.embed_tokens.weight.detach(),
-            original_vocab_size=getattr(getattr(target, "tokenizer", None), "vocab_size", None),
-            adapter=getattr(target, "adapter", None),
-            mrope_section=_mrope_of(text),
-        )
-
-    @classmethod
-    def from_files(cls, name_or_path: str | os.PathLike) -> TargetInfo:
-        """A target folder or Hub id, read from its config, tokenizer and the one weight
-        shard that holds the embedding (the model is not loaded)."""
-        from transformers import AutoConfig, AutoTokenizer
-
-        name = str(name_or_path)
-        config = AutoConfig.from_pretrained(name)
-        text = config.get_text_config(decoder=True)
-        original = None
-        if config.model_type == "llava":
-            try:
-                original = AutoTokenizer.from_pretrained(name).vocab_size
-            except Exception as err:  # a target without a tokenizer still has an embedding
-                log.warning("%s: could not read the tokenizer (%s); assuming no appended tokens", name, err)
-        return cls(
-            name=name, model_type=config.model_type, vocab_size=text.vocab_size, hidden_size=text.hidden_size,
-            read_embedding=lambda: read_target_embedding(name), original_vocab_size=original,
-            mrope_section=_mrope_of(text),
-        )
-
-
-def _mrope_of(text_config) -> list[int] | None:
-    rope = getattr(text_config, "rope_parameters", None) or {}
-    return list(rope["mrope_section"]) if rope.get("mrope_section") else None
-
-
-def read_target_embedding(name_or_path: str, revision: str | None = None) -> torch.Tensor:
-    """The target's input embedding table, read from its weight files alone (one shard,
-    not the whole model): the text model's `*embed_tokens.weight`."""
-    from huggingface_hub import hf_hub_download
-    from safetensors import safe_open
-
-    local = Path(name_or_path)
-
-    def fetch(filename: str) -> Path | None:
-        if local.is_dir():
-            return local / filename if (local / filename).is_file() else None
-        try:
-            return Path(hf_hub_download(str(name_or_path), filename, revision=revision))
-        except Exception:
-            return None
-
-    def pick(keys) -> str:
-        found = [k for k in keys if k.endswith("embed_tokens.weight") and "vision" not in k and "visual" not in k]
-        if len(found) != 1:
-            raise ValueError(f"{name_or_path}: expected one text embed_tokens.weight, found {found or 'none'}")
-        return found[0]
-
-    index = fetch("model.safetensors.index.json")
-    if index is not None:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        key = pick(weight_map)
-        path = fetch(weight_map[key])
-    else:
-        path = fetch("model.safetensors")
-        if path is None:
-            bin_path = fetch("pytorch_model.bin")
-            if bin_path is None:
-                raise FileNotFoundError(f"{name_or_path}: no model.safetensors(.index.json) or pytorch_model.bin")
-            state = torch.load(bin_path, map_location="cpu", weights_only=True, mmap=True)
-            return state[pick(state)].clone()
-        with safe_open(path, "pt") as f:
-            key = pick(f.keys())
-    with safe_open(path, "pt") as f:
-        return f.get_tensor(key)
-
-
-def cast_head(model: MSDDraftModel, device=None, dtype: torch.dtype | None = None) -> MSDDraftModel:
-    """`model.to(device, dtype)` for the parameters only: buffers (the rotary `inv_freq`)
-    keep their fp32 precision, as `from_pretrained(dtype=...)` leaves them. A plain
-    `.to(torch.bfloat16)` would round the RoPE frequencies and shift every angle."""
-    buffers = {name: buf for name, buf in model.named_buffers()}
-    model.to(device=device, dtype=dtype)
-    for name, buf in buffers.items():
-        owner, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(owner), attr, buf.to(device or buf.device))
-    return model
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
@@ -490,7 +356,7 @@ def import_reference(src: str | Path, out: str | Path, target: TargetInfo | None
     `MSDDraftModel.from_pretrained(out)`. Written atomically (temp folder, then rename)."""
     folder = resolve_folder(src, revision)
     ref = read_reference(folder)
-    model, report = convert_reference(ref, target, source=_source_name(src))
+    model, report = convert_reference(ref, target, source=source_name(src))
     out = user_path(out)
 
     def write(tmp: Path):
@@ -501,7 +367,7 @@ def import_reference(src: str | Path, out: str | Path, target: TargetInfo | None
     return report
 
 
-def _source_name(src) -> str:
+def source_name(src) -> str:
     """A local folder as an absolute path (so a later export finds it from any cwd), a repo id as is."""
     return str(Path(src).resolve()) if Path(src).exists() else str(src)
 
@@ -574,7 +440,7 @@ def _reference_embedding(folder: Path, record: dict | None, target: TargetInfo |
 
 
 def export_reference(
-    checkpoint: str | Path,
+    checkpoint,
     out: str | Path,
     target: TargetInfo | None = None,
     embed_from: str | Path | None = None,
@@ -583,16 +449,20 @@ def export_reference(
 ) -> dict:
     """Write an export folder in the released layout, for tools written for the reference.
 
-    Weights are copied bit for bit; `embed_tokens.weight` comes from `embed_from`, the
+    `checkpoint`: an export folder (or Hub id) or a head. Weights are copied bit for bit; `embed_tokens.weight` comes from `embed_from`, the
     target, or the recorded import source (see `_reference_embedding`), in the head's
     dtype. `weights`: "safetensors", "bin", or "auto" (the imported file's format when
     round-tripping, else safetensors). Returns a summary dict (files, embedding source,
     warnings).
     """
-    folder = resolve_folder(checkpoint)
-    model = load_export(folder)
-    record_path = folder / IMPORT_RECORD
-    record = json.loads(record_path.read_text()) if record_path.is_file() else None
+    if isinstance(checkpoint, DraftHead):
+        folder, model, record = "the head", checkpoint, None
+    else:
+        folder = resolve_folder(checkpoint)
+        model = load_export(folder)
+        record_path = folder / IMPORT_RECORD
+        record = json.loads(record_path.read_text()) if record_path.is_file() else None
+    FORMAT.check_holds(model, folder)
     warnings = _released_layout_warnings(folder, model.config)
     embed, embed_source = _reference_embedding(folder, record, target, embed_from, vocab_size)
     embed = embed.to(model.dtype)
@@ -666,28 +536,26 @@ def _write_released(out: Path, state: dict, ref_config: dict, weights: str) -> s
     return filename
 
 
-def export_msd(checkpoint: str | Path, out: str | Path, target: TargetInfo | None = None,
-               dtype: str | None = None) -> dict:
-    """Write this project's export folder from an export folder or a released-layout one,
-    optionally cast to `dtype` (fp16/bf16/fp32): training exports are fp32."""
-    folder = resolve_folder(checkpoint)
-    extra = {}
-    if detect_layout(folder) == "reference":
-        ref = read_reference(folder)
-        model, report = convert_reference(ref, target, source=_source_name(checkpoint))
-        extra[IMPORT_RECORD] = json.dumps(report.record(ref.config), indent=1)
-    else:
-        model = load_export(folder)
-        for name in ("training.json", IMPORT_RECORD):
-            if (folder / name).is_file():
-                extra[name] = (folder / name).read_text()
-    if dtype:
-        model = cast_head(model, dtype=resolve_dtype(dtype, "cpu"))
+# --- the format ------------------------------------------------------------------------------
 
-    def write(tmp: Path):
-        model.save_pretrained(tmp)
-        for name, text in extra.items():
-            (tmp / name).write_text(text)
 
-    atomic_dir(Path(out), write)
-    return {"out": str(out), "files": sorted(["config.json", "model.safetensors", *extra]), "dtype": str(model.dtype)}
+def load_reference(folder: Path, target=None, source=None) -> MSDDraftModel:
+    """A released-layout folder as a head, converted in memory exactly as the importer
+    does (its notes logged); `target`: a loaded `Target`, whose embedding the released
+    one is checked against."""
+    info = TargetInfo.of(target) if target is not None else None
+    model, report = convert_reference(read_reference(folder), info, source=source or str(folder))
+    for note in report.notes:
+        log.info("%s: %s", source or folder, note)
+    return model
+
+
+def is_reference(config: dict) -> bool:
+    return config.get("model_type") in REFERENCE_MODEL_TYPES
+
+
+FORMAT = HeadFormat(
+    name="reference", heads=("msd",), write=export_reference, detect=is_reference, load=load_reference,
+    options=("target", "embed_from", "weights", "vocab_size"),
+    describe=f"the released MSD layout, model_type {' or '.join(map(repr, REFERENCE_MODEL_TYPES))}",
+)

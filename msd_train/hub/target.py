@@ -1,0 +1,149 @@
+"""The target, as far as heads care: `TargetInfo` (name, sizes, embedding table), read
+from a loaded target or from its files without loading it, and `cast_head`, which puts a
+head on a target's device and dtype. Every hub format's import and export takes these."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+from msd_train.draft import MSDDraftModel
+
+log = logging.getLogger(__name__)
+
+#: The targets the published heads were trained for, by (model_type, hidden_size), and
+#: those targets' vocabulary sizes in their transformers format. Used only to fill the
+#: head's `target_*` fields when the importer is not told the target.
+PUBLISHED_TARGETS = {
+    ("llava", 4096): ("llava-hf/llava-1.5-7b-hf", 32064),
+    ("llava", 5120): ("llava-hf/llava-1.5-13b-hf", 32064),
+    ("qwen2_vl", 3584): ("Qwen/Qwen2-VL-7B-Instruct", 152064),
+}
+
+
+@dataclass
+class TargetInfo:
+    """What import/export need to know of a target: its name, sizes, embedding table.
+
+    The hub functions take this one kind of thing; a caller builds it once, from what it
+    holds: a loaded target (:meth:`of`) or a target's folder or Hub id (:meth:`from_files`,
+    which never loads the model). The embedding table is read on first use only (an
+    export with ``embed_from=`` never reads it).
+    """
+
+    name: str
+    model_type: str | None
+    vocab_size: int
+    hidden_size: int
+    read_embedding: Callable[[], torch.Tensor] = field(repr=False)
+    original_vocab_size: int | None = None  # LLaVA: the tokenizer's base vocabulary (no appended tokens)
+    adapter: str | None = None
+    mrope_section: list[int] | None = None
+
+    @cached_property
+    def embedding(self) -> torch.Tensor:
+        """[vocab, H], the target's input embedding table."""
+        return self.read_embedding()
+
+    @classmethod
+    def of(cls, target) -> TargetInfo:
+        """A loaded `msd_train.targets.Target` (any object with `config` and `embed_tokens`)."""
+        config = target.config
+        text = config.get_text_config(decoder=True)
+        return cls(
+            name=str(getattr(target, "name", None) or getattr(config, "_name_or_path", "")),
+            model_type=config.model_type,
+            vocab_size=text.vocab_size,
+            hidden_size=text.hidden_size,
+            read_embedding=lambda: target.embed_tokens.weight.detach(),
+            original_vocab_size=getattr(getattr(target, "tokenizer", None), "vocab_size", None),
+            adapter=getattr(target, "adapter", None),
+            mrope_section=_mrope_of(text),
+        )
+
+    @classmethod
+    def from_files(cls, name_or_path: str | os.PathLike) -> TargetInfo:
+        """A target folder or Hub id, read from its config, tokenizer and the one weight
+        shard that holds the embedding (the model is not loaded)."""
+        from transformers import AutoConfig, AutoTokenizer
+
+        name = str(name_or_path)
+        config = AutoConfig.from_pretrained(name)
+        text = config.get_text_config(decoder=True)
+        original = None
+        if config.model_type == "llava":
+            try:
+                original = AutoTokenizer.from_pretrained(name).vocab_size
+            except Exception as err:  # a target without a tokenizer still has an embedding
+                log.warning("%s: could not read the tokenizer (%s); assuming no appended tokens", name, err)
+        return cls(
+            name=name, model_type=config.model_type, vocab_size=text.vocab_size, hidden_size=text.hidden_size,
+            read_embedding=lambda: read_target_embedding(name), original_vocab_size=original,
+            mrope_section=_mrope_of(text),
+        )
+
+
+def _mrope_of(text_config) -> list[int] | None:
+    rope = getattr(text_config, "rope_parameters", None) or {}
+    return list(rope["mrope_section"]) if rope.get("mrope_section") else None
+
+
+def read_target_embedding(name_or_path: str, revision: str | None = None) -> torch.Tensor:
+    """The target's input embedding table, read from its weight files alone (one shard,
+    not the whole model): the text model's `*embed_tokens.weight`."""
+    from huggingface_hub import hf_hub_download
+    from safetensors import safe_open
+
+    local = Path(name_or_path)
+
+    def fetch(filename: str) -> Path | None:
+        if local.is_dir():
+            return local / filename if (local / filename).is_file() else None
+        try:
+            return Path(hf_hub_download(str(name_or_path), filename, revision=revision))
+        except Exception:
+            return None
+
+    def pick(keys) -> str:
+        found = [k for k in keys if k.endswith("embed_tokens.weight") and "vision" not in k and "visual" not in k]
+        if len(found) != 1:
+            raise ValueError(f"{name_or_path}: expected one text embed_tokens.weight, found {found or 'none'}")
+        return found[0]
+
+    index = fetch("model.safetensors.index.json")
+    if index is not None:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        key = pick(weight_map)
+        path = fetch(weight_map[key])
+    else:
+        path = fetch("model.safetensors")
+        if path is None:
+            bin_path = fetch("pytorch_model.bin")
+            if bin_path is None:
+                raise FileNotFoundError(f"{name_or_path}: no model.safetensors(.index.json) or pytorch_model.bin")
+            state = torch.load(bin_path, map_location="cpu", weights_only=True, mmap=True)
+            return state[pick(state)].clone()
+        with safe_open(path, "pt") as f:
+            key = pick(f.keys())
+    with safe_open(path, "pt") as f:
+        return f.get_tensor(key)
+
+
+def cast_head(model: MSDDraftModel, device=None, dtype: torch.dtype | None = None) -> MSDDraftModel:
+    """`model.to(device, dtype)` for the parameters only: buffers (the rotary `inv_freq`)
+    keep their fp32 precision, as `from_pretrained(dtype=...)` leaves them. A plain
+    `.to(torch.bfloat16)` would round the RoPE frequencies and shift every angle."""
+    buffers = {name: buf for name, buf in model.named_buffers()}
+    model.to(device=device, dtype=dtype)
+    for name, buf in buffers.items():
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, buf.to(device or buf.device))
+    return model
+
