@@ -7,6 +7,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from msd_train.errors import user_errors
 from msd_train.paths import creatable_dir, user_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -23,8 +24,6 @@ if not OmegaConf.has_resolver("user_path"):
 def _run_dir_path(value) -> str:
     # Hydra resolves this while creating its output folder, before the run's own checks and
     # outside their error handling: a run_dir that cannot be made is reported (exit 1) here.
-    from msd_train.validate import user_errors
-
     with user_errors(ValueError):
         return str(creatable_dir(value))
 

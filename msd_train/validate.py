@@ -15,36 +15,13 @@ import math
 import netrc
 import os
 import re
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from msd_train.errors import ConfigError, debug, user_errors  # noqa: F401  (re-exported: callers import them from here)
 from msd_train.paths import user_path
 
 _MISSING = object()
-
-
-class ConfigError(ValueError):
-    """A mistake in the command line or config; the message names the key and the fix."""
-
-
-def debug() -> bool:
-    return os.environ.get("MSD_DEBUG", "").lower() not in ("", "0", "false", "no")
-
-
-@contextmanager
-def user_errors(*kinds: type[BaseException]) -> Iterator[None]:
-    """Print ``ConfigError`` (and ``kinds``) as ``error: <message>`` on stderr and exit 1;
-    with ``MSD_DEBUG=1`` let them through with their traceback."""
-    try:
-        yield
-    except (ConfigError, *kinds) as e:
-        if debug():
-            raise
-        print(f"error: {e}\n(set MSD_DEBUG=1 for the traceback)", file=sys.stderr, flush=True)
-        sys.exit(1)
 
 
 def _get(cfg: Any, key: str) -> Any:
