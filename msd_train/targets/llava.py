@@ -1,4 +1,10 @@
-"""LLaVA family (llava-hf format): CLIP vision tower, MLP projector, Llama language model."""
+"""LLaVA family (llava-hf format): CLIP vision tower, MLP projector, Llama language model.
+
+``LlavaTarget``: LLaVA-1.5, a fixed number of visual tokens per image (one square patch
+grid). ``LlavaNextTarget``: LLaVA-NeXT (v1.6), anyres tiling, so the number of visual
+tokens varies with each image's size and aspect ratio, and an image-newline embedding ends
+every row of the tiled grid.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +12,23 @@ import torch
 
 from msd_train.targets.base import Target
 
+# Llama-2 text shapes with the Vicuna / llava-hf vocabulary (32000 + <image> + padding)
+_LLAMA_7B = dict(hidden=4096, inter=11008, layers=32, heads=32, kv=32, vocab=32064)
+_LLAMA_13B = dict(hidden=5120, inter=13824, layers=40, heads=40, kv=40, vocab=32064)
+
 
 class LlavaTarget(Target):
     family = "llava"
+    model_types = ("llava",)
+    text_model_types = ("llama",)
+    draft_layer_family = "llama"
+    display_name = "LLaVA"
+    hub_tags = ("llava",)
+    reference_model_type = "llava"
+    published_targets = {4096: ("llava-hf/llava-1.5-7b-hf", 32064), 5120: ("llava-hf/llava-1.5-13b-hf", 32064)}
+    #: visual: tokens per image (336 px, patch 14: 24 x 24)
+    shapes = {"llava15_7b": dict(_LLAMA_7B, visual=576, image_side=336),
+              "llava15_13b": dict(_LLAMA_13B, visual=576, image_side=336)}
 
     def __init__(self, model, processor, name, chat_template):
         super().__init__(model, processor, name, chat_template)
@@ -48,3 +68,48 @@ class LlavaTarget(Target):
         else:  # right padding: real tokens count from 0, pads get 0
             pos = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
         return pos, None
+
+
+class LlavaNextTarget(LlavaTarget):
+    """LLaVA-NeXT: per image, the base tile's grid, then the anyres tiles' grid with its
+    padding removed and an image-newline embedding closing each row; the count depends on
+    the image's size (the processor's own count, checked against the tower in ``embed``)."""
+
+    family = "llava_next"
+    model_types = ("llava_next",)
+    display_name = "LLaVA-NeXT"
+    hub_tags = ("llava-next",)
+    reference_model_type = None  # no MSD heads were released in the original layout
+    published_targets = {}
+    #: visual: tokens of a 672 x 672 image (576 base + 48 rows x (48 + 1 newline))
+    shapes = {"llava16_7b": dict(_LLAMA_7B, visual=576 + 48 * 49, image_side=672)}
+
+    @property
+    def tokens_per_image(self) -> int:
+        raise ValueError(f"{self.name}: a LLaVA-NeXT image has no fixed token count (anyres tiling); "
+                         "image_inputs gives each image's")
+
+    def image_grids(self, pixel):
+        raise ValueError(f"{self.name}: a LLaVA-NeXT image's tokens are a base grid plus unpadded tiles with "
+                         "newline tokens, not one grid; decoding.variants P and C need one grid per image")
+
+    def image_inputs(self, images):
+        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+        out = self.processor.image_processor(images=images, return_tensors="pt")
+        sizes = out["image_sizes"]
+        # The processor pads every image to the most tiles in the call; keeping each image's
+        # own tiles (4-D, as the tower also takes them) lets batches concatenate images
+        # processed in different calls.
+        tiles = [image_size_to_num_patches(s.tolist(), self.config.image_grid_pinpoints,
+                                           self.config.vision_config.image_size) for s in sizes]
+        pixel_values = torch.cat([pv[:n] for pv, n in zip(out["pixel_values"], tiles)])
+        counts = self.processor._get_num_multimodal_tokens(image_sizes=sizes.tolist()).num_image_tokens
+        return {"pixel_values": pixel_values, "image_sizes": sizes}, list(counts)
+
+    def visual_embeddings(self, pixel):
+        out = self.model.model.get_image_features(
+            pixel_values=pixel["pixel_values"].to(self.device, self.dtype),
+            image_sizes=pixel["image_sizes"].to(self.device), return_dict=True,
+        )
+        return torch.cat(list(out.pooler_output), dim=0)
