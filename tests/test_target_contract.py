@@ -14,6 +14,7 @@ import pytest
 import torch
 from builders import fit_head, random_image, write_mini_data
 from PIL import Image
+from test_train import in_process, recipe  # noqa: F401 (in_process is a fixture: one DeepSpeed group)
 
 from msd_train.decoding import DecodeConfig, generate
 from msd_train.draft import MSD3DraftConfig, MSDDraftConfig, MSDDraftModel
@@ -267,14 +268,12 @@ def test_tree_decoding_equals_plain_decoding(target):
 # ----- training -----------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("in_process")
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_both_training_stages(family, tmp_path):
     """Stage 1 then stage 2 (image conversations half the batch) through the recipe, on the
     family's random model laid out as a Hub folder and loaded by ``load_target``; then an
     msd3 head's first step, whose default layers come from the family."""
-    from test_train import in_process, recipe  # noqa: F401 (one DeepSpeed group per process)
-
     folder = save_random_target(family, tmp_path / "target", seed=1)
     images = lambda i: wide_image(i) if i % 2 else random_image(100 + i, 32)  # noqa: E731
     data = write_mini_data(tmp_path, 10, 4, images, (4, 6, 3, 5))
