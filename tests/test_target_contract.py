@@ -104,12 +104,7 @@ def test_head_defaults_of_the_published_shapes():
     from transformers import LlavaNextConfig, Qwen3VLConfig
 
     s = target_shapes()["qwen3vl_8b"]
-    qwen3 = Qwen3VLConfig(text_config=dict(hidden_size=s["hidden"], intermediate_size=s["inter"],
-                                           num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
-                                           num_key_value_heads=s["kv"], vocab_size=s["vocab"], head_dim=128,
-                                           rope_parameters={"rope_type": "default", "rope_theta": 5e6,
-                                                            "mrope_section": s["mrope_section"],
-                                                            "mrope_interleaved": True}))
+    qwen3 = Qwen3VLConfig(text_config=s["text"], vision_config=s["vision"])
     assert list(qwen3.vision_config.deepstack_visual_indexes) == [8, 16, 24]
     head = MSD3DraftConfig.from_target_config(qwen3, "Qwen/Qwen3-VL-8B-Instruct")
     assert head.feature_layers == [4, 18, 33]  # not 2: hidden_states[2..3] miss later deepstack injections
@@ -120,9 +115,8 @@ def test_head_defaults_of_the_published_shapes():
     assert MSDDraftConfig.from_target_config(qwen3, "x").mrope_section == [24, 20, 20]
 
     s = target_shapes()["llava16_7b"]
-    nxt = LlavaNextConfig(text_config=dict(model_type="llama", hidden_size=s["hidden"], num_hidden_layers=s["layers"],
-                                           intermediate_size=s["inter"], num_attention_heads=s["heads"],
-                                           vocab_size=s["vocab"]))
+    nxt = LlavaNextConfig(text_config=dict(s["text"], model_type="llama"), vision_config=s["vision"],
+                          image_grid_pinpoints=s["image_grid_pinpoints"])
     head = MSD3DraftConfig.from_target_config(nxt, "llava-hf/llava-v1.6-vicuna-7b-hf")
     assert head.feature_layers == [2, 16, 29] and head.layer_family == "llama" and head.mrope_section is None
 

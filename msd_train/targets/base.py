@@ -89,7 +89,9 @@ class Target:
     reference_model_type: str | None = None
     #: hidden size -> (Hub id, vocabulary rows) of the targets released heads were trained for
     published_targets: dict[int, tuple[str, int]] = {}
-    #: benchmark shapes of published checkpoints: name -> sizes (``TargetShape`` fields)
+    #: published checkpoints' shapes, for benchmarks of random models of their size: name ->
+    #: ``text`` / ``vision`` (config keywords), ``image_side`` (a benchmark image's side in
+    #: pixels) and ``visual`` (its visual tokens)
     shapes: dict[str, dict] = {}
     #: the placeholder string the processor expands, e.g. "<image>" or "<|image_pad|>"
     image_text: str

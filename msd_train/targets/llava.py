@@ -12,9 +12,14 @@ import torch
 
 from msd_train.targets.base import Target
 
-# Llama-2 text shapes with the Vicuna / llava-hf vocabulary (32000 + <image> + padding)
-_LLAMA_7B = dict(hidden=4096, inter=11008, layers=32, heads=32, kv=32, vocab=32064)
-_LLAMA_13B = dict(hidden=5120, inter=13824, layers=40, heads=40, kv=40, vocab=32064)
+# Published shapes (the checkpoints' config.json sizes, transformers' config keywords):
+# Llama-2 text models with the llava-hf vocabulary (32000 + <image> + padding), CLIP ViT-L/14-336.
+_LLAMA_7B = dict(vocab_size=32064, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5)
+_LLAMA_13B = dict(_LLAMA_7B, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                  num_key_value_heads=40)
+CLIP_L_336 = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                  image_size=336, patch_size=14, projection_dim=768, hidden_act="quick_gelu", layer_norm_eps=1e-5)
 
 
 class LlavaTarget(Target):
@@ -27,8 +32,8 @@ class LlavaTarget(Target):
     reference_model_type = "llava"
     published_targets = {4096: ("llava-hf/llava-1.5-7b-hf", 32064), 5120: ("llava-hf/llava-1.5-13b-hf", 32064)}
     #: visual: tokens per image (336 px, patch 14: 24 x 24)
-    shapes = {"llava15_7b": dict(_LLAMA_7B, visual=576, image_side=336),
-              "llava15_13b": dict(_LLAMA_13B, visual=576, image_side=336)}
+    shapes = {"llava15_7b": dict(text=_LLAMA_7B, vision=CLIP_L_336, image_side=336, visual=576),
+              "llava15_13b": dict(text=_LLAMA_13B, vision=CLIP_L_336, image_side=336, visual=576)}
 
     def __init__(self, model, processor, name, chat_template):
         super().__init__(model, processor, name, chat_template)
@@ -82,7 +87,8 @@ class LlavaNextTarget(LlavaTarget):
     reference_model_type = None  # no MSD heads were released in the original layout
     published_targets = {}
     #: visual: tokens of a 672 x 672 image (576 base + 48 rows x (48 + 1 newline))
-    shapes = {"llava16_7b": dict(_LLAMA_7B, visual=576 + 48 * 49, image_side=672)}
+    shapes = {"llava16_7b": dict(text=_LLAMA_7B, vision=CLIP_L_336, image_side=672, visual=576 + 48 * 49,
+                                 image_grid_pinpoints=[[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]])}
 
     @property
     def tokens_per_image(self) -> int:

@@ -10,7 +10,15 @@ from msd_train.targets.base import Target, eagle3_layers
 
 log = logging.getLogger(__name__)
 
-_QWEN2_7B = dict(hidden=3584, inter=18944, layers=28, heads=28, kv=4, vocab=152064, mrope_section=[16, 24, 24])
+# Published shapes (the checkpoints' config.json sizes, transformers' config keywords).
+_QWEN2_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                 num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]})
+_QWEN2_VISION = dict(depth=32, embed_dim=1280, hidden_size=3584, num_heads=16, mlp_ratio=4, patch_size=14,
+                     spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+_QWEN25_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, in_channels=3, out_hidden_size=3584,
+                      window_size=112, fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2)
 
 
 class QwenVLTarget(Target):
@@ -24,7 +32,7 @@ class QwenVLTarget(Target):
     reference_model_type = "qwen2_vl"
     published_targets = {3584: ("Qwen/Qwen2-VL-7B-Instruct", 152064)}
     #: visual: tokens of a 672 x 672 image (patch 14, 2x2 merge: 24 x 24)
-    shapes = {"qwen2vl_7b": dict(_QWEN2_7B, visual=576, image_side=672)}
+    shapes = {"qwen2vl_7b": dict(text=_QWEN2_7B, vision=_QWEN2_VISION, image_side=672, visual=576)}
 
     def __init__(self, model, processor, name, chat_template):
         super().__init__(model, processor, name, chat_template)
@@ -133,7 +141,7 @@ class Qwen25VLTarget(QwenVLTarget):
     display_name = "Qwen2.5-VL"
     hub_tags = ("qwen2.5-vl",)
     published_targets = {}  # the released Qwen heads are Qwen2-VL's
-    shapes = {"qwen25vl_7b": dict(_QWEN2_7B, visual=576, image_side=672)}
+    shapes = {"qwen25vl_7b": dict(text=_QWEN2_7B, vision=_QWEN25_VISION, image_side=672, visual=576)}
 
 
 class Qwen3VLTarget(QwenVLTarget):
@@ -155,8 +163,15 @@ class Qwen3VLTarget(QwenVLTarget):
     reference_model_type = None
     published_targets = {}
     #: Qwen3-VL-8B: Qwen3 36 x 4096, head_dim 128; visual: a 768 x 768 image (patch 16, 2x2 merge)
-    shapes = {"qwen3vl_8b": dict(hidden=4096, inter=12288, layers=36, heads=32, kv=8, vocab=151936,
-                                 mrope_section=[24, 20, 20], visual=576, image_side=768)}
+    shapes = {"qwen3vl_8b": dict(
+        text=dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                  num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
+                  rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
+                                                      "mrope_section": [24, 20, 20], "mrope_interleaved": True}),
+        vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
+                    spatial_merge_size=2, temporal_patch_size=2, in_channels=3, out_hidden_size=4096,
+                    num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24]),
+        image_side=768, visual=576)}
 
     @classmethod
     def mrope_section_of(cls, text_config):
