@@ -157,7 +157,7 @@ def build_prompt(target, seed: int = 0):
 
     g = torch.Generator().manual_seed(seed)
     vocab = target.vocab_size
-    if target.family == "qwen2_vl":  # ChatML-like: text, <vision_start>, 576 image pads, <vision_end>, text
+    if target.uses_mrope:  # ChatML-like: text, <vision_start>, 576 image pads, <vision_end>, text
         c = CONFIGS[target.name.removeprefix("random-")]
         side, vc = c["image_side"], c["vision"]
         grid = side // vc["patch_size"]

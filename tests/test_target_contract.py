@@ -109,6 +109,7 @@ def test_head_defaults_of_the_published_shapes():
     head = MSD3DraftConfig.from_target_config(qwen3, "Qwen/Qwen3-VL-8B-Instruct")
     assert head.feature_layers == [4, 18, 33]  # not 2: hidden_states[2..3] miss later deepstack injections
     assert head.mrope_section == [24, 20, 20] and head.layer_family == "qwen2"
+    assert head.target_model_type == "qwen3_vl"  # what model cards name the target's family by
     assert "mrope_interleaved" not in head.rope_parameters
     # without mrope_section in its config Qwen3-VL's rotary uses [24, 20, 20]: so does the head
     qwen3.text_config.rope_parameters.pop("mrope_section")
@@ -119,6 +120,7 @@ def test_head_defaults_of_the_published_shapes():
                           image_grid_pinpoints=s["image_grid_pinpoints"])
     head = MSD3DraftConfig.from_target_config(nxt, "llava-hf/llava-v1.6-vicuna-7b-hf")
     assert head.feature_layers == [2, 16, 29] and head.layer_family == "llama" and head.mrope_section is None
+    assert head.target_model_type == "llava_next"
 
 
 # ----- features and positions ---------------------------------------------------------

@@ -50,6 +50,10 @@ class MSDDraftConfig(PreTrainedConfig):
             with "mrope".
         target_name_or_path, target_vocab_size, target_hidden_size, target_adapter:
             the target this head drafts for (the head reuses its embedding and lm_head).
+        target_model_type: that target's family, as the composite model_type of its
+            adapter ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl";
+            `msd_train.targets.FAMILIES`), so model cards and exports can name it; None for
+            heads saved before the field existed (their layer_family tells LLaVA from Qwen2-VL).
     """
 
     model_type = "msd_draft"
@@ -87,6 +91,7 @@ class MSDDraftConfig(PreTrainedConfig):
     target_vocab_size: int | None = None
     target_hidden_size: int | None = None
     target_adapter: str | None = None
+    target_model_type: str | None = None
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
@@ -175,6 +180,7 @@ class MSDDraftConfig(PreTrainedConfig):
             target_name_or_path=target_name_or_path,
             target_vocab_size=text_config.vocab_size,
             target_hidden_size=hidden,
+            target_model_type=adapter.model_types[0],
         )
         fields.update(overrides)
         return cls(**fields)

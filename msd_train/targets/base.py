@@ -87,6 +87,9 @@ class Target:
     hub_tags: tuple[str, ...] = ()
     #: model_type of the released MSD heads' config.json for this family (None: none released)
     reference_model_type: str | None = None
+    #: True when the processor's tokens (``<image>``, padding) were appended after the language
+    #: model's own vocabulary, whose size is then the tokenizer's ``vocab_size`` (llava-hf)
+    vocab_appended: bool = False
     #: hidden size -> (Hub id, vocabulary rows) of the targets released heads were trained for
     published_targets: dict[int, tuple[str, int]] = {}
     #: published checkpoints' shapes, for benchmarks of random models of their size: name ->

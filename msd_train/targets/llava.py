@@ -30,6 +30,7 @@ class LlavaTarget(Target):
     display_name = "LLaVA"
     hub_tags = ("llava",)
     reference_model_type = "llava"
+    vocab_appended = True  # llava-hf: <image> and padding after Vicuna's 32000 tokens
     published_targets = {4096: ("llava-hf/llava-1.5-7b-hf", 32064), 5120: ("llava-hf/llava-1.5-13b-hf", 32064)}
     #: visual: tokens per image (336 px, patch 14: 24 x 24)
     shapes = {"llava15_7b": dict(text=_LLAMA_7B, vision=CLIP_L_336, image_side=336, visual=576),

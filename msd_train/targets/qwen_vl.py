@@ -140,6 +140,7 @@ class Qwen25VLTarget(QwenVLTarget):
     text_model_types = ("qwen2_5_vl_text",)
     display_name = "Qwen2.5-VL"
     hub_tags = ("qwen2.5-vl",)
+    reference_model_type = "qwen2_5_vl"  # the released layout's config.json may name either
     published_targets = {}  # the released Qwen heads are Qwen2-VL's
     shapes = {"qwen25vl_7b": dict(text=_QWEN2_7B, vision=_QWEN25_VISION, image_side=672, visual=576)}
 
