@@ -71,6 +71,13 @@ class Target:
     * ``display_name``, ``hub_tags``, ``reference_model_type``, ``published_targets``: how
       model cards and the released-head layout name the family;
     * ``shapes``: the published checkpoints' sizes, for benchmarks of random models.
+
+    Per loaded target: :meth:`load_processor`, :meth:`encode` / :meth:`encode_prompt`
+    (conversations with images, the chat template), :meth:`image_inputs` (each image's token
+    count), :meth:`prompt_inputs` (what a forward over a prompt reads), :meth:`position_ids`
+    / :meth:`continue_positions`, :meth:`run_for_head` (the language model over a KV cache
+    with any attention mask: a tree's verification) and :meth:`features`.
+    ``tests/test_target_contract.py`` holds every family to it.
     """
 
     family: str = "base"
