@@ -293,3 +293,32 @@ def test_both_training_stages(family, tmp_path):
     m3 = recipe(["stage='1'", *common, "head=msd3", "draft.ttt_steps=2", f"run_dir={tmp_path / 'msd3'}"])
     assert m3.draft.feature_layers == adapter_class(m3.target.config).default_feature_layers(m3.target.config)
     assert m3.train_step()["loss"] > 0
+
+
+# ----- feature stores -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llava_next", "qwen3_vl"])
+def test_feature_store_estimate_and_contents(family, tmp_path):
+    """``generate_features`` on the family writes a store, and the dry run's estimate is
+    the bytes written: M-RoPE positions are counted for M-RoPE families only (LLaVA-NeXT,
+    not "llava", was once counted as one)."""
+    from hydra import compose, initialize_config_dir
+
+    from msd_train.config import CONF_DIR
+    from msd_train.features.generate import generate
+
+    target = make_target(family)
+    images = lambda i: wide_image(i) if i % 2 else random_image(100 + i, 32)  # noqa: E731
+    data = [o for o in write_mini_data(tmp_path, 8, 2, images, (4, 6, 3, 5)) if o.startswith("data.")]
+
+    def cfg(path, *extra):
+        with initialize_config_dir(str(CONF_DIR), version_base=None):
+            return compose("generate_features", [*data, f"target.chat_template={TEMPLATE.get(family, 'chatml_qwen')}",
+                                                 f"features.path={path}", "features.samples_per_shard=4",
+                                                 "features.dtype=fp32", "progress=false", *extra])
+
+    est = generate(cfg(tmp_path / "dry", "dry_run=true"), target=target)
+    real = generate(cfg(tmp_path / "real"), target=target)
+    assert est["visual_tokens"] > 0
+    assert 0 <= real["totals"]["bytes"] - est["bytes"] < 2000 * len(real["shards"])  # headers aside
