@@ -38,22 +38,23 @@ import transformers
 from msd_train.decoding import DecodeConfig
 from msd_train.evaluation import evaluate, load_bench, summarize
 from msd_train.evaluation.run import describe_device
+from msd_train.targets import target_shapes
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Published shapes, for timing random models of the real size without downloading them.
-CLIP_L_336 = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
-                  image_size=336, patch_size=14, projection_dim=768)
+# Published shapes, for timing random models of the real size without downloading them: the
+# sizes are the adapters' (msd_train/targets ``target_shapes``), for the families built below
+# (Qwen2.5-VL is timed as a Qwen2-VL of its size, as before).
+_BUILT_AS = {"llava": "llava", "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_vl"}
 SHAPES = {
     "tiny": dict(family="llava", hidden=256, inter=704, layers=4, heads=4, kv=4, vocab=2048,  # data/tiny-llava
                  vision=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                              image_size=48, patch_size=8, projection_dim=64)),
-    "llava15_7b": dict(family="llava", hidden=4096, inter=11008, layers=32, heads=32, kv=32, vocab=32064,
-                       vision=CLIP_L_336),
-    "llava15_13b": dict(family="llava", hidden=5120, inter=13824, layers=40, heads=40, kv=40, vocab=32064,
-                        vision=CLIP_L_336),
-    "qwen2vl_7b": dict(family="qwen2_vl", hidden=3584, inter=18944, layers=28, heads=28, kv=4, vocab=152064),
-    "qwen25vl_7b": dict(family="qwen2_vl", hidden=3584, inter=18944, layers=28, heads=28, kv=4, vocab=152064),
+    **{name: dict(family=_BUILT_AS[sh["family"]], hidden=sh["text"]["hidden_size"],
+                  inter=sh["text"]["intermediate_size"], layers=sh["text"]["num_hidden_layers"],
+                  heads=sh["text"]["num_attention_heads"], kv=sh["text"]["num_key_value_heads"],
+                  vocab=sh["text"]["vocab_size"], vision=sh["vision"])
+       for name, sh in target_shapes().items() if sh["family"] in _BUILT_AS},
 }
 
 

@@ -33,15 +33,24 @@ import torch
 
 from msd_train.config import CONF_DIR, REPO_ROOT
 
-# Real targets: hidden size, vocabulary (so the id width), visual tokens of a typical image.
-# ``prefix``: tokens every sample of the template opens with (Vicuna v1: at least the BOS;
-# ChatML: "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n",
+# Real targets: hidden size, vocabulary (so the id width) and M-RoPE from the adapters'
+# published shapes (msd_train/targets ``target_shapes``); here the visual tokens of a typical
+# image and ``prefix``: tokens every sample of the template opens with (Vicuna v1: at least
+# the BOS; ChatML: "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n",
 # 14 tokens with Qwen2's tokenizer).
+def _target(shape: str, visual: int, prefix: int) -> dict:
+    from msd_train.targets import FAMILIES, target_shapes
+
+    s = target_shapes()[shape]
+    return {"H": s["text"]["hidden_size"], "vocab": s["text"]["vocab_size"], "visual": visual,
+            "mrope": FAMILIES[s["family"]].uses_mrope, "prefix": prefix}
+
+
 TARGETS_7B = {
-    "llava-1.5-7b": {"H": 4096, "vocab": 32064, "visual": 576, "mrope": False, "prefix": 1},
-    "llava-1.5-13b": {"H": 5120, "vocab": 32064, "visual": 576, "mrope": False, "prefix": 1},
+    "llava-1.5-7b": _target("llava15_7b", 576, 1),
+    "llava-1.5-13b": _target("llava15_13b", 576, 1),
     # Qwen2-VL: one visual token per 28x28 px; a 640x480 COCO image gives about 23x17.
-    "qwen2-vl-7b": {"H": 3584, "vocab": 152064, "visual": 391, "mrope": True, "prefix": 14},
+    "qwen2-vl-7b": _target("qwen2vl_7b", 391, 14),
 }
 
 

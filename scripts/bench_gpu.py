@@ -44,6 +44,8 @@ from types import SimpleNamespace
 import torch
 import transformers
 
+from msd_train.targets import target_shapes
+
 ROOT = Path(__file__).resolve().parent.parent
 
 TREE_SIZES = (1, 8, 16, 32, 48, 64, 96)
@@ -54,61 +56,45 @@ N_TEXT = 64  # BOS + 63 text tokens
 GOALS = {"cycle_over_step_max": 1.5, "project_ar_vs_hf_generate_min": 1.0, "ensemble_draft_overhead_max": 0.30,
          "fraction_of_bandwidth_limit_min": 0.8, "speedup_at_tau_4.54_min": 3.0}
 
-# Hand-written configurations. llava15_7b is llava-hf/llava-1.5-7b-hf's config.json.
+# The published shapes come from the adapters (msd_train/targets, ``target_shapes``); the
+# token ids and bench-only settings are added here. llava15_7b is llava-hf/llava-1.5-7b-hf's
+# config.json, llava15_13b the same CLIP tower with Llama 40 x 5120.
+_SHAPES = target_shapes()
+_LLAVA_IDS = dict(image_token_id=32000, projector_hidden_act="gelu")
+_LLAMA_EXTRA = dict(rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_QWEN_IDS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
+_QWEN_EXTRA = dict(eos_token_id=151645, bos_token_id=None, pad_token_id=0)
 CONFIGS = {
-    "llava15_7b": dict(
-        text=dict(vocab_size=32064, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                  num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
-                  rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0),
-        vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
-                    image_size=336, patch_size=14, projection_dim=768, hidden_act="quick_gelu",
-                    layer_norm_eps=1e-5),
-        image_token_id=32000, projector_hidden_act="gelu",
-    ),
+    "llava15_7b": dict(text=dict(_SHAPES["llava15_7b"]["text"], **_LLAMA_EXTRA), vision=_SHAPES["llava15_7b"]["vision"],
+                       **_LLAVA_IDS),
     # A few layers and small widths, same prompt shape (576 visual tokens) and vocabulary:
     # runs end to end on a CPU; its numbers say nothing about a GPU.
     "small": dict(
         text=dict(vocab_size=32064, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096,
-                  rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+                  rms_norm_eps=1e-5, **_LLAMA_EXTRA),
         vision=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                     image_size=336, patch_size=14, projection_dim=64, hidden_act="quick_gelu",
                     layer_norm_eps=1e-5),
-        image_token_id=32000, projector_hidden_act="gelu",
+        **_LLAVA_IDS,
     ),
-    # llava-hf/llava-1.5-13b-hf: Llama 40 x 5120, intermediate 13824, 40 heads; the same CLIP tower.
-    "llava15_13b": dict(
-        text=dict(vocab_size=32064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
-                  num_attention_heads=40, num_key_value_heads=40, max_position_embeddings=4096,
-                  rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0),
-        vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
-                    image_size=336, patch_size=14, projection_dim=768, hidden_act="quick_gelu",
-                    layer_norm_eps=1e-5),
-        image_token_id=32000, projector_hidden_act="gelu",
-    ),
-    # Qwen/Qwen2-VL-7B-Instruct: Qwen2 28 x 3584, intermediate 18944, 28 heads / 4 KV heads,
-    # vocabulary 152064, M-RoPE sections [16, 24, 24]; a 672x672 image gives 48x48 patches,
-    # merged 2x2 into 576 visual tokens (the same prompt shape as LLaVA's).
-    "qwen2vl_7b": dict(
-        family="qwen2_vl", image_side=672,
-        text=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                  num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768, rms_norm_eps=1e-6,
-                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
-                  eos_token_id=151645, bos_token_id=None, pad_token_id=0),
-        vision=dict(depth=32, embed_dim=1280, hidden_size=3584, num_heads=16, mlp_ratio=4, patch_size=14,
-                    spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
-        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
-    ),
+    "llava15_13b": dict(text=dict(_SHAPES["llava15_13b"]["text"], **_LLAMA_EXTRA),
+                        vision=_SHAPES["llava15_13b"]["vision"], **_LLAVA_IDS),
+    # Qwen/Qwen2-VL-7B-Instruct: a 672x672 image gives 48x48 patches, merged 2x2 into 576
+    # visual tokens (the same prompt shape as LLaVA's).
+    "qwen2vl_7b": dict(family="qwen2_vl", image_side=_SHAPES["qwen2vl_7b"]["image_side"],
+                       text=dict(_SHAPES["qwen2vl_7b"]["text"], **_QWEN_EXTRA), vision=_SHAPES["qwen2vl_7b"]["vision"],
+                       **_QWEN_IDS),
     # small widths of the Qwen2-VL shape, same prompt (576 visual tokens, M-RoPE) and vocabulary: CPU check
     "small_qwen": dict(
         family="qwen2_vl", image_side=672,
         text=dict(vocab_size=152064, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6,
                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 8, 8]},
-                  eos_token_id=151645, bos_token_id=None, pad_token_id=0),
+                  **_QWEN_EXTRA),
         vision=dict(depth=2, embed_dim=64, hidden_size=256, num_heads=4, mlp_ratio=4, patch_size=14,
                     spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
-        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
+        **_QWEN_IDS,
     ),
 }
 
@@ -171,7 +157,7 @@ def build_prompt(target, seed: int = 0):
 
     g = torch.Generator().manual_seed(seed)
     vocab = target.vocab_size
-    if target.family == "qwen2_vl":  # ChatML-like: text, <vision_start>, 576 image pads, <vision_end>, text
+    if target.uses_mrope:  # ChatML-like: text, <vision_start>, 576 image pads, <vision_end>, text
         c = CONFIGS[target.name.removeprefix("random-")]
         side, vc = c["image_side"], c["vision"]
         grid = side // vc["patch_size"]

@@ -40,27 +40,14 @@ from pathlib import Path
 
 import torch
 
-from msd_train.targets import chat
+from msd_train.targets import chat, target_shapes
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "data" / "tiny-llava"
 
-CLIP_L_336 = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
-                  image_size=336, patch_size=14, projection_dim=768, hidden_act="quick_gelu", layer_norm_eps=1e-5)
-SHAPES = {
-    "llava15_7b": dict(family="llava", text=dict(
-        vocab_size=32064, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5), vision=CLIP_L_336),
-    "llava15_13b": dict(family="llava", text=dict(
-        vocab_size=32064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
-        num_key_value_heads=40, max_position_embeddings=4096, rms_norm_eps=1e-5), vision=CLIP_L_336),
-    "qwen2vl_7b": dict(family="qwen2_vl", text=dict(
-        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-        num_key_value_heads=4, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
-        rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
-        vision=dict(depth=32, embed_dim=1280, hidden_size=3584, num_heads=16, mlp_ratio=4, patch_size=14,
-                    spatial_merge_size=2, temporal_patch_size=2, in_channels=3)),
-}
+# The published shapes of the families this script builds, from their adapters (msd_train/targets).
+SHAPES = {name: {"family": sh["family"], "text": sh["text"], "vision": sh["vision"]}
+          for name, sh in target_shapes().items() if sh["family"] in ("llava", "qwen2_vl")}
 QWEN_SPECIALS = ["<|endoftext|>", *chat.QWEN_SPECIALS]
 QWEN_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
@@ -92,7 +79,7 @@ def scaled(shape: dict, scale: str, layers: int | None) -> dict:
             v["num_heads"] = max(v["num_heads"] // 8, 1)
             v["hidden_size"] = t["hidden_size"]
             # M-RoPE sections sum to head_dim / 2 = 32, in the shape's 16:24:24 proportion
-            t["rope_scaling"] = {"type": "mrope", "mrope_section": [8, 12, 12]}
+            t["rope_parameters"] = {**t["rope_parameters"], "mrope_section": [8, 12, 12]}
     elif scale != "full":
         raise SystemExit(f"--scale {scale}: use full or small")
     if layers is not None:

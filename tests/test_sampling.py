@@ -83,6 +83,9 @@ class TinyTarget:
     def embed(self, ids, pixel=None):
         return self.embed_tokens(ids)
 
+    def prompt_inputs(self, ids, pixel=None):
+        return self.embed(ids, pixel), {}
+
     def position_ids(self, ids, attention_mask, pixel):
         return torch.arange(ids.shape[1])[None], None
 
@@ -90,7 +93,7 @@ class TinyTarget:
         return torch.arange(start, start + n)[None]
 
     def run_language_model(self, inputs_embeds, position_ids, attention_mask=None, past_key_values=None,
-                           use_cache=False):
+                           use_cache=False, extras=None):
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache()
         return self.lm.layer(inputs_embeds, position_ids, attention_mask, past_key_values), past_key_values

@@ -222,9 +222,9 @@ def prefill_target(target, prompt, capacity: int | None = None, workspace: Works
     device = target.device
     ids = prompt.input_ids.to(device)[None]
     pixel = {k: v.to(device) for k, v in (prompt.pixel or {}).items()}
-    embeds = target.embed(ids, pixel)
+    embeds, extras = target.prompt_inputs(ids, pixel)  # extras: what a family adds (Qwen3-VL's deepstack)
     pos, deltas = target.position_ids(ids, None, pixel)
-    hidden, cache, feats = _run_target(target, embeds, pos, None, None, feature_layers)
+    hidden, cache, feats = _run_target(target, embeds, pos, None, None, feature_layers, extras)
     length = ids.shape[1]
     workspace = workspace if workspace is not None else Workspace()
     state = DecodeState(
@@ -251,12 +251,12 @@ def prefill(target, draft, prompt, capacity: int | None = None, drafter: HeadDra
     return state
 
 
-def _run_target(target, embeds, pos, mask, cache, feature_layers):
+def _run_target(target, embeds, pos, mask, cache, feature_layers, extras=None):
     """(post-norm hidden, cache, the head's features) of a cached target forward."""
     if feature_layers is None:  # the last layer's output is the head's feature
-        hidden, cache = target.run_language_model(embeds, pos, mask, cache, use_cache=True)
+        hidden, cache = target.run_language_model(embeds, pos, mask, cache, use_cache=True, extras=extras)
         return hidden, cache, hidden
-    return target.run_for_head(embeds, pos, mask, cache, use_cache=True, layers=feature_layers)
+    return target.run_for_head(embeds, pos, mask, cache, use_cache=True, layers=feature_layers, extras=extras)
 
 
 # ----- verification ---------------------------------------------------------------------

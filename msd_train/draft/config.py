@@ -6,20 +6,11 @@ trained for. It is also handed directly to transformers' decoder-layer classes, 
 holds the few attributes those classes read (see the class attributes below).
 """
 
-import copy
 from typing import Literal
 
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
-
-# model_type of a target's text config -> the decoder-layer family of its draft head.
-_FAMILY_OF_TARGET = {
-    "llama": "llama",
-    "qwen2": "qwen2",
-    "qwen2_vl_text": "qwen2",
-    "qwen2_5_vl_text": "qwen2",
-}
 
 
 @strict
@@ -59,6 +50,10 @@ class MSDDraftConfig(PreTrainedConfig):
             with "mrope".
         target_name_or_path, target_vocab_size, target_hidden_size, target_adapter:
             the target this head drafts for (the head reuses its embedding and lm_head).
+        target_model_type: that target's family, as the composite model_type of its
+            adapter ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl";
+            `msd_train.targets.FAMILIES`), so model cards and exports can name it; None for
+            heads saved before the field existed (their layer_family tells LLaVA from Qwen2-VL).
     """
 
     model_type = "msd_draft"
@@ -96,6 +91,7 @@ class MSDDraftConfig(PreTrainedConfig):
     target_vocab_size: int | None = None
     target_hidden_size: int | None = None
     target_adapter: str | None = None
+    target_model_type: str | None = None
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
@@ -157,16 +153,16 @@ class MSDDraftConfig(PreTrainedConfig):
         config (`LlavaConfig`, `Qwen2VLConfig`); its text part is used. `overrides` set
         any field last (e.g. `visual_offset="paper"`, `num_hidden_layers=2`).
         """
+        from msd_train.targets import adapter_class  # the family's facts live on its adapter
+
+        try:
+            adapter = adapter_class(text_config)
+        except ValueError as e:
+            raise ValueError(f"no MSD draft head for this target: {e}") from None
         text_config = text_config.get_text_config(decoder=True)
-        family = _FAMILY_OF_TARGET.get(text_config.model_type)
-        if family is None:
-            raise ValueError(
-                f"no MSD draft layer family for a target text config of model_type "
-                f"{text_config.model_type!r}; supported: {sorted(_FAMILY_OF_TARGET)}. "
-                f"Pass the text config of a LLaVA (llama) or Qwen2-VL / Qwen2.5-VL target."
-            )
-        rope = copy.deepcopy(text_config.rope_parameters) or {}
-        mrope_section = rope.pop("mrope_section", None)
+        family = adapter.draft_layer_family
+        rope = adapter.rope_parameters_of(text_config)
+        mrope_section = adapter.mrope_section_of(text_config)
         hidden = text_config.hidden_size
         heads = text_config.num_attention_heads
         fields = dict(
@@ -184,6 +180,7 @@ class MSDDraftConfig(PreTrainedConfig):
             target_name_or_path=target_name_or_path,
             target_vocab_size=text_config.vocab_size,
             target_hidden_size=hidden,
+            target_model_type=adapter.model_types[0],
         )
         fields.update(overrides)
         return cls(**fields)
@@ -192,8 +189,9 @@ class MSDDraftConfig(PreTrainedConfig):
 def default_feature_layers(num_layers: int) -> list[int]:
     """EAGLE-3's layers: the inputs of layers 2, N/2 and N-3, clamped into [0, N-1] and
     without repeats (a shallow target has fewer distinct layers to read)."""
-    picked = [min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)]
-    return sorted(set(picked))
+    from msd_train.targets.base import eagle3_layers  # one formula, which families adjust
+
+    return eagle3_layers(num_layers)
 
 
 @strict
@@ -248,6 +246,11 @@ class MSD3DraftConfig(MSDDraftConfig):
 
     @classmethod
     def from_target_config(cls, text_config, target_name_or_path: str | None, **overrides) -> "MSD3DraftConfig":
+        """MSDDraftConfig's, with the target's layer count and its family's default
+        ``feature_layers`` (``Target.default_feature_layers``; Qwen3-VL's avoid deepstack)."""
+        from msd_train.targets import adapter_class
+
         layers = text_config.get_text_config(decoder=True).num_hidden_layers
-        return super().from_target_config(text_config, target_name_or_path,
-                                          **{"target_num_layers": layers, **overrides})
+        defaults = {"target_num_layers": layers, "feature_layers": adapter_class(text_config).default_feature_layers(
+            text_config)}
+        return super().from_target_config(text_config, target_name_or_path, **{**defaults, **overrides})

@@ -209,7 +209,7 @@ def estimate(datasets: dict, plans: list[ShardPlan], target, dtype: torch.dtype,
     itemsize, H = torch.tensor([], dtype=dtype).element_size(), target.hidden_size
     extra = H * len(layers or [])  # per stored row, beyond the last layer's H
     ids_size = torch.tensor([], dtype=id_dtype).element_size()
-    mrope = target.family != "llava"
+    mrope = target.uses_mrope
     out = {"samples": 0, "tokens": 0, "visual_tokens": 0, "bytes": 0, "splits": {}}
     for p in plans:
         part = datasets[p.split].select(p.rows)

@@ -1,4 +1,4 @@
-"""Target adapters: one interface over the LLaVA and Qwen2-VL / Qwen2.5-VL families."""
+"""Target adapters: one class per family (LLaVA-1.5, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL)."""
 
 from __future__ import annotations
 
@@ -10,18 +10,40 @@ import torch
 from msd_train.paths import user_path
 from msd_train.runtime import resolve_dtype
 from msd_train.targets.base import Encoded, Features, Target
-from msd_train.targets.llava import LlavaTarget
-from msd_train.targets.qwen_vl import QwenVLTarget
+from msd_train.targets.llava import LlavaNextTarget, LlavaTarget
+from msd_train.targets.qwen_vl import Qwen3VLTarget, Qwen25VLTarget, QwenVLTarget
 
 log = logging.getLogger(__name__)
 
-FAMILIES = {
-    "llava": LlavaTarget,
-    "qwen2_vl": QwenVLTarget,
-    "qwen2_5_vl": QwenVLTarget,
-}
+#: every adapter class; a new family is one more entry here
+ADAPTERS: tuple[type[Target], ...] = (LlavaTarget, LlavaNextTarget, QwenVLTarget, Qwen25VLTarget, Qwen3VLTarget)
+#: composite config model_type -> adapter class
+FAMILIES = {mt: cls for cls in ADAPTERS for mt in cls.model_types}
 
-__all__ = ["Encoded", "Features", "Target", "load_processor", "load_target", "wrap_target", "resolve_dtype"]
+__all__ = ["ADAPTERS", "Encoded", "Features", "Target", "adapter_class", "load_processor", "load_target",
+           "wrap_target", "resolve_dtype", "target_shapes"]
+
+
+def adapter_class(config) -> type[Target]:
+    """The adapter class of a target's config: a composite one (``LlavaConfig``,
+    ``Qwen3VLConfig``, ...) by its model_type, or a text config by its text model_type
+    (the first adapter that lists it: LLaVA and LLaVA-NeXT share Llama, alike for a head)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in FAMILIES:
+        return FAMILIES[model_type]
+    for cls in ADAPTERS:
+        if model_type in cls.text_model_types:
+            return cls
+    raise ValueError(
+        f"model_type {model_type!r} is not a supported target; supported: {', '.join(sorted(FAMILIES))} "
+        f"(text models: {', '.join(sorted({t for c in ADAPTERS for t in c.text_model_types}))})"
+    )
+
+
+def target_shapes() -> dict[str, dict]:
+    """Every family's published shapes, by name (``llava15_7b``, ``qwen3vl_8b``, ...), each with
+    its ``family`` (the composite model_type a random model of it is built as)."""
+    return {name: {"family": cls.model_types[0], **shape} for cls in ADAPTERS for name, shape in cls.shapes.items()}
 
 
 def wrap_target(model, processor, name: str, chat_template: str | None = None) -> Target:
@@ -36,30 +58,13 @@ def wrap_target(model, processor, name: str, chat_template: str | None = None) -
 
 
 def load_processor(name_or_path: str, model_type: str, trust_remote_code: bool = False):
-    """The target's processor (tokenizer + image processor).
-
-    Qwen2VLProcessor insists on building its video processor, which needs torchvision,
-    although image prompts never touch it. Without torchvision, a Qwen2-VL / Qwen2.5-VL
-    target gets the tokenizer and the PIL image processor (what the adapter reads), so
-    torchvision stays optional.
-    """
+    """The target's processor (tokenizer + image processor), as its family's adapter loads it."""
     from transformers import AutoProcessor
 
-    try:
+    cls = FAMILIES.get(model_type)
+    if cls is None:
         return AutoProcessor.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    except ImportError as e:
-        if model_type not in ("qwen2_vl", "qwen2_5_vl") or "orchvision" not in str(e):
-            raise
-    from types import SimpleNamespace
-
-    from transformers import AutoTokenizer
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    log.info("torchvision is not installed: %s gets its tokenizer and the PIL image processor "
-             "(no video processor; image prompts need none)", name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    return SimpleNamespace(tokenizer=tokenizer, image_processor=Qwen2VLImageProcessorPil.from_pretrained(name_or_path),
-                           image_token=getattr(tokenizer, "image_token", None) or "<|image_pad|>")
+    return cls.load_processor(name_or_path, trust_remote_code)
 
 
 def load_target(

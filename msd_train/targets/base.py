@@ -50,10 +50,59 @@ class Features:
     layer_states: torch.Tensor | None = None
 
 
+def eagle3_layers(num_layers: int, low: int = 2) -> list[int]:
+    """EAGLE-3's layers: the inputs of layers ``low`` (2), N/2 and N-3, clamped into
+    [0, N-1] and without repeats (a shallow target has fewer distinct layers to read)."""
+    return sorted({min(max(i, 0), num_layers - 1) for i in (low, num_layers // 2, num_layers - 3)})
+
+
 class Target:
-    """Base class for a frozen multimodal target. Subclasses fill in the family specifics."""
+    """Base class for a frozen multimodal target. Subclasses fill in the family specifics.
+
+    Everything the project knows about a family lives on its adapter class, so that adding
+    a family touches its adapter, its ``conf/target`` file and its test. Class-level facts
+    (readable from a config alone, without loading weights):
+
+    * ``model_types`` / ``text_model_types``: the composite and text ``model_type`` values
+      of the configs the adapter serves (``msd_train.targets.adapter_class`` looks them up);
+    * ``draft_layer_family``, :meth:`mrope_section_of`, :meth:`rope_parameters_of`: what a
+      draft head's layer and RoPE copy from the target (``MSDDraftConfig.from_target_config``);
+    * :meth:`default_feature_layers`: the target layers an msd3 head reads by default;
+    * ``display_name``, ``hub_tags``, ``reference_model_type``, ``published_targets``: how
+      model cards and the released-head layout name the family;
+    * ``shapes``: the published checkpoints' sizes, for benchmarks of random models.
+
+    Per loaded target: :meth:`load_processor`, :meth:`encode` / :meth:`encode_prompt`
+    (conversations with images, the chat template), :meth:`image_inputs` (each image's token
+    count), :meth:`prompt_inputs` (what a forward over a prompt reads), :meth:`position_ids`
+    / :meth:`continue_positions`, :meth:`run_for_head` (the language model over a KV cache
+    with any attention mask: a tree's verification) and :meth:`features`.
+    ``tests/test_target_contract.py`` holds every family to it.
+    """
 
     family: str = "base"
+    #: composite config model_types this adapter serves (``config.model_type``)
+    model_types: tuple[str, ...] = ()
+    #: text config model_types of those targets (what a draft head may be derived from)
+    text_model_types: tuple[str, ...] = ()
+    #: the draft head's decoder-layer family: "llama" (no attention bias) or "qwen2" (q/k/v bias)
+    draft_layer_family: str = "llama"
+    #: True when position ids are M-RoPE ids (3, B, L); False for 1-D RoPE (B, L)
+    uses_mrope: bool = False
+    #: how model cards name the family, and the Hub tags they carry
+    display_name: str = "base"
+    hub_tags: tuple[str, ...] = ()
+    #: model_type of the released MSD heads' config.json for this family (None: none released)
+    reference_model_type: str | None = None
+    #: True when the processor's tokens (``<image>``, padding) were appended after the language
+    #: model's own vocabulary, whose size is then the tokenizer's ``vocab_size`` (llava-hf)
+    vocab_appended: bool = False
+    #: hidden size -> (Hub id, vocabulary rows) of the targets released heads were trained for
+    published_targets: dict[int, tuple[str, int]] = {}
+    #: published checkpoints' shapes, for benchmarks of random models of their size: name ->
+    #: ``text`` / ``vision`` (config keywords), ``image_side`` (a benchmark image's side in
+    #: pixels) and ``visual`` (its visual tokens)
+    shapes: dict[str, dict] = {}
     #: the placeholder string the processor expands, e.g. "<image>" or "<|image_pad|>"
     image_text: str
     #: text that stands for one image in a rendered prompt (placeholder plus wrappers)
@@ -71,6 +120,36 @@ class Target:
                 f"target {name} has no chat template; set target.chat_template "
                 "(vicuna_v1 for LLaVA-1.5, chatml_qwen for Qwen2-VL)"
             )
+
+    # ----- family facts from a config (no weights) ----------------------------------------
+    @classmethod
+    def mrope_section_of(cls, text_config) -> list[int] | None:
+        """The M-RoPE split of the rotary frequencies (temporal, height, width), or None."""
+        rope = text_config.rope_parameters or {}
+        return list(rope["mrope_section"]) if rope.get("mrope_section") else None
+
+    @classmethod
+    def rope_parameters_of(cls, text_config) -> dict:
+        """The text model's RoPE parameters without the M-RoPE entries (``mrope_section_of``)."""
+        import copy
+
+        rope = copy.deepcopy(text_config.rope_parameters) or {}
+        for key in ("mrope_section", "mrope_interleaved"):
+            rope.pop(key, None)
+        return rope
+
+    @classmethod
+    def default_feature_layers(cls, config) -> list[int]:
+        """The target layers (inputs, HF ``hidden_states[i]``) an msd3 head reads by default:
+        EAGLE-3's 2, N/2 and N-3, clamped into [0, N-1] and without repeats."""
+        return eagle3_layers(config.get_text_config(decoder=True).num_hidden_layers)
+
+    @classmethod
+    def load_processor(cls, name_or_path: str, trust_remote_code: bool = False):
+        """The target's processor (tokenizer + image processor) from a folder or Hub id."""
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
 
     # ----- identity -------------------------------------------------------------------
     @property
@@ -189,6 +268,13 @@ class Target:
             embeds = embeds.masked_scatter(slots, visual)
         return embeds
 
+    def prompt_inputs(self, input_ids: torch.Tensor, pixel: dict[str, torch.Tensor] | None = None
+                      ) -> tuple[torch.Tensor, dict]:
+        """What a forward over a prompt with images reads: the input embeddings (``embed``)
+        and the extra language-model inputs the family needs beside them (Qwen3-VL's
+        deepstack features; none for the others), to pass to ``run_for_head(extras=...)``."""
+        return self.embed(input_ids, pixel), {}
+
     def visual_embeddings(self, pixel: dict[str, torch.Tensor]) -> torch.Tensor:
         """All images' projector outputs, concatenated: (total visual tokens, H)."""
         raise NotImplementedError
@@ -219,9 +305,11 @@ class Target:
         attention_mask: torch.Tensor | None = None,
         past_key_values=None,
         use_cache: bool = False,
+        extras: dict | None = None,
     ):
         """The language model alone; returns (post-norm hidden states, cache)."""
-        hidden, cache, _ = self.run_for_head(inputs_embeds, position_ids, attention_mask, past_key_values, use_cache)
+        hidden, cache, _ = self.run_for_head(inputs_embeds, position_ids, attention_mask, past_key_values, use_cache,
+                                             extras=extras)
         return hidden, cache
 
     def run_for_head(
@@ -232,10 +320,12 @@ class Target:
         past_key_values=None,
         use_cache: bool = False,
         layers: list[int] | None = None,
+        extras: dict | None = None,
     ):
         """``run_language_model`` plus the features a head reads: returns (post-norm hidden
         states, cache, head features). The head features are the post-norm states when
-        ``layers`` is None, else the inputs of those layers concatenated (B, T, k*H)."""
+        ``layers`` is None, else the inputs of those layers concatenated (B, T, k*H).
+        ``extras``: the second half of ``prompt_inputs`` for a forward over a prompt."""
         out = self.language_model(
             inputs_embeds=inputs_embeds,
             position_ids=position_ids,
@@ -243,6 +333,7 @@ class Target:
             use_cache=use_cache,
             output_hidden_states=layers is not None,
             **cache_kwargs(past_key_values),
+            **(extras or {}),
         )
         if layers is None:
             return out.last_hidden_state, output_cache(out), out.last_hidden_state
@@ -261,8 +352,8 @@ class Target:
         input_ids = input_ids.to(self.device)
         if attention_mask is not None:
             attention_mask = attention_mask.to(self.device)
-        embeds = self.embed(input_ids, pixel)
+        embeds, extras = self.prompt_inputs(input_ids, pixel)
         pos, deltas = self.position_ids(input_ids, attention_mask, pixel)
-        hidden, _, states = self.run_for_head(embeds, pos, attention_mask, layers=layers)
+        hidden, _, states = self.run_for_head(embeds, pos, attention_mask, layers=layers, extras=extras)
         return Features(embeds, hidden, input_ids == self.image_token_id, pos, deltas,
                         None if layers is None else states)

@@ -1,17 +1,32 @@
 """Offline pieces for randomly initialised targets (tests, benchmarks of published shapes):
 nothing here downloads anything.
+
+:func:`random_target` is the one builder of a random model of every supported family
+(``FAMILY_NAMES``), with the processor its adapter reads; :func:`save_random_target` lays one
+out as a Hub folder that ``load_target`` loads. Default sizes are tiny (hidden 32, two
+layers, 16 px image tiles): a CPU runs every family's forward in milliseconds.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
+
+from msd_train.targets.chat import CHATML_QWEN, QWEN_SPECIALS, VICUNA_V1
 
 WORDS = (
     "the a an is are what colour shape red green blue circle square how many image "
     "describe this that there one two three four it of and in on to you assistant user "
     "system helpful hello world python function returns value"
 ).split()
+
+#: the families :func:`random_target` builds: the names the contract test runs
+FAMILY_NAMES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 def char_tokenizer(specials: list[str], bos: str | None, eos: str, template: str) -> PreTrainedTokenizerFast:
@@ -28,3 +43,126 @@ def char_tokenizer(specials: list[str], bos: str | None, eos: str, template: str
     )
     fast.chat_template = template
     return fast
+
+
+def random_target(family: str, seed: int = 0, text: dict | None = None, vision: dict | None = None):
+    """(random ``*ForConditionalGeneration`` of ``family``, the processor its adapter reads).
+
+    ``text`` / ``vision`` override entries of the tiny text and vision configs. Qwen
+    families get a namespace of tokenizer and PIL image processor in place of their
+    processor, whose video half insists on torchvision (``load_processor`` does the same).
+    """
+    if family not in FAMILY_NAMES:
+        raise ValueError(f"no random builder for family {family!r}; known: {', '.join(FAMILY_NAMES)}")
+    if family in ("llava", "llava_next"):
+        return _llava(family, seed, text or {}, vision or {})
+    return _qwen(family, seed, text or {}, vision or {})
+
+
+def _llava(family: str, seed: int, text_over: dict, vision_over: dict):
+    from transformers import CLIPVisionConfig, LlamaConfig
+
+    tok = char_tokenizer(["<unk>", "<s>", "</s>", "<image>"], "<s>", "</s>", VICUNA_V1)
+    image_token_id = tok.convert_tokens_to_ids("<image>")
+    text = LlamaConfig(**{**dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=0),
+                          **text_over})
+    vision = CLIPVisionConfig(**{**dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, image_size=16, patch_size=4, projection_dim=32),
+                                 **vision_over})
+    side, patch = vision.image_size, vision.patch_size
+    common = dict(text_config=text, vision_config=vision, image_token_id=image_token_id,
+                  vision_feature_layer=-2, vision_feature_select_strategy="default")
+    if family == "llava":
+        from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+
+        cfg = LlavaConfig(**common)
+        torch.manual_seed(seed)
+        model = LlavaForConditionalGeneration(cfg).eval()
+        improc = CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+        proc = LlavaProcessor(image_processor=improc, tokenizer=tok, patch_size=patch,
+                              vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                              chat_template=VICUNA_V1)
+        return model, proc
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    # anyres as llava-v1.6: tiles of the tower's side, in the published pinpoints' 1x2, 2x1,
+    # 2x2, 3x1 and 1x3 arrangements (336 px there, ``side`` here)
+    pinpoints = [[side * a, side * b] for a, b in ((1, 2), (2, 1), (2, 2), (3, 1), (1, 3))]
+    cfg = LlavaNextConfig(**common, image_grid_pinpoints=pinpoints, image_seq_length=(side // patch) ** 2)
+    torch.manual_seed(seed)
+    model = LlavaNextForConditionalGeneration(cfg).eval()
+    improc = LlavaNextImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side},
+                                        image_grid_pinpoints=pinpoints)
+    proc = LlavaNextProcessor(image_processor=improc, tokenizer=tok, patch_size=patch,
+                              vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                              chat_template=VICUNA_V1)
+    return model, proc
+
+
+def _qwen(family: str, seed: int, text_over: dict, vision_over: dict):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    specials = ["<unk>", *QWEN_SPECIALS]
+    tok = char_tokenizer(specials, None, "<|im_end|>", CHATML_QWEN)
+    ids = {s: tok.convert_tokens_to_ids(s) for s in specials}
+    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
+                eos_token_id=ids["<|im_end|>"], bos_token_id=None, pad_token_id=0)
+    patch = 4
+    if family == "qwen2_vl":
+        from transformers import Qwen2VLConfig as config_class
+        from transformers import Qwen2VLForConditionalGeneration as model_class
+
+        vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, patch_size=patch,
+                      spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    elif family == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLConfig as config_class
+        from transformers import Qwen2_5_VLForConditionalGeneration as model_class
+
+        # window_size is in pixels: 16 px = 2 merged tokens of 2x2 patches of 4 px, so a
+        # 32-pixel image's 4x4 grid spans four windows (block 0 within windows, block 1 whole)
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=patch,
+                      spatial_merge_size=2, temporal_patch_size=2, in_channels=3, out_hidden_size=32,
+                      window_size=16, fullatt_block_indexes=[1], tokens_per_second=2)
+    else:
+        from transformers import Qwen3VLConfig as config_class
+        from transformers import Qwen3VLForConditionalGeneration as model_class
+
+        # three text layers and two deepstack mergers (after vision blocks 0 and 1, added
+        # after text layers 0 and 1): the last text layer sees no injection, as in Qwen3-VL-8B
+        text = {**text, "num_hidden_layers": 3, "head_dim": 8}
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=patch,
+                      spatial_merge_size=2, temporal_patch_size=2, in_channels=3, out_hidden_size=32,
+                      num_position_embeddings=64, deepstack_visual_indexes=[0, 1])
+    cfg = config_class(text_config={**text, **text_over}, vision_config={**vision, **vision_over},
+                       image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                       vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    torch.manual_seed(seed)
+    model = model_class(cfg).eval()
+    improc = Qwen2VLImageProcessorPil(min_pixels=16 * 16, max_pixels=32 * 32, patch_size=cfg.vision_config.patch_size,
+                                      temporal_patch_size=2, merge_size=2)
+    return model, SimpleNamespace(image_processor=improc, tokenizer=tok, image_token="<|image_pad|>")
+
+
+def save_random_target(family: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """:func:`random_target` written as a Hub model folder (``load_target(out_dir)`` loads it).
+
+    A Qwen folder names its full processor in preprocessor_config.json, as the Hub's do;
+    without torchvision ``load_processor`` falls back to tokenizer and PIL image processor.
+    """
+    model, proc = random_target(family, seed)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    if not isinstance(proc, SimpleNamespace):
+        proc.save_pretrained(out_dir)
+        return out_dir
+    proc.tokenizer.save_pretrained(out_dir)
+    proc.image_processor.save_pretrained(out_dir)
+    pre = out_dir / "preprocessor_config.json"
+    names = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}
+    pre.write_text(json.dumps({**json.loads(pre.read_text()), "processor_class": names[family]}, indent=2))
+    return out_dir
