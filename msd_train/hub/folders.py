@@ -9,9 +9,10 @@ from pathlib import Path
 
 from msd_train.draft import MSDDraftModel, NonFiniteWeightsError
 from msd_train.hub import formats
+from msd_train.targets import ADAPTERS
 
-#: model_type of the released heads' config.json -> draft layer family
-REFERENCE_MODEL_TYPES = {"llava": "llama", "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2"}
+#: model_type of the released heads' config.json -> draft layer family (from the target adapters)
+REFERENCE_MODEL_TYPES = {c.reference_model_type: c.draft_layer_family for c in ADAPTERS if c.reference_model_type}
 #: weight files of the released layout, in order of preference (never unpickled unsafely)
 REFERENCE_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 #: what a head repository needs; anything else in it (images, logs) is not downloaded

@@ -45,6 +45,7 @@ from msd_train.hub.target import PUBLISHED_TARGETS, TargetInfo
 from msd_train.hub.vocab import EmbeddingCheck, VocabMap, check_embedding
 from msd_train.paths import user_path
 from msd_train.runtime import atomic_dir
+from msd_train.targets import FAMILIES
 
 log = logging.getLogger(__name__)
 
@@ -375,6 +376,18 @@ def source_name(src) -> str:
 # --- ours -> released ------------------------------------------------------------------------
 
 
+def released_model_type(config: MSDDraftConfig) -> str:
+    """The released layout's ``model_type`` for this head: its target family's (the adapter's
+    ``reference_model_type``); heads saved before they recorded their family go by layer family."""
+    family = FAMILIES.get(config.target_model_type) if config.target_model_type else None
+    if family is None:
+        return "qwen2_vl" if config.layer_family == "qwen2" else "llava"
+    if family.reference_model_type is None:
+        raise ValueError(f"the released MSD layout has no model_type for {family.display_name} heads (the released "
+                         f"code runs {', '.join(REFERENCE_MODEL_TYPES)}); export with format=msd")
+    return family.reference_model_type
+
+
 def reference_config(config: MSDDraftConfig, vocab_size: int, dtype: torch.dtype) -> dict:
     """A released-style config.json for a head trained here (Llama field names)."""
     rope = dict(config.rope_parameters or {})
@@ -388,7 +401,7 @@ def reference_config(config: MSDDraftConfig, vocab_size: int, dtype: torch.dtype
     else:
         scaling = None
     return {
-        "model_type": "qwen2_vl" if config.layer_family == "qwen2" else "llava",
+        "model_type": released_model_type(config),
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
         "num_attention_heads": config.num_attention_heads,
@@ -421,7 +434,8 @@ def _reference_embedding(folder: Path, record: dict | None, target: TargetInfo |
         rows = vocab_size or (record or {}).get("embed_tokens", {}).get("rows")
         if rows is None:
             # The original LLaVA vocabulary ends where llava-hf appended <image> and padding.
-            rows = target.original_vocab_size if target.model_type == "llava" and target.original_vocab_size else None
+            appended = getattr(FAMILIES.get(target.model_type), "vocab_appended", False)
+            rows = target.original_vocab_size if appended and target.original_vocab_size else None
             rows = rows or target.embedding.shape[0]
         return VocabMap(rows, target.embedding.shape[0]).rows_to_released(target.embedding), f"target {target.name}"
     if record is not None:

@@ -15,17 +15,15 @@ from pathlib import Path
 import torch
 
 from msd_train.draft import MSDDraftModel
+from msd_train.targets import ADAPTERS, FAMILIES
 
 log = logging.getLogger(__name__)
 
 #: The targets the published heads were trained for, by (model_type, hidden_size), and
 #: those targets' vocabulary sizes in their transformers format. Used only to fill the
 #: head's `target_*` fields when the importer is not told the target.
-PUBLISHED_TARGETS = {
-    ("llava", 4096): ("llava-hf/llava-1.5-7b-hf", 32064),
-    ("llava", 5120): ("llava-hf/llava-1.5-13b-hf", 32064),
-    ("qwen2_vl", 3584): ("Qwen/Qwen2-VL-7B-Instruct", 152064),
-}
+PUBLISHED_TARGETS = {(c.reference_model_type, hidden): target for c in ADAPTERS if c.reference_model_type
+                     for hidden, target in c.published_targets.items()}
 
 
 @dataclass
@@ -78,7 +76,7 @@ class TargetInfo:
         config = AutoConfig.from_pretrained(name)
         text = config.get_text_config(decoder=True)
         original = None
-        if config.model_type == "llava":
+        if getattr(FAMILIES.get(config.model_type), "vocab_appended", False):
             try:
                 original = AutoTokenizer.from_pretrained(name).vocab_size
             except Exception as err:  # a target without a tokenizer still has an embedding
