@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+import test_decoding
 from test_decoding import CHAIN, TREE, llava_setup, qwen_setup, run, setup  # noqa: F401 (fixtures)
 from test_sampling import assert_same_distribution
 from test_train import in_process, recipe  # noqa: F401 (in_process is a fixture)
@@ -94,6 +95,15 @@ def test_a_compressed_head_decodes_exactly(setup, method):
             assert out.tokens == plain.tokens, f"{target.family} {name} {config['method']}"
             accepted += [c.accepted for c in out.cycles]
     assert max(accepted) >= 2 and sum(accepted) / len(accepted) > 0.5, "the head is hardly ever accepted"
+
+
+@pytest.mark.parametrize("method", ["kmeans", "pool"])
+def test_a_compressed_head_drafts_what_it_reads_over_the_whole_sequence(setup, method):
+    """Tree drafting from the compressed cache gives the children and scores of the head
+    run from scratch over the compressed prompt and the path: after the image, the draft
+    positions are the target's, although the head's cache is shorter than the target's."""
+    target, head, prompts = setup
+    test_decoding.test_draft_tree_children_are_the_heads_top_k((target, compressed(target, head, method, 4), prompts))
 
 
 @pytest.mark.parametrize("method", ["kmeans", "pool"])
