@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 import test_decoding
+import torch
 from test_decoding import CHAIN, TREE, llava_setup, qwen_setup, run, setup  # noqa: F401 (fixtures)
 from test_sampling import assert_same_distribution
 from test_train import in_process, recipe  # noqa: F401 (in_process is a fixture)
@@ -78,7 +78,7 @@ def test_kmeans_finds_separated_clusters_deterministically():
 
 
 @pytest.mark.parametrize("method", ["kmeans", "pool"])
-def test_a_compressed_head_decodes_exactly(setup, method):
+def test_a_compressed_head_decodes_exactly(setup, method):  # noqa: F811
     """Tree and chain decoding with a head that keeps 4 of each image's 16 visual tokens
     give plain greedy decoding's tokens, with one and two images; the head's cache holds
     the compressed prompt and its drafts are still accepted."""
@@ -98,7 +98,7 @@ def test_a_compressed_head_decodes_exactly(setup, method):
 
 
 @pytest.mark.parametrize("method", ["kmeans", "pool"])
-def test_a_compressed_head_drafts_what_it_reads_over_the_whole_sequence(setup, method):
+def test_a_compressed_head_drafts_what_it_reads_over_the_whole_sequence(setup, method):  # noqa: F811
     """Tree drafting from the compressed cache gives the children and scores of the head
     run from scratch over the compressed prompt and the path: after the image, the draft
     positions are the target's, although the head's cache is shorter than the target's."""
@@ -107,7 +107,7 @@ def test_a_compressed_head_drafts_what_it_reads_over_the_whole_sequence(setup, m
 
 
 @pytest.mark.parametrize("method", ["kmeans", "pool"])
-def test_k_at_least_the_visual_tokens_is_no_compression(llava_setup, method):
+def test_k_at_least_the_visual_tokens_is_no_compression(llava_setup, method):  # noqa: F811
     """K >= N leaves every image whole: the same inputs, loss and decoding, bit for bit."""
     target, head, prompts = llava_setup
     feats = prompt_features(target, prompts["two_images"])
@@ -127,6 +127,14 @@ def test_k_at_least_the_visual_tokens_is_no_compression(llava_setup, method):
     assert fewer.read_pass(feats)[1].length == feats.hidden_states.shape[1] - 1 - 2  # one slot fewer per image
 
 
+def test_ensemble_drafting_refuses_a_compressed_head(llava_target):
+    from msd_train.decoding.ensemble import EnsembleDrafter
+
+    head = MSDDraftModel(MSDDraftConfig.from_target_config(llava_target.config, "x", visual_compression="pool"))
+    with pytest.raises(ValueError, match="compresses images"):
+        EnsembleDrafter(head, ("M", "P"), "ibed", 32)
+
+
 def _exact_pairs(target, prompt, sampling) -> dict[tuple, float]:
     """P(first two new tokens) under the warped target, over every pair it can emit."""
     ids = prompt.input_ids[None]
@@ -144,7 +152,7 @@ def _exact_pairs(target, prompt, sampling) -> dict[tuple, float]:
 
 
 @pytest.mark.parametrize("config", [TREE, CHAIN], ids=["tree", "chain"])
-def test_sampling_with_a_compressed_head_is_lossless(llava_setup, config):
+def test_sampling_with_a_compressed_head_is_lossless(llava_setup, config):  # noqa: F811
     """The first two sampled tokens (the second from a drafted, verified cycle) are drawn
     from the warped target's distribution."""
     target, head, prompts = llava_setup
