@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -73,10 +74,17 @@ def decode_rows(target, head, items, configs, warmup: int) -> list[dict]:
 
     rows = []
     for c in configs:
-        m = summarize(evaluate(target, head, items, c, warmup=warmup, progress=False), greedy=True)
+        records = evaluate(target, head, items, c, warmup=warmup, progress=False)
+        m = summarize(records, greedy=True)
         cycle = {k: m[f"{k}_ms_per_cycle"] for k in ("draft", "verify", "accept")}
+        # medians over turns of the per-cycle means: less swayed by other jobs on a shared machine
+        per_turn = [(1000 * r["draft_s"] / len(r["accepted"]),
+                     1000 * (r["draft_s"] + r["verify_s"] + r["accept_s"]) / len(r["accepted"]))
+                    for r in records if r["accepted"]]
         rows.append({"method": c.method, "tau": m["tau"], "draft_ms_per_cycle": cycle["draft"],
                      "cycle_ms": sum(cycle.values()), "verify_ms_per_cycle": cycle["verify"],
+                     "draft_ms_median": statistics.median(d for d, _ in per_turn),
+                     "cycle_ms_median": statistics.median(c for _, c in per_turn),
                      "tokens_per_s": m["tokens_per_s"], "speedup": m["speedup"],
                      "outputs_match_ar": m["outputs_match_ar"], "cycles": m["cycles"]})
         print(f"  {c.method}: tau {m['tau']:.3f}  draft {cycle['draft']:.2f} ms  cycle {rows[-1]['cycle_ms']:.2f} ms  "
@@ -181,13 +189,15 @@ def markdown(r: dict) -> str:
              "a shared 2-core machine, so times are noisy). Method: "
              f"{r['method']}; {r['prompts']} first turns of the tiny held-out image benchmark, greedy, "
              f"{r['max_new_tokens']} new tokens. Draft and cycle (draft + verify + accept) times are means per "
-             "verification cycle; tokens/s includes prefill.", "",
-             "| K | head trained with it | decoding | tau | draft ms / cycle | cycle ms | tokens/s | speedup | exact |",
+             "verification cycle over all turns, in brackets the median over turns; tokens/s includes prefill.", "",
+             "| K | head trained with it | decoding | tau | draft ms / cycle (median) | cycle ms (median) | tokens/s "
+             "| speedup | exact |",
              "|---|---|---|---|---|---|---|---|---|"]
     for x in r["rows"]:
         k = "all" if x["k"] == "all" else (f"{x['k']}" if x["compressed"] else f"{x['k']} (= all)")
         lines.append(f"| {k} | {'yes' if x['trained_with_it'] else 'no (decode only)'} | {x['method']} | "
-                     f"{x['tau']:.3f} | {x['draft_ms_per_cycle']:.2f} | {x['cycle_ms']:.2f} | "
+                     f"{x['tau']:.3f} | {x['draft_ms_per_cycle']:.1f} ({x['draft_ms_median']:.1f}) | "
+                     f"{x['cycle_ms']:.1f} ({x['cycle_ms_median']:.1f}) | "
                      f"{x['tokens_per_s']:.1f} | {x['speedup']:.2f} | {x['outputs_match_ar']} |")
     lines += ["", "Training wall seconds: " + (", ".join(f"{k} {v}" for k, v in r["train_wall_s"].items())
                                                or "(heads reused)"), ""]
