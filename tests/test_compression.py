@@ -14,7 +14,7 @@ from test_train import in_process, recipe  # noqa: F401 (in_process is a fixture
 
 from msd_train.decoding import DecodeConfig, decode, prefill
 from msd_train.decoding.sampling import SamplingParams, logits_to_probs
-from msd_train.draft import MSDDraftConfig, MSDDraftModel
+from msd_train.draft import MSD3DraftConfig, MSD3DraftModel, MSDDraftConfig, MSDDraftModel
 from msd_train.draft.compression import SlotMap, kmeans, slot_map
 from msd_train.targets import Features
 
@@ -95,6 +95,21 @@ def test_a_compressed_head_decodes_exactly(setup, method):  # noqa: F811
             assert out.tokens == plain.tokens, f"{target.family} {name} {config['method']}"
             accepted += [c.accepted for c in out.cycles]
     assert max(accepted) >= 2 and sum(accepted) / len(accepted) > 0.5, "the head is hardly ever accepted"
+
+
+@pytest.mark.parametrize("decouple", [True, False])
+def test_a_compressed_msd3_head_decodes_exactly(qwen_setup, decouple):  # noqa: F811
+    """The msd3 head reads its images through the same SlotMap (a random head: exactness only)."""
+    target, _, prompts = qwen_setup
+    torch.manual_seed(0)
+    head = MSD3DraftModel(MSD3DraftConfig.from_target_config(
+        target.config, target.name, visual_compression="kmeans", visual_compression_tokens=4,
+        decouple_visual=decouple)).eval()
+    prompt = prompts["two_images"]
+    assert prefill(target, head, prompt).drafter.cache.length == len(prompt.input_ids) - 1 - 2 * (N_VISUAL - 4)
+    plain = run(target, None, prompt, method="ar", eos_token_ids=())
+    for config in (TREE, CHAIN):
+        assert run(target, head, prompt, eos_token_ids=(), **config).tokens == plain.tokens
 
 
 @pytest.mark.parametrize("method", ["kmeans", "pool"])
