@@ -87,7 +87,7 @@ class HeadDrafter:
 
     @torch.inference_mode()
     def prefill(self, target, prompt: PromptPass, workspace, capacity: int) -> None:
-        """The head over the prompt through ``draft.target_inputs``, exactly as in training:
+        """The head over the prompt through ``draft.read_pass``, exactly as in training:
         decoupled visual slots match the head's ``visual_offset``, positions its
         ``draft_positions``, images compressed as its ``visual_compression`` says (so its
         cache may hold fewer entries than the prompt has draft positions). Its cache goes
