@@ -203,6 +203,15 @@ def test_the_setting_is_saved_with_the_head(llava_target, tmp_path):
                                           visual_compression_tokens=0)
 
 
+def test_the_released_layout_export_warns_that_it_drafts_over_whole_images(llava_target, tmp_path):
+    from msd_train.hub import TargetInfo, export_reference
+
+    head = MSDDraftModel(MSDDraftConfig.from_target_config(llava_target.config, "x", visual_compression="kmeans"))
+    head.save_pretrained(tmp_path / "ours")
+    summary = export_reference(tmp_path / "ours", tmp_path / "released", target=TargetInfo.of(llava_target))
+    assert any("keeps 32 slots per image" in w for w in summary["warnings"]), summary["warnings"]
+
+
 @pytest.mark.usefixtures("in_process")
 @pytest.mark.parametrize("head", ["msd", "msd3"])
 def test_training_with_compression_runs_a_step(mini_run, tmp_path, monkeypatch, head):
