@@ -92,6 +92,13 @@ def decode_rows(target, head, items, configs, warmup: int) -> list[dict]:
     return rows
 
 
+def validation(final: Path) -> dict:
+    """The stage's last held-out validation: simulated tau and top-1 on image conversations."""
+    rows = [json.loads(line) for line in (final.parent / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    last = [r for r in rows if "val/mm/sim_tau" in r][-1]
+    return {"mm_sim_tau": last["val/mm/sim_tau"], "mm_top1": last["val/mm/top1"]}
+
+
 def alternating_draft_ms(target, heads: dict, items, config, rounds: int) -> dict[str, float]:
     """Median milliseconds of one ``draft_block`` per head, the heads taking turns on the same
     prompts (each prefilled once), so that a load change on the machine hits them alike."""
@@ -186,7 +193,8 @@ def main(argv=None) -> dict:
             label = f"K={k}" + ("" if name != "all" or k == "all" else f" (>= {n_visual}: none)")
             print(f"{label}, head trained {'with' if trained else 'without'} it", flush=True)
             for row in decode_rows(target, head, items, configs, args.warmup):
-                results.append({"k": k, "compressed": name != "all", "trained_with_it": trained, **row})
+                results.append({"k": k, "compressed": name != "all", "trained_with_it": trained, **row,
+                                **(validation(heads[name]) if trained else {})})
 
     # the draft step alone, heads alternating: K's effect on the draft's time with the load drift removed
     timed = {}
@@ -229,16 +237,19 @@ def markdown(r: dict) -> str:
              "verification cycle over all turns, in brackets the median over turns; tokens/s includes prefill.", "",
              "The last column times the draft step alone: one `draft_block` on 4 one-image prompts, the heads "
              f"taking turns {r['rounds']} times (median), so that the machine's load drifts over all K alike.", "",
+             "Held-out image sim. tau / top-1: the stage's last validation (simulated 5-step chains on held-out "
+             "image conversations, the head reading compressed images as it was trained).", "",
              "| K | head trained with it | decoding | tau | draft ms / cycle (median) | cycle ms (median) | tokens/s "
-             "| speedup | exact | draft step ms, alternating |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| speedup | exact | draft step ms, alternating | held-out image sim. tau / top-1 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in r["rows"]:
         k = "all" if x["k"] == "all" else (f"{x['k']}" if x["compressed"] else f"{x['k']} (= all)")
         lines.append(f"| {k} | {'yes' if x['trained_with_it'] else 'no (decode only)'} | {x['method']} | "
                      f"{x['tau']:.3f} | {x['draft_ms_per_cycle']:.1f} ({x['draft_ms_median']:.1f}) | "
                      f"{x['cycle_ms']:.1f} ({x['cycle_ms_median']:.1f}) | "
                      f"{x['tokens_per_s']:.1f} | {x['speedup']:.2f} | {x['outputs_match_ar']} | "
-                     + (f"{x['draft_ms_alternating']:.2f} |" if "draft_ms_alternating" in x else "|"))
+                     + (f"{x['draft_ms_alternating']:.2f} |" if "draft_ms_alternating" in x else "|")
+                     + (f" {x['mm_sim_tau']:.3f} / {x['mm_top1']:.3f} |" if "mm_sim_tau" in x else " |"))
     lines += ["", "Training wall seconds: " + (", ".join(f"{k} {v}" for k, v in r["train_wall_s"].items())
                                                or "(heads reused)"), ""]
     return "\n".join(lines)
