@@ -203,6 +203,15 @@ def test_the_setting_is_saved_with_the_head(llava_target, tmp_path):
                                           visual_compression_tokens=0)
 
 
+def test_a_wrong_setting_is_named_before_anything_loads():
+    from msd_train.validate import ConfigError, check_train
+
+    with pytest.raises(ConfigError, match="draft.visual_compression='median' is not one of none, kmeans, pool"):
+        check_train({"draft": {"visual_compression": "median"}})
+    with pytest.raises(ConfigError, match="draft.visual_compression_tokens=0 must be at least 1"):
+        check_train({"draft": {"visual_compression": "pool", "visual_compression_tokens": 0}})
+
+
 def test_the_released_layout_export_warns_that_it_drafts_over_whole_images(llava_target, tmp_path):
     from msd_train.hub import TargetInfo, export_reference
 
