@@ -134,6 +134,8 @@ def check_train(cfg) -> None:
     _choice(cfg, "train.precision", ("auto", "bf16", "fp32"))
     _choice(cfg, "data.on_bad_sample", ("skip", "error"))
     _choice(cfg, "features.mode", ("online", "offline"))
+    _choice(cfg, "draft.visual_compression", ("none", "kmeans", "pool"))
+    _number(cfg, "draft.visual_compression_tokens", int, lo=1, hint=" (visual slots an image keeps in the draft)")
     _bool(cfg, "train.gradient_checkpointing")
     resume = _get(cfg, "resume")
     if resume is not _MISSING and str(resume).lower() not in ("auto", "true", "false", "0", "1", "yes", "no"):

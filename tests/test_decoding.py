@@ -234,7 +234,7 @@ def _head_logits_after(target, head, prompt, first: int, path: list[int]) -> tor
     embeds = target.embed(ids, prompt.pixel)
     pos, deltas = target.position_ids(ids, None, prompt.pixel)
     hidden, _ = target.run_language_model(embeds, pos)
-    x = head.target_inputs(Features(embeds, hidden, ids == target.image_token_id, pos))
+    x, _ = head.read_pass(Features(embeds, hidden, ids == target.image_token_id, pos))  # images as the head reads them
     e, h, replace, raw, p = (x[k] for k in ("input_embeds", "hidden_states", "replace_mask", "raw_embeds",
                                             "position_ids"))
     L = ids.shape[1]

@@ -73,6 +73,9 @@ class HeadDrafter:
         #: rope deltas, or zeros for a head with draft_positions="1d" (see msd_train.draft.positions)
         self.rope_deltas: torch.Tensor | None = None
         self.graphs: StepGraphs | None = None  # the workspace's (set by ``prefill``)
+        #: prompt slots the head's cache does not hold (visual compression merged them): its
+        #: cache entry i is draft position i + merged after the prompt's images
+        self.merged = 0
 
     def clone(self, workspace) -> HeadDrafter:
         """A copy drafting over ``workspace`` (a clone of the one this drafter's prefill used)."""
@@ -84,18 +87,22 @@ class HeadDrafter:
 
     @torch.inference_mode()
     def prefill(self, target, prompt: PromptPass, workspace, capacity: int) -> None:
-        """The head over the prompt through ``draft.target_inputs``, exactly as in training:
+        """The head over the prompt through ``draft.read_pass``, exactly as in training:
         decoupled visual slots match the head's ``visual_offset``, positions its
-        ``draft_positions``. Its cache goes into the workspace's buffers (``capacity`` slots
-        at least), its draft steps into the workspace's captured steps."""
+        ``draft_positions``, images compressed as its ``visual_compression`` says (so its
+        cache may hold fewer entries than the prompt has draft positions). Its cache goes
+        into the workspace's buffers (``capacity`` slots at least), its draft steps into
+        the workspace's captured steps."""
         from transformers import DynamicCache
 
         cache = DynamicCache()
         self.rope_deltas = draft_rope_deltas(self.draft.config, prompt.rope_deltas)
         if prompt.ids.shape[1] > 1:
             features = Features(prompt.embeds, prompt.hidden, prompt.visual, prompt.pos, layer_states=prompt.layer_states)
-            self.draft(**self.draft.target_inputs(features, target), past_key_values=cache, use_cache=True)
+            inputs, _ = self.draft.read_pass(features, target)
+            self.draft(**inputs, past_key_values=cache, use_cache=True)
         self.cache, self.graphs = workspace.load("head", cache, capacity), workspace.graphs
+        self.merged = max(prompt.ids.shape[1] - 1, 0) - self.cache.length
 
     def draft_block(self, target, pending: Pending, config, generator: torch.Generator | None = None) -> Tree:
         if config.method == "tree":
@@ -156,7 +163,8 @@ class HeadDrafter:
         them to its cache. Returns (R, H), the head's output at the newest position of each
         row: its prediction of the root's feature."""
         n = pending.hidden.shape[0]
-        pos = target.continue_positions(self.cache.length, n, self.rope_deltas)
+        # positions past the prompt keep the target's index, however short the cache is
+        pos = target.continue_positions(self.cache.length + self.merged, n, self.rope_deltas)
         hidden = self.draft.project(pending.hidden)[None].expand(self.rows, -1, -1)
         causal = torch.ones(n, n, dtype=torch.bool, device=target.device).tril()
         out = self.head(target.embed_tokens(pending.tokens)[None], hidden, pos, causal)

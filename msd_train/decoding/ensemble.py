@@ -64,6 +64,12 @@ class EnsembleDrafter(HeadDrafter):
                 f"ensemble drafting ({mode}) builds its input variants from the target's last layer, and this "
                 f"{draft.architecture} head reads the inputs of target layers {draft.feature_layers}; decode it "
                 f"with decoding.method=tree or chain and no ensemble")
+        # the variants are built from the whole prompt
+        if getattr(getattr(draft, "config", None), "visual_compression", "none") != "none":
+            raise ValueError(
+                f"ensemble drafting ({mode}) builds its input variants from the uncompressed prompt, and this head "
+                f"compresses images (visual_compression={draft.config.visual_compression}); decode it with "
+                f"decoding.method=tree or chain and no ensemble")
         super().__init__(draft)
         self.variants = tuple(variants)
         self.mode = mode  # ibed | tabed

@@ -48,6 +48,13 @@ class MSDDraftConfig(PreTrainedConfig):
             and are run. Heads of 1-D RoPE targets (LLaVA) read 1-D ids either way. A
             saved head without the field was trained by this project before it existed,
             with "mrope".
+        visual_compression: "none", "kmeans" or "pool": keep at most
+            `visual_compression_tokens` (K) slots per image in the head's own context
+            (centroids of KMeans over the visual embeddings, or means of K contiguous
+            groups); the target still reads the whole image. See
+            `msd_train.draft.compression`. "none" (the default): every visual token.
+        visual_compression_tokens: K, the slots an image keeps; an image of at most K
+            visual tokens is not compressed.
         target_name_or_path, target_vocab_size, target_hidden_size, target_adapter:
             the target this head drafts for (the head reuses its embedding and lm_head).
         target_model_type: that target's family, as the composite model_type of its
@@ -86,6 +93,8 @@ class MSDDraftConfig(PreTrainedConfig):
     decouple_visual: bool = True
     visual_offset: Literal["released", "paper"] = "released"
     draft_positions: Literal["mrope", "1d"] = "mrope"
+    visual_compression: Literal["none", "kmeans", "pool"] = "none"
+    visual_compression_tokens: int = 32
 
     target_name_or_path: str | None = None
     target_vocab_size: int | None = None
@@ -135,6 +144,8 @@ class MSDDraftConfig(PreTrainedConfig):
                 f"layer_family='qwen2' needs head_dim = hidden_size // num_attention_heads "
                 f"({self.hidden_size // self.num_attention_heads}), got head_dim={self.head_dim}"
             )
+        if self.visual_compression_tokens < 1:
+            raise ValueError(f"visual_compression_tokens must be at least 1, got {self.visual_compression_tokens}")
         if self.mrope_section is not None and 2 * sum(self.mrope_section) != self.head_dim:
             raise ValueError(f"mrope_section={self.mrope_section} must sum to head_dim/2 = {self.head_dim // 2}")
 

@@ -7,6 +7,9 @@ only the members below, never the concrete ``forward`` signature or the target's
                                         layer's post-norm output (``msd``), else the
                                         target layers whose inputs it reads (``msd3``)
     head.target_inputs(features, target)  its inputs over one target pass (``pair``)
+    head.read_pass(features, target)    those inputs as the head reads them: with its
+                                        visual compression, if any, and the SlotMap
+                                        that puts its outputs back (``compression.py``)
     head.project(features)              target features -> the state its step reads
     head.step(embeds, state, ...)       one drafting step over T new positions -> states
     head.logits(states, target)         logits over the TARGET vocabulary
@@ -24,6 +27,8 @@ from pathlib import Path
 
 import torch
 from transformers import PreTrainedConfig, PreTrainedModel
+
+from msd_train.draft.compression import SlotMap, slot_map
 
 #: architecture name (``draft.architecture`` in conf/head/*.yaml) -> head class
 HEADS: dict[str, type] = {}
@@ -99,6 +104,26 @@ class DraftHead(PreTrainedModel):
     def target_inputs(self, features, target=None) -> dict[str, torch.Tensor | None]:
         """``forward``'s keyword inputs over one target pass (a ``targets.Features``)."""
         raise NotImplementedError
+
+    def visual_slots(self, features) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(B, L-1) bool visual slots of a target pass and (B, L-1, H) their visual
+        embeddings, as ``pair`` aligns them (slot t holds the embedding e_{t+1}); None
+        without images. What visual compression merges."""
+        if features.visual_mask is None:
+            return None
+        embeds, _ = pair(features.inputs_embeds, features.inputs_embeds)
+        return features.visual_mask[:, 1:].bool(), embeds
+
+    def read_pass(self, features, target=None, **kwargs) -> tuple[dict, SlotMap | None]:
+        """``target_inputs`` as the head reads them: each image's visual slots compressed
+        to at most ``visual_compression_tokens`` slots when the config asks for it. Returns
+        the inputs and the ``SlotMap`` whose ``expand`` puts outputs back on the L-1 slots
+        (None: nothing was compressed, the inputs are ``target_inputs``' own)."""
+        inputs = self.target_inputs(features, target, **kwargs)
+        method = getattr(self.config, "visual_compression", "none")
+        slots = self.visual_slots(features) if method != "none" else None
+        plan = None if slots is None else slot_map(method, self.config.visual_compression_tokens, *slots)
+        return (inputs, None) if plan is None else (plan.compress_inputs(inputs), plan)
 
     def head_features(self, features) -> torch.Tensor:
         """The per-token target features this head reads from a ``Features``."""

@@ -219,6 +219,12 @@ class MSDDraftModel(DraftHead):
         return {"input_embeds": embeds, "hidden_states": hidden, "replace_mask": replace, "raw_embeds": raw,
                 "position_ids": None if pos is None else draft_position_ids(self.config, pos)[..., :-1]}
 
+    def visual_slots(self, features) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The decoupled block where ``visual_offset`` puts it (see ``align_inputs``)."""
+        if features.visual_mask is None or self.config.visual_offset == "released":
+            return super().visual_slots(features)
+        return features.visual_mask[:, :-1].bool(), features.inputs_embeds[:, :-1]
+
     def fuse(
         self,
         input_embeds: torch.Tensor,
@@ -308,11 +314,12 @@ class MSDDraftModel(DraftHead):
 
     def training_loss(self, target, features, index, n_tokens: float, train, noise=None, forward=None):
         """Feature regression plus the token term (``training.loss.msd_loss``)."""
-        inputs = self.target_inputs(features, target)
+        inputs, plan = self.read_pass(features, target)
         if noise is not None:
             inputs["hidden_states"] = noise(inputs["hidden_states"])
-        out = (forward or self)(**inputs)
-        loss, parts = msd_loss(out.last_hidden_state, features.hidden_states[:, 1:], target.lm_head,
+        out = (forward or self)(**inputs).last_hidden_state
+        out = out if plan is None else plan.expand(out)
+        loss, parts = msd_loss(out, features.hidden_states[:, 1:], target.lm_head,
                                None, n_tokens, train.w_feat, train.w_tok, index=index)
         return loss, {"feat_sum": parts["feat_sum"], "tok_sum": parts["tok_sum"], "agree_sum": parts["agree_sum"],
                       "n": parts["n"]}
@@ -323,7 +330,9 @@ class MSDDraftModel(DraftHead):
                 "feat_loss": sums["feat_sum"] / n, "tok_loss": sums["tok_sum"] / n, "top1": sums["agree_sum"] / n}
 
     def eval_loss(self, target, features, mask: torch.Tensor) -> torch.Tensor:
-        out = self(**self.target_inputs(features, target)).last_hidden_state
+        inputs, plan = self.read_pass(features, target)
+        out = self(**inputs).last_hidden_state
+        out = out if plan is None else plan.expand(out)
         loss, _ = msd_loss(out, features.hidden_states[:, 1:], target.lm_head, mask, n_tokens=1.0)
         return loss
 
@@ -331,12 +340,14 @@ class MSDDraftModel(DraftHead):
         """Step 1 reads the target's features, step j > 1 the head's own step j-1
         predictions at every earlier position (a proxy: real drafting keeps true features
         for committed tokens). Step j at position t belongs to the chain anchored at t-j."""
-        inputs = self.target_inputs(features, target)
-        hidden = inputs["hidden_states"]
+        inputs, plan = self.read_pass(features, target)
+        _, hidden = pair(features.inputs_embeds, features.hidden_states)
         target_top = lm_head_argmax(target.lm_head, features.hidden_states[:, 1:])
         hits, h_in = [], hidden
-        for j in range(k):
-            out = self(**{**inputs, "hidden_states": h_in.to(inputs["input_embeds"].dtype)}).last_hidden_state
+        for j in range(k):  # over the L-1 slots; a compressed head reads and writes through its SlotMap
+            h = h_in.to(inputs["input_embeds"].dtype)
+            out = self(**{**inputs, "hidden_states": h if plan is None else plan.compress(h)}).last_hidden_state
+            out = out if plan is None else plan.expand(out)
             hit = lm_head_argmax(target.lm_head, out) == target_top  # the argmax of ``logits``, chunked
             by_anchor = torch.zeros_like(hit)
             by_anchor[:, : hit.shape[1] - j] = hit[:, j:]

@@ -219,9 +219,10 @@ class MSD3DraftModel(DraftHead):
 
     def _ttt(self, target, features, mask, noise=None, forward=None):
         """Per-step (weighted loss sum, hit count, valid count) of the unrolled head."""
-        inputs = self.target_inputs(features, target, noise)
+        inputs, plan = self.read_pass(features, target, noise=noise)
         probs, in_vocab = self._targets(target, features)
         outs = self.unroll(inputs, self.config.ttt_steps, forward)
+        outs = outs if plan is None else [plan.expand(s) for s in outs]
         loss, hits, valid = [], [], []
         for i, states in enumerate(outs):
             logp = torch.log_softmax(self.draft_logits(states).float(), -1)
@@ -259,7 +260,9 @@ class MSD3DraftModel(DraftHead):
 
     def rollout_hits(self, target, features, k: int) -> list[torch.Tensor]:
         """The unrolled steps are the chains: step j at anchor a predicts token a+2+j."""
-        outs = self.unroll(self.target_inputs(features, target), k)
+        inputs, plan = self.read_pass(features, target)
+        outs = self.unroll(inputs, k)
+        outs = outs if plan is None else [plan.expand(s) for s in outs]
         target_top = lm_head_argmax(target.lm_head, features.hidden_states[:, 1:])
         # the argmax of ``logits``: the draft-vocabulary argmax, mapped to its target id
         return [self.draft_ids[self.draft_logits(s).argmax(-1)] == self._shift(target_top, j, -1)

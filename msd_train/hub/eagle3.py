@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 #: MSD3DraftConfig fields the EAGLE-3 config has no key for
 _MSD_FIELDS = ("decouple_visual", "draft_positions", "ttt_steps", "ttt_decay", "layer_family", "mrope_section",
-               "target_name_or_path", "target_num_layers", "target_adapter", "target_hidden_size")
+               "target_name_or_path", "target_num_layers", "target_adapter", "target_hidden_size",
+               "visual_compression", "visual_compression_tokens")
 
 
 def is_eagle3(config: dict) -> bool:

@@ -510,6 +510,10 @@ def _released_layout_warnings(folder: Path, config: MSDDraftConfig) -> list[str]
     if config.uses_mrope and config.draft_positions != "1d":
         warnings.append("this head was trained with the target's M-RoPE positions; the released code drafts with "
                         "1-D positions, so acceptance at and after images will drop there")
+    if getattr(config, "visual_compression", "none") != "none":
+        warnings.append(f"this head keeps {config.visual_compression_tokens} slots per image "
+                        f"(visual_compression={config.visual_compression}); the released code drafts over every visual "
+                        "token, so acceptance on images may drop there")
     return warnings
 
 

@@ -206,7 +206,8 @@ class TrainRecipe:
                 raise TrainingError(
                     f"{init} was trained for a target with hidden size {draft.config.target_hidden_size}, "
                     f"but {self.target.name} has {self.target.hidden_size}")
-            for key in ("decouple_visual", "visual_offset", "draft_positions", "ttt_steps", "ttt_decay"):
+            for key in ("decouple_visual", "visual_offset", "draft_positions", "ttt_steps", "ttt_decay",
+                        "visual_compression", "visual_compression_tokens"):
                 if key in overrides and hasattr(draft.config, key) and getattr(draft.config, key) != overrides[key]:
                     log.info("draft.%s=%s overrides the stage-1 value %s", key, overrides[key],
                              getattr(draft.config, key))
