@@ -44,7 +44,7 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 #: MSD3DraftConfig fields the EAGLE-3 config has no key for
 _MSD_FIELDS = ("decouple_visual", "draft_positions", "ttt_steps", "ttt_decay", "layer_family", "mrope_section",
                "target_name_or_path", "target_num_layers", "target_adapter", "target_hidden_size",
-               "visual_compression", "visual_compression_tokens")
+               "visual_compression", "visual_compression_tokens", "target_model_type")
 
 
 def is_eagle3(config: dict) -> bool:
