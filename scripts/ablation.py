@@ -34,6 +34,8 @@ its sample standard deviation (mean ± sd); ablation.json keeps every seed's num
 from __future__ import annotations
 
 import argparse
+import heapq
+import itertools
 import json
 import os
 import statistics
@@ -53,20 +55,39 @@ def run(cmd: list[str]) -> None:
 
 class Jobs:
     """Commands in chains (each command after the one before it in its chain), at most ``n``
-    running at once; ``wait`` re-raises the first failure (its chain stops there)."""
+    running at once, a free slot going to the waiting command of lowest priority (trainings
+    before evaluations: the trainings are what the rest waits on); ``wait`` re-raises the
+    first failure (its chain stops there)."""
 
     def __init__(self, n: int):
-        self.slots = threading.Semaphore(max(1, n))
+        self.free = max(1, n)
+        self.cv = threading.Condition()
+        self.waiting: list[tuple[int, int]] = []  # heap of (priority, arrival)
+        self.arrivals = itertools.count()
         self.threads: list[threading.Thread] = []
         self.errors: list[BaseException] = []
 
-    def chain(self, cmds: list[list[str]], then=None) -> None:
+    def _run(self, cmd: list[str], priority: int) -> None:
+        ticket = (priority, next(self.arrivals))
+        with self.cv:
+            heapq.heappush(self.waiting, ticket)
+            self.cv.wait_for(lambda: self.free > 0 and self.waiting[0] == ticket)
+            heapq.heappop(self.waiting)
+            self.free -= 1
+            self.cv.notify_all()
+        try:
+            run(cmd)
+        finally:
+            with self.cv:
+                self.free += 1
+                self.cv.notify_all()
+
+    def chain(self, cmds: list[list[str]], then=None, priority: int = 0) -> None:
         """Run ``cmds`` one after another in the background, then call ``then()`` (which may add chains)."""
         def go():
             try:
                 for cmd in cmds:
-                    with self.slots:
-                        run(cmd)
+                    self._run(cmd, priority)
                 if then is not None:
                     then()
             except BaseException as e:  # noqa: BLE001 (reported by wait)
@@ -173,9 +194,9 @@ def main() -> None:
 
             def after_stage1(ev=ev, a=a, b=b, c=c, s2b=s2b, s2c=s2c):
                 for cmd in ev.get(a, []):
-                    jobs.chain([cmd])
-                jobs.chain(s2b, then=lambda: [jobs.chain([cmd]) for cmd in ev.get(b, [])])
-                jobs.chain(s2c, then=lambda: [jobs.chain([cmd]) for cmd in ev.get(c, [])])
+                    jobs.chain([cmd], priority=1)
+                jobs.chain(s2b, then=lambda: [jobs.chain([cmd], priority=1) for cmd in ev.get(b, [])])
+                jobs.chain(s2c, then=lambda: [jobs.chain([cmd], priority=1) for cmd in ev.get(c, [])])
             jobs.chain([] if reused else [[py, "train.py", "stage=1", f"head={h}", f"run_dir={base}", *seeded, *s1]],
                        then=after_stage1)
     jobs.wait()
