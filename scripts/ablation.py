@@ -128,6 +128,11 @@ def stage_stats(stage_dir: Path) -> dict:
     return out
 
 
+def finished(stage_dir: Path) -> bool:
+    """Whether a stage's training has finished (it writes ``final/`` at its end)."""
+    return (stage_dir / "final" / "config.json").is_file()
+
+
 def eval_done(out: Path) -> dict | None:
     f = out / "report.json"
     if not f.exists():
@@ -188,16 +193,19 @@ def main() -> None:
             if args.table_only:
                 continue
             a, b, c = names
-            s2b = [] if reused else [[py, "train.py", "stage=2", f"head={h}", f"run_dir={base}", *seeded, *s2]]
-            s2c = [[py, "train.py", "stage=2", f"head={h}", f"run_dir={coupled}", "draft.decouple_visual=false",
-                    f"stage.init_from={base / 'stage1' / 'final'}", *seeded, *s2]]
+            # a stage with a final export has finished: not launched again (train.py would only say so)
+            s2b = [] if reused or finished(base / "stage2") else [
+                [py, "train.py", "stage=2", f"head={h}", f"run_dir={base}", *seeded, *s2]]
+            s2c = [] if finished(coupled / "stage2") else [
+                [py, "train.py", "stage=2", f"head={h}", f"run_dir={coupled}", "draft.decouple_visual=false",
+                 f"stage.init_from={base / 'stage1' / 'final'}", *seeded, *s2]]
 
             def after_stage1(ev=ev, a=a, b=b, c=c, s2b=s2b, s2c=s2c):
                 for cmd in ev.get(a, []):
                     jobs.chain([cmd], priority=1)
                 jobs.chain(s2b, then=lambda: [jobs.chain([cmd], priority=1) for cmd in ev.get(b, [])])
                 jobs.chain(s2c, then=lambda: [jobs.chain([cmd], priority=1) for cmd in ev.get(c, [])])
-            jobs.chain([] if reused else [[py, "train.py", "stage=1", f"head={h}", f"run_dir={base}", *seeded, *s1]],
+            jobs.chain([] if reused or finished(base / "stage1") else [[py, "train.py", "stage=1", f"head={h}", f"run_dir={base}", *seeded, *s1]],
                        then=after_stage1)
     jobs.wait()
     train_s = time.time() - t0
