@@ -72,8 +72,7 @@ class _Replayed:
         if self.cache is None:
             return keys, values
         if self.past is None:
-            layer = self.cache.layers[layer_idx] if layer_idx < len(self.cache.layers) else None
-            n = 0 if layer is None or not layer.is_initialized else layer.keys.shape[-2]
+            n = self.cache.get_seq_length(layer_idx)
             out = self.cache.update(keys, values, layer_idx, *args, **kwargs)
             self.past = (out[0][..., :n, :], out[1][..., :n, :])
             return out
@@ -180,7 +179,7 @@ class MSD3DraftModel(DraftHead):
             bias = attention_bias(attention_mask, batch_size, query_length, past_length, h.dtype, h.device)
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             # The training-time test runs the layer ttt_steps times per batch: recomputing it in
-            # the backward pass keeps one step's activations instead of all of them.
+            # the backward pass keeps each step's layer inputs, not its attention and MLP activations.
             h = self._gradient_checkpointing_func(self._layer, x, h, bias, position_embeddings, use_cache,
                                                   _Replayed(past_key_values))
         else:
