@@ -22,19 +22,27 @@ head). Writes ablation.json and ablation.md with whatever comes out.
 Runs are reused: training resumes (`resume=auto`) and a finished stage is not trained again,
 an evaluation whose report.json exists and is complete is read rather than repeated, and
 `--reuse DIR` takes the msd head's stage 1 and 2 from a finished default run (e.g. runs/tiny).
-`--jobs N` runs up to N independent trainings or evaluations at once (stage 1s, then stage
-2s, then evaluations).
+`--jobs N` runs up to N trainings or evaluations at once, each as soon as what it starts from
+is there (a stage 2 after its stage 1, an evaluation after its training).
+
+`--seeds 0 1 2` repeats every training with each `seed=` (the head's initialisation and the
+data order); seed 0 keeps the folders of a one-seed run (RUN_DIR/msd, ...), seed s > 0 uses
+RUN_DIR/seed{s}/. The table gives each cell's mean over the seeds and, with more than one,
+its sample standard deviation (mean ± sd); ablation.json keeps every seed's numbers.
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
+import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,9 +53,62 @@ def run(cmd: list[str]) -> None:
     subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "WANDB_MODE": "disabled"})
 
 
-def run_all(cmds: list[list[str]], jobs: int) -> None:
-    with ThreadPoolExecutor(max(1, jobs)) as pool:
-        list(pool.map(run, cmds))  # list(): re-raises the first failure
+class Jobs:
+    """Commands in chains (each command after the one before it in its chain), at most ``n``
+    running at once, a free slot going to the waiting command of lowest priority (trainings
+    before evaluations: the trainings are what the rest waits on); ``wait`` re-raises the
+    first failure (its chain stops there)."""
+
+    def __init__(self, n: int):
+        self.free = max(1, n)
+        self.cv = threading.Condition()
+        self.waiting: list[tuple[int, int]] = []  # heap of (priority, arrival)
+        self.arrivals = itertools.count()
+        self.threads: list[threading.Thread] = []
+        self.errors: list[BaseException] = []
+
+    def _run(self, cmd: list[str], priority: int) -> None:
+        ticket = (priority, next(self.arrivals))
+        with self.cv:
+            heapq.heappush(self.waiting, ticket)
+            self.cv.wait_for(lambda: self.free > 0 and self.waiting[0] == ticket)
+            heapq.heappop(self.waiting)
+            self.free -= 1
+            self.cv.notify_all()
+        try:
+            run(cmd)
+        finally:
+            with self.cv:
+                self.free += 1
+                self.cv.notify_all()
+
+    def chain(self, cmds: list[list[str]], then=None, priority: int = 0) -> None:
+        """Run ``cmds`` one after another in the background, then call ``then()`` (which may add chains)."""
+        def go():
+            try:
+                for cmd in cmds:
+                    self._run(cmd, priority)
+                if then is not None:
+                    then()
+            except BaseException as e:  # noqa: BLE001 (reported by wait)
+                self.errors.append(e)
+        t = threading.Thread(target=go)
+        self.threads.append(t)
+        t.start()
+
+    def wait(self) -> None:
+        while any(t.is_alive() for t in self.threads):
+            for t in list(self.threads):
+                t.join()
+        if self.errors:
+            raise self.errors[0]
+
+
+def spread(values: list[float | None]) -> dict:
+    """Mean, sample standard deviation (None for one value) and the values, over the seeds that have one."""
+    vals = [v for v in values if v is not None]
+    return {"mean": statistics.fmean(vals) if vals else None,
+            "sd": statistics.stdev(vals) if len(vals) > 1 else None, "n": len(vals), "values": values}
 
 
 def stage_stats(stage_dir: Path) -> dict:
@@ -67,6 +128,11 @@ def stage_stats(stage_dir: Path) -> dict:
     return out
 
 
+def finished(stage_dir: Path) -> bool:
+    """Whether a stage's training has finished (it writes ``final/`` at its end)."""
+    return (stage_dir / "final" / "config.json").is_file()
+
+
 def eval_done(out: Path) -> dict | None:
     f = out / "report.json"
     if not f.exists():
@@ -84,6 +150,7 @@ def main() -> None:
     ap.add_argument("--steps1", type=int, default=None, help="stage-1 steps (default: the config's)")
     ap.add_argument("--steps2", type=int, default=None, help="stage-2 steps (default: the config's)")
     ap.add_argument("--jobs", type=int, default=1, help="independent runs at once")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0], help="train every head with each seed")
     ap.add_argument("--train", nargs="*", default=[], help="extra train.py overrides, every stage")
     ap.add_argument("--eval", nargs="*", default=[], help="extra eval.py overrides (e.g. bench.max_per_category=4)")
     ap.add_argument("--reuse", default=None,
@@ -100,81 +167,134 @@ def main() -> None:
     # its first half (75 of 150 steps by default), not over more steps than the stage has.
     s2 = [f"train.max_steps={args.steps2}", f"stage.curriculum.ramp_steps={args.steps2 // 2}"] if args.steps2 else []
     t0 = time.time()
-    base = {h: Path(args.reuse) if args.reuse and h == "msd" else run_dir / h for h in args.heads}
-    # "coupled" for msd keeps the folder earlier versions of this script trained.
-    coupled = {h: run_dir / ("coupled" if h == "msd" else f"{h}-coupled") for h in args.heads}
-    fresh = [h for h in args.heads if not (args.reuse and h == "msd")]
-    train = (lambda cmds, jobs: None) if args.table_only else run_all
-    train([[py, "train.py", "stage=1", f"head={h}", f"run_dir={base[h]}", *common, *s1] for h in fresh], args.jobs)
-    train([[py, "train.py", "stage=2", f"head={h}", f"run_dir={base[h]}", *common, *s2] for h in fresh]
-            + [[py, "train.py", "stage=2", f"head={h}", f"run_dir={coupled[h]}", "draft.decouple_visual=false",
-                f"stage.init_from={base[h] / 'stage1' / 'final'}", *common, *s2] for h in args.heads], args.jobs)
-    train_s = time.time() - t0
-    variants = {}  # name -> (head folder, stage folder its metrics are in)
-    for h in args.heads:
-        variants[f"{h} a: stage 1 only"] = base[h] / "stage1"
-        variants[f"{h} b: stage 1 + 2 (decoupled)"] = base[h] / "stage2"
-        variants[f"{h} c: stage 1 + 2, decoupling off"] = coupled[h] / "stage2"
-    evals = {(name, d): run_dir / "eval" / f"{name.split(':')[0].replace(' ', '-')}-{d}"
-             for name in variants for d in args.decoders}
-    train([[py, "eval.py", f"draft={variants[name] / 'final'}", f"out={out}", f"decoding={d}", "progress=false",
-              *args.eval] for (name, d), out in evals.items() if eval_done(out) is None], args.jobs)
-    reports = {key: eval_done(out) for key, out in evals.items()}
-    rows, missing = {}, []
-    for name, stage_dir in variants.items():
-        if not (stage_dir / "final").is_dir():
-            missing.append(f"{name}: training ({stage_dir} has no final export)")
-        row = {"head": name.split()[0], "sim_tau_split": {}, "steps": None,
-               **(stage_stats(stage_dir) if (stage_dir / "metrics.jsonl").exists() else {})}
-        for d in args.decoders:
-            r = reports[(name, d)]
-            if r is None:
-                missing.append(f"{name}: {d} evaluation")
-                row[d] = {"tau": None, "accept_at_pos": [], "per_category": {}, "outputs_match_ar": None}
+    variants = {}  # name -> {seed: stage folder its head and metrics are in}
+    evals = {}  # (name, decoder) -> {seed: evaluation folder}
+    jobs = Jobs(args.jobs)
+    for seed in args.seeds:
+        root = run_dir if seed == 0 else run_dir / f"seed{seed}"
+        seeded = [*common, f"seed={seed}"]
+        for h in args.heads:
+            reused = bool(args.reuse) and h == "msd" and seed == 0
+            base = Path(args.reuse) if reused else root / h
+            # "coupled" for msd keeps the folder earlier versions of this script trained.
+            coupled = root / ("coupled" if h == "msd" else f"{h}-coupled")
+            names = {f"{h} a: stage 1 only": base / "stage1", f"{h} b: stage 1 + 2 (decoupled)": base / "stage2",
+                     f"{h} c: stage 1 + 2, decoupling off": coupled / "stage2"}
+            ev = {}
+            for name, stage_dir in names.items():
+                variants.setdefault(name, {})[seed] = stage_dir
+                for d in args.decoders:
+                    out = root / "eval" / f"{name.split(':')[0].replace(' ', '-')}-{d}"
+                    evals.setdefault((name, d), {})[seed] = out
+                    if eval_done(out) is None:
+                        ev.setdefault(name, []).append(
+                            [py, "eval.py", f"draft={stage_dir / 'final'}", f"out={out}", f"decoding={d}",
+                             "progress=false", *args.eval])
+            if args.table_only:
                 continue
-            row[d] = {"tau": r["overall"]["tau"], "accept_at_pos": r["overall"]["accept_at_pos"],
-                      "per_category": {c: g["tau"] for c, g in r["per_category"].items()},
-                      "outputs_match_ar": r["overall"].get("outputs_match_ar"), "n_turns": r["overall"]["n_turns"]}
-        rows[name] = row
-    done = [r for r in reports.values() if r is not None]
-    cats = sorted({c for r in done for c in r["per_category"]})
+            a, b, c = names
+            # a stage with a final export has finished: not launched again (train.py would only say so)
+            s2b = [] if reused or finished(base / "stage2") else [
+                [py, "train.py", "stage=2", f"head={h}", f"run_dir={base}", *seeded, *s2]]
+            s2c = [] if finished(coupled / "stage2") else [
+                [py, "train.py", "stage=2", f"head={h}", f"run_dir={coupled}", "draft.decouple_visual=false",
+                 f"stage.init_from={base / 'stage1' / 'final'}", *seeded, *s2]]
+
+            def after_stage1(ev=ev, a=a, b=b, c=c, s2b=s2b, s2c=s2c):
+                for cmd in ev.get(a, []):
+                    jobs.chain([cmd], priority=1)
+                jobs.chain(s2b, then=lambda: [jobs.chain([cmd], priority=1) for cmd in ev.get(b, [])])
+                jobs.chain(s2c, then=lambda: [jobs.chain([cmd], priority=1) for cmd in ev.get(c, [])])
+            jobs.chain([] if reused or finished(base / "stage1") else [[py, "train.py", "stage=1", f"head={h}", f"run_dir={base}", *seeded, *s1]],
+                       then=after_stage1)
+    jobs.wait()
+    train_s = time.time() - t0
+    rows, missing = {}, []
+    decodings = {}
+    for name, stages in variants.items():
+        per_seed = {}
+        for seed, stage_dir in stages.items():
+            if not (stage_dir / "final").is_dir():
+                missing.append(f"{name}, seed {seed}: training ({stage_dir} has no final export)")
+            row = {"sim_tau_split": {}, "steps": None,
+                   **(stage_stats(stage_dir) if (stage_dir / "metrics.jsonl").exists() else {})}
+            for d in args.decoders:
+                r = eval_done(evals[(name, d)][seed])
+                if r is None:
+                    missing.append(f"{name}, seed {seed}: {d} evaluation")
+                    row[d] = None
+                    continue
+                decodings.setdefault(d, r["decoding"])
+                decodings.setdefault("device", r["device"])
+                row[d] = {"tau": r["overall"]["tau"], "accept_at_pos": r["overall"]["accept_at_pos"],
+                          "per_category": {c: g["tau"] for c, g in r["per_category"].items()},
+                          "outputs_match_ar": r["overall"].get("outputs_match_ar"), "n_turns": r["overall"]["n_turns"]}
+            per_seed[seed] = row
+        seeds = list(per_seed)
+        got = lambda f, rs=[per_seed[s] for s in seeds]: spread([f(r) for r in rs])  # noqa: E731
+        splits = sorted({k for r in per_seed.values() for k in r["sim_tau_split"]})
+        agg = {"head": name.split()[0], "seeds": seeds, "steps": [per_seed[s]["steps"] for s in seeds],
+               "s_per_step": got(lambda r: r.get("s_per_step")),
+               "sim_tau": got(lambda r: r.get("sim_tau")),
+               "sim_tau_split": {k: got(lambda r, k=k: r["sim_tau_split"].get(k)) for k in splits}}
+        for d in args.decoders:
+            done = [per_seed[s][d] for s in seeds if per_seed[s][d] is not None]
+            cats = sorted({c for r in done for c in r["per_category"]})
+            npos = max((len(r["accept_at_pos"]) for r in done), default=0)
+            agg[d] = {"tau": got(lambda r, d=d: r[d] and r[d]["tau"]),
+                      # position i's acceptance averages the seeds whose evaluation reached position i
+                      "accept_at_pos": [got(lambda r, d=d, i=i, n=npos: r[d] and (r[d]["accept_at_pos"] + [None] * n)[i])
+                                        for i in range(npos)],
+                      "per_category": {c: got(lambda r, d=d, c=c: r[d] and r[d]["per_category"].get(c))
+                                       for c in cats},
+                      "outputs_match_ar": all(r["outputs_match_ar"] for r in done) if done else None,
+                      "n_turns": [r["n_turns"] for r in done]}
+        rows[name] = {**agg, "per_seed": {str(s): r for s, r in per_seed.items()}}
+    cats = sorted({c for row in rows.values() for d in args.decoders for c in row[d]["per_category"]})
     splits = sorted({s for row in rows.values() for s in row["sim_tau_split"]})
-    first = done[0] if done else {"device": "-"}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"command": " ".join([Path(py).name, *sys.argv]), "train_wall_s": round(train_s, 1),
-            "decoding": {d: next((r["decoding"] for (_, e), r in reports.items() if e == d and r), None)
-                         for d in args.decoders},
-            "device": first["device"], "date": time.strftime("%Y-%m-%d"), "missing": missing}
+            "seeds": args.seeds, "decoding": {d: decodings.get(d) for d in args.decoders},
+            "device": decodings.get("device", "-"), "date": time.strftime("%Y-%m-%d"), "missing": missing}
     (out / "ablation.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    f3 = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+
+    def cell(x: dict | None) -> str:
+        if x is None or x["mean"] is None:
+            return "-"
+        return f"{x['mean']:.3f}" + ("" if x["sd"] is None else f" ± {x['sd']:.3f}")
+    n_seeds = len(args.seeds)
     lines = ["# Ablation on the embedded tiny target", "",
              f"Command: `{meta['command']}` ({meta['date']}, {meta['device']}"
-             + ("" if args.table_only else f"; wall time of the training phase {train_s / 60:.1f} min") + ").", "",
+             + ("" if args.table_only else f"; wall time of the training and evaluation {train_s / 60:.1f} min")
+             + ").", "",
              "sim tau: held-out validation's 5-step self-rollout per held-out split, last validation of the stage "
              "(stage 1 validates on text only). tree / chain tau: tokens committed per target forward on the tiny "
-             "benchmark, greedy. s/step: training seconds per optimizer step.", "",
+             "benchmark, greedy. s/step: training seconds per optimizer step."
+             + (f" Each cell: mean ± sample standard deviation over {n_seeds} seeds ({', '.join(map(str, args.seeds))})."
+                if n_seeds > 1 else ""), "",
              "| head | steps | s/step | " + " | ".join(f"sim tau {s}" for s in splits) + " | "
              + " | ".join(f"{d} tau" for d in args.decoders)
              + "".join(f" | {d}: {c}" for d in args.decoders for c in cats) + " | matches AR |",
              "|---" * (3 + len(splits) + len(args.decoders) * (1 + len(cats)) + 1) + "|"]
     for name, row in rows.items():
-        lines.append(f"| {name} | {row['steps']} | {f3(row.get('s_per_step'))} | "
-                     + " | ".join(f3(row["sim_tau_split"].get(s)) for s in splits) + " | "
-                     + " | ".join(f3(row[d]["tau"]) for d in args.decoders)
-                     + "".join(f" | {f3(row[d]['per_category'].get(c))}" for d in args.decoders for c in cats)
+        steps = sorted({s for s in row["steps"] if s is not None})
+        lines.append(f"| {name} | {'/'.join(map(str, steps)) or '-'} | {cell(row['s_per_step'])} | "
+                     + " | ".join(cell(row["sim_tau_split"].get(s)) for s in splits) + " | "
+                     + " | ".join(cell(row[d]["tau"]) for d in args.decoders)
+                     + "".join(f" | {cell(row[d]['per_category'].get(c))}" for d in args.decoders for c in cats)
                      + f" | {' / '.join(str(row[d]['outputs_match_ar']) for d in args.decoders)} |")
-    lines += ["", "Per-position acceptance (P(position i accepted | earlier ones accepted), overall):", "",
+    lines += ["", "Per-position acceptance (P(position i accepted | earlier ones accepted), overall"
+              + (", mean ± sd over the seeds whose evaluation reached position i" if n_seeds > 1 else "") + "):", "",
               "| head | decoder | " + " | ".join(f"pos {i}" for i in range(1, 7)) + " |", "|---" * 8 + "|"]
     for name, row in rows.items():
         for d in args.decoders:
             acc = (row[d]["accept_at_pos"] + [None] * 6)[:6]
-            lines.append(f"| {name} | {d} | " + " | ".join(f3(a) for a in acc) + " |")
+            lines.append(f"| {name} | {d} | " + " | ".join(cell(a) for a in acc) + " |")
     if missing:
         lines += ["", "Missing (not run to the end in this invocation):", ""] + [f"- {m}" for m in missing]
     (out / "ablation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-
 
 if __name__ == "__main__":
     main()

@@ -167,6 +167,32 @@ def test_decoupled_visual_inputs_reach_the_head(llava_target):
     assert not torch.allclose(a[0, first], b[0, first])
 
 
+def test_decoupling_reaches_the_decoders_prefill(llava_target):
+    """The decoder's prefill feeds the head the same embedding stream training does: two
+    heads with equal weights that differ only in ``decouple_visual`` cache different keys
+    at image positions and draft different first distributions after the prompt."""
+    from msd_train.decoding.speculative import prefill
+
+    target, enc = llava_target, prompt(llava_target)
+    on, off = make_head("msd3", target), make_head("msd3", target, decouple_visual=False)
+    off.load_state_dict(on.state_dict())
+    slots = (enc.input_ids == target.image_token_id)[1:]  # draft position t reads e_{t+1}
+    keys, firsts = [], []
+    for head in (on, off):
+        head.requires_grad_(False)
+        state = prefill(target, head, enc)
+        state.tokens.append(int(state.next_logits.argmax()))
+        keys.append(state.drafter.cache.layers[0].keys[0, :, : len(slots)].clone())
+        with torch.inference_mode():
+            out = state.drafter.feed_pending(target, state.pending())
+            firsts.append(head.logits(out[:, None], target)[0, 0])
+    assert not torch.allclose(keys[0][:, slots], keys[1][:, slots])
+    # text positions before the first image read the same inputs
+    before = int(slots.nonzero()[0])
+    assert torch.allclose(keys[0][:, :before], keys[1][:, :before])
+    assert not torch.allclose(firsts[0], firsts[1])
+
+
 def test_ttt_step_i_reads_the_heads_own_step_i_minus_1_output(target):
     """The unrolled step i at anchor t equals drafting a chain from t: the committed
     step-0 context up to t in the cache, then one step per depth reading the previous

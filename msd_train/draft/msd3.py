@@ -60,14 +60,34 @@ def token_counts(datasets, vocab_size: int) -> torch.Tensor:
     return counts
 
 
+class _Replayed:
+    """A cache for one checkpointed layer call: the first call extends ``cache``; the
+    recomputation in the backward pass, when later steps have extended it further, sees
+    the keys and values the first call saw, and extends nothing."""
+
+    def __init__(self, cache):
+        self.cache, self.past = cache, None
+
+    def update(self, keys, values, layer_idx, *args, **kwargs):
+        if self.cache is None:
+            return keys, values
+        if self.past is None:
+            n = self.cache.get_seq_length(layer_idx)
+            out = self.cache.update(keys, values, layer_idx, *args, **kwargs)
+            self.past = (out[0][..., :n, :], out[1][..., :n, :])
+            return out
+        return torch.cat([self.past[0], keys], -2), torch.cat([self.past[1], values], -2)
+
+
 @register_head
 class MSD3DraftModel(DraftHead):
     architecture = "msd3"
     config_class = MSD3DraftConfig
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
 
     def __init__(self, config: MSD3DraftConfig):
         super().__init__(config)
+        self.gradient_checkpointing = False
         hidden = config.hidden_size
         self.fc = nn.Linear(len(config.feature_layers) * hidden, hidden, bias=False)
         layer = _DECODER_LAYER[config.layer_family](config, layer_idx=0)
@@ -157,11 +177,21 @@ class MSD3DraftModel(DraftHead):
             bias = None
         else:
             bias = attention_bias(attention_mask, batch_size, query_length, past_length, h.dtype, h.device)
-        a, _ = layer.self_attn(hidden_states=x, attention_mask=bias, position_embeddings=position_embeddings,
-                               use_cache=use_cache, **cache_kwargs(past_key_values))
-        h = h + a
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            # The training-time test runs the layer ttt_steps times per batch: recomputing it in
+            # the backward pass keeps each step's layer inputs, not its attention and MLP activations.
+            h = self._gradient_checkpointing_func(self._layer, x, h, bias, position_embeddings, use_cache,
+                                                  _Replayed(past_key_values))
+        else:
+            h = self._layer(x, h, bias, position_embeddings, use_cache, past_key_values)
         return MSDDraftOutput(last_hidden_state=h, cache=past_key_values)
+
+    def _layer(self, x, h, bias, position_embeddings, use_cache, cache):
+        layer = self.midlayer
+        a, _ = layer.self_attn(hidden_states=x, attention_mask=bias, position_embeddings=position_embeddings,
+                               use_cache=use_cache, **cache_kwargs(cache))
+        h = h + a
+        return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def draft_logits(self, states: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary."""

@@ -17,7 +17,7 @@ import logging
 import re
 from pathlib import Path
 
-from msd_train.draft import MSDDraftConfig
+from msd_train.draft import MSD3DraftConfig, MSDDraftConfig
 from msd_train.formatting import fmt
 from msd_train.hub.folders import is_repo_id
 from msd_train.targets.lora import adapter_identity
@@ -242,6 +242,11 @@ def _training_section(training: list[dict]) -> list[str]:
               if k in train]
         if hp:
             lines.append("- " + ", ".join(hp))
+        head = cfg.get("draft") or {}
+        if head.get("architecture") == "msd3":
+            lines.append("- head: msd3, " + ", ".join(f"{k}={head[k]}" for k in (
+                "ttt_steps", "ttt_decay", "decouple_visual", "feature_layers", "draft_vocab_size", "draft_positions")
+                if head.get(k) is not None))
         if cfg.get("deepspeed", {}).get("zero_optimization"):
             lines.append(f"- DeepSpeed ZeRO stage {cfg['deepspeed']['zero_optimization'].get('stage')}")
         lines.append("")
@@ -302,7 +307,10 @@ def model_card(
         raise ValueError(f"base_model={base_model}: give the target's Hub model id (OWNER/NAME), not a local path")
     target_id = base_model or hub_id(config.target_name_or_path)
     title, target_lines, load_arg = _target_lines(config, target_id)
-    tags = TAGS + (["qwen2-vl"] if config.layer_family == "qwen2" else ["llava"])
+    msd3 = isinstance(config, MSD3DraftConfig)
+    if msd3:
+        title = title.replace("MSD draft head", "MSD-3 draft head (EAGLE-3 style)", 1)
+    tags = TAGS + (["eagle3"] if msd3 else []) + (["qwen2-vl"] if config.layer_family == "qwen2" else ["llava"])
     data = ModelCardData(
         base_model=target_id,
         license=license,
@@ -315,12 +323,31 @@ def model_card(
     if config.target_adapter:
         adapter_arg = hub_id(config.target_adapter) or f"path/to/{local_name(config.target_adapter)}"
     lines = [f"# {title}", ""]
+    if msd3:
+        visual = ("the target's visual embeddings (the projector's outputs) at image positions, as MSD does"
+                  if config.decouple_visual else
+                  "the image placeholder token's embedding at image positions (plain EAGLE-3, no visual decoupling)")
+        lines += [
+            "A draft head for lossless speculative decoding of a multimodal model: an msd3 head, EAGLE-3's "
+            "architecture (Li et al., arXiv 2503.01840)"
+            + (" with MSD's decoupled visual tokens (Lin et al., arXiv 2505.14260)" if config.decouple_visual else "")
+            + f". It fuses the inputs of {len(config.feature_layers)} target layers "
+            f"({', '.join(map(str, config.feature_layers))}), runs one decoder layer over them and the next token's "
+            f"embedding, and predicts tokens with its own `lm_head` over a draft vocabulary of "
+            f"{config.draft_vocab_size} target tokens; it was trained with EAGLE-3's training-time test "
+            f"({config.ttt_steps} steps on its own outputs) and reads {visual}. It is not a model on its own: it "
+            "uses the target's embedding table and layer features, and the target verifies every drafted token, "
+            "so outputs are exactly the target's. Trained with msd-train.",
+        ]
+    else:
+        lines += [
+            "A draft head for lossless speculative decoding of a multimodal model: MSD (Lin et al., "
+            "arXiv 2505.14260), an EAGLE-style head that fuses the target's last hidden state with the next token's "
+            "embedding and treats visual tokens apart from text tokens. It is not a model on its own: it uses the "
+            "target's embedding table and `lm_head`, and the target verifies every drafted token, so outputs are "
+            "exactly the target's. Trained with msd-train.",
+        ]
     lines += [
-        "A draft head for lossless speculative decoding of a multimodal model: MSD (Lin et al., "
-        "arXiv 2505.14260), an EAGLE-style head that fuses the target's last hidden state with the next token's "
-        "embedding and treats visual tokens apart from text tokens. It is not a model on its own: it uses the "
-        "target's embedding table and `lm_head`, and the target verifies every drafted token, so outputs are "
-        "exactly the target's. Trained with msd-train.",
         "",
         "## Use",
         "",
@@ -335,6 +362,15 @@ def model_card(
         f"target = load_target({load_arg!r}" + (f", adapter={adapter_arg!r}" if adapter_arg else "")
         + ", device=\"cuda\")",
         f"head = load_head({repo_id!r}, target=target)",
+    ]
+    if msd3:
+        lines += [
+            "",
+            "# the EAGLE-3 layout (midlayer.*, fc, norm, lm_head, d2t, t2d) that EAGLE-3 and SpecForge read",
+            "from msd_train.hub.eagle3 import export_eagle3",
+            "export_eagle3(head, \"eagle3-head\")",
+        ]
+    lines += [
         "```",
         "",
         "## Head",
@@ -342,20 +378,43 @@ def model_card(
         "| field | value |",
         "|---|---|",
     ]
-    rows = [
-        ("layer family", config.layer_family),
-        ("decoder layers", config.num_hidden_layers),
-        ("hidden size", config.hidden_size),
-        ("intermediate size", config.intermediate_size),
-        ("attention heads (KV heads)", f"{config.num_attention_heads} ({config.num_key_value_heads})"),
-        ("fc bias", config.fc_bias),
-        ("input norm on the first layer", config.first_layer_input_norm),
-        ("visual decoupling", config.decouple_visual),
-        ("visual offset", config.visual_offset),
-        ("M-RoPE sections", config.mrope_section),
-        ("parameters", f"{num_parameters:,}" if num_parameters else None),
-        ("dtype", dtype),
-    ]
+    if msd3:
+        decoupling = ("on: the projector's outputs at image positions" if config.decouple_visual
+                      else "off: the image placeholder's embedding at image positions (plain EAGLE-3)")
+        rows = [
+            ("architecture", "msd3 (EAGLE-3's head" + (" with MSD's visual decoupling)" if config.decouple_visual
+                                                       else ", visual decoupling off)")),
+            ("fused target layers", f"inputs of layers {', '.join(map(str, config.feature_layers))}"
+             + (f" of {config.target_num_layers}" if config.target_num_layers else "")),
+            ("draft vocabulary", f"{config.draft_vocab_size} tokens"
+             + (f" of the target's {config.target_vocab_size}" if config.target_vocab_size else "")
+             + " (`d2t`/`t2d` saved with the head)"),
+            ("training-time test steps", f"{config.ttt_steps} (step i's loss weighted {config.ttt_decay}^i)"),
+            ("visual decoupling", decoupling),
+            ("draft positions", config.draft_positions if config.mrope_section else None),
+            ("layer family", config.layer_family),
+            ("hidden size", config.hidden_size),
+            ("intermediate size", config.intermediate_size),
+            ("attention heads (KV heads)", f"{config.num_attention_heads} ({config.num_key_value_heads})"),
+            ("M-RoPE sections", config.mrope_section),
+            ("parameters", f"{num_parameters:,}" if num_parameters else None),
+            ("dtype", dtype),
+        ]
+    else:
+        rows = [
+            ("layer family", config.layer_family),
+            ("decoder layers", config.num_hidden_layers),
+            ("hidden size", config.hidden_size),
+            ("intermediate size", config.intermediate_size),
+            ("attention heads (KV heads)", f"{config.num_attention_heads} ({config.num_key_value_heads})"),
+            ("fc bias", config.fc_bias),
+            ("input norm on the first layer", config.first_layer_input_norm),
+            ("visual decoupling", config.decouple_visual),
+            ("visual offset", config.visual_offset),
+            ("M-RoPE sections", config.mrope_section),
+            ("parameters", f"{num_parameters:,}" if num_parameters else None),
+            ("dtype", dtype),
+        ]
     lines += [f"| {k} | {fmt(v)} |" for k, v in rows if v is not None]
     if imported_from:
         lines += ["", f"Imported from the released head `{imported_from}` (weights unchanged)."]
