@@ -37,6 +37,7 @@ KNOWN_DATASETS = {
 #: nor "a/b" within a word.
 _LOCAL_PATH = re.compile(r"(?<![\w:/.~-])~?/[^\s`'\"()\[\]{}<>,;|*]+")
 
+
 def target_family(config):
     """The target adapter of the head's family: the one its config records, else (heads saved
     before they recorded it) the first family drafting with its layer family."""
