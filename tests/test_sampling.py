@@ -123,6 +123,9 @@ class TinyHead:
                 "replace_mask": torch.zeros(e.shape[:2], dtype=torch.bool), "raw_embeds": e,
                 "position_ids": features.position_ids[..., :-1]}
 
+    def read_pass(self, features, target=None):
+        return self.target_inputs(features, target), None  # no visual compression
+
     def __call__(self, input_embeds, hidden_states, replace_mask=None, raw_embeds=None, position_ids=None,
                  attention_mask=None, past_key_values=None, use_cache=False):
         h = self.lm.layer(input_embeds, position_ids + self.shift, attention_mask, past_key_values)
