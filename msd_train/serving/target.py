@@ -31,6 +31,8 @@ def _needs_rename(keys) -> bool:
 def vllm_target(folder: str | Path, cache: str | Path) -> Path:
     """``folder``, or a converted copy under ``cache`` when vLLM cannot read it as is."""
     folder = Path(folder)
+    if not (folder / "config.json").is_file():  # a Hub id: vLLM downloads it (converted there or not)
+        return folder
     config = json.loads((folder / "config.json").read_text())
     weights = sorted(folder.glob("*.safetensors"))
     if config.get("model_type") != "llava" or not weights:
