@@ -67,7 +67,7 @@ def project_prompts(target_cfg: dict, bench_cfg: dict, draft: str, k: int, max_n
         for n, ((prompt, a), (_, s)) in enumerate(zip(plain, spec)):
             n_images = prompt.num_images
             turns.append({"id": f"{item.id}/{n}", "category": item.category,
-                          "prompt_token_ids": prompt.input_ids.tolist(),
+                          "prompt_token_ids": vllm_prompt_ids(prompt.input_ids.tolist(), target.image_token_id),
                           "images": [str(p) for p in item.images[:n_images]],
                           "ar_tokens": a.tokens, "chain_tokens": s.tokens,
                           "accepted": [c.accepted for c in s.cycles]})
@@ -79,6 +79,17 @@ def project_prompts(target_cfg: dict, bench_cfg: dict, draft: str, k: int, max_n
                         "new_tokens": sum(len(t["ar_tokens"]) for t in turns),
                         "tokens_per_s": sum(len(t["chain_tokens"]) for t in turns) / max(t_chain, 1e-9),
                         "ar_tokens_per_s": sum(len(t["ar_tokens"]) for t in turns) / max(t_ar, 1e-9)}}
+
+
+def vllm_prompt_ids(ids: list[int], image_token_id: int) -> list[int]:
+    """The project's prompt ids as vLLM takes them: one image token per image. The project
+    expands each image to its N visual tokens; vLLM expands every image token it is given
+    (a prompt with N would get N x N), so each run is folded back to one."""
+    out = []
+    for i, t in enumerate(ids):
+        if not (t == image_token_id and i > 0 and ids[i - 1] == image_token_id):
+            out.append(t)
+    return out
 
 
 def _per_position(accepted: list[int], k: int) -> list[float]:
