@@ -145,3 +145,19 @@ def test_export_script_writes_the_vllm_folder_and_prints_the_losses(tmp_path, he
     assert done.returncode == 0, done.stderr
     assert "stock vLLM (without this project's plugin) loses: the decoupled visual inputs" in done.stdout
     assert (out / "model.safetensors").is_file() and import_vllm(out).config.decouple_visual
+
+
+def test_only_the_serving_package_knows_vllm():
+    """vLLM is optional: no module outside msd_train/serving imports msd_train.serving or
+    vllm, and inside it only the modules vLLM itself loads import vllm at module level."""
+    from test_layering import _import_graph, _top_level_imports
+
+    graph = _import_graph()
+    users = sorted(m for m, deps in graph.items()
+                   if not m.startswith("msd_train.serving") and any(d.startswith("msd_train.serving") for d in deps))
+    assert users == []
+    from test_layering import _all_modules
+
+    at_top = sorted(m for m, path in _all_modules().items()
+                    if any(n.split(".")[0] == "vllm" for n in _top_level_imports(path)))
+    assert at_top == ["msd_train.serving.vllm_models"]

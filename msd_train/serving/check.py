@@ -54,6 +54,7 @@ def project_prompts(target_cfg: dict, bench_cfg: dict, draft: str, k: int, max_n
                          target_cfg.get("adapter"), target_cfg.get("chat_template"),
                          bool(target_cfg.get("trust_remote_code", False)), "sdpa")
     head = import_vllm(draft).to(target.dtype)
+    compatible = compatible_head(import_vllm(draft).to(target.dtype))
     chain = DecodeConfig(method="chain", k=k, max_new_tokens=max_new_tokens)
     ar = dataclasses.replace(chain, method="ar")
     turns, t_chain, t_ar = [], 0.0, 0.0
@@ -64,21 +65,42 @@ def project_prompts(target_cfg: dict, bench_cfg: dict, draft: str, k: int, max_n
         t1 = time.perf_counter()
         spec = answer_turns(target, head, item, chain, images)
         t_ar, t_chain = t_ar + t1 - t0, t_chain + time.perf_counter() - t1
-        for n, ((prompt, a), (_, s)) in enumerate(zip(plain, spec)):
+        compat = answer_turns(target, compatible, item, chain, images)
+        for n, ((prompt, a), (_, s), (_, c)) in enumerate(zip(plain, spec, compat)):
             n_images = prompt.num_images
             turns.append({"id": f"{item.id}/{n}", "category": item.category,
                           "prompt_token_ids": vllm_prompt_ids(prompt.input_ids.tolist(), target.image_token_id),
                           "images": [str(p) for p in item.images[:n_images]],
                           "ar_tokens": a.tokens, "chain_tokens": s.tokens,
-                          "accepted": [c.accepted for c in s.cycles]})
-    cycles = [a for t in turns for a in t["accepted"]]
-    return {"turns": turns, "image_token_id": target.image_token_id, "eos_token_ids": target.eos_token_ids,
-            "project": {"tau": sum(a + 1 for a in cycles) / max(len(cycles), 1), "cycles": len(cycles),
-                        "per_position": _per_position(cycles, k),
+                          "accepted": [x.accepted for x in s.cycles],
+                          "compatible_accepted": [x.accepted for x in c.cycles]})
+    return {"turns": turns, "image_token_id": target.image_token_id,
+            "project": {**_chain_figures([t["accepted"] for t in turns], k),
                         "chain_equals_ar": sum(t["ar_tokens"] == t["chain_tokens"] for t in turns),
                         "new_tokens": sum(len(t["ar_tokens"]) for t in turns),
                         "tokens_per_s": sum(len(t["chain_tokens"]) for t in turns) / max(t_chain, 1e-9),
-                        "ar_tokens_per_s": sum(len(t["ar_tokens"]) for t in turns) / max(t_ar, 1e-9)}}
+                        "ar_tokens_per_s": sum(len(t["ar_tokens"]) for t in turns) / max(t_ar, 1e-9)},
+            "project_compatible": _chain_figures([t["compatible_accepted"] for t in turns], k)}
+
+
+def compatible_head(head):
+    """The head as stock vLLM runs the exported folder: no fc bias, no first-layer input
+    norm, the placeholder's embedding at image positions (``decouple_visual`` off). Its
+    chain figures are what stock vLLM should report, the plugin's reference's counterpart."""
+    from torch import nn
+
+    head.config.decouple_visual = False
+    if getattr(head, "fc", None) is not None and head.fc.bias is not None and head.feature_layers is None:
+        nn.init.zeros_(head.fc.bias)
+    if head.feature_layers is None and not isinstance(head.layers[0].input_layernorm, nn.Identity):
+        head.layers[0].input_layernorm = nn.Identity()
+    return head
+
+
+def _chain_figures(accepted: list[list[int]], k: int) -> dict:
+    cycles = [a for turn in accepted for a in turn]
+    return {"tau": sum(a + 1 for a in cycles) / max(len(cycles), 1), "cycles": len(cycles),
+            "per_position": _per_position(cycles, k)}
 
 
 def vllm_prompt_ids(ids: list[int], image_token_id: int) -> list[int]:
@@ -124,21 +146,27 @@ def run_vllm(spec: dict) -> dict:
             p["multi_modal_data"] = {"image": [Image.open(i).convert("RGB") for i in t["images"]]}
         prompts.append(p)
     llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up, left out of the figures
-    before = _spec_counters(llm)
-    outputs, t0 = [], time.perf_counter()
+    first = before = _spec_counters(llm)
+    outputs, per_turn, seconds = [], [], 0.0
     for p in prompts:
+        t0 = time.perf_counter()
         outputs.append(list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids))
-    seconds = time.perf_counter() - t0
-    after = _spec_counters(llm)
-    counters = {k: (after[k] - before[k]) if not isinstance(after[k], list)
-                else [a - b for a, b in zip(after[k], before[k] or [0] * len(after[k]))] for k in after}
+        seconds += time.perf_counter() - t0
+        after = _spec_counters(llm)  # (outside the timed region)
+        per_turn.append(_minus(after, before))
+        before = after
     out = {"outputs": outputs, "seconds": seconds, "new_tokens": sum(len(o) for o in outputs),
-           "tokens_per_s": sum(len(o) for o in outputs) / max(seconds, 1e-9), "counters": counters,
-           "draft_class": _draft_class(llm)}
+           "tokens_per_s": sum(len(o) for o in outputs) / max(seconds, 1e-9), "counters": _minus(after, first),
+           "per_turn": per_turn, "draft_class": _draft_class(llm)}
     if speculative and counters["num_drafts"]:
         out["mean_acceptance_length"] = 1 + counters["num_accepted_tokens"] / counters["num_drafts"]
         out["per_position"] = [a / counters["num_drafts"] for a in counters["num_accepted_tokens_per_pos"]]
     return out
+
+
+def _minus(after: dict, before: dict) -> dict:
+    return {k: [a - b for a, b in zip(v, before[k] or [0] * len(v))] if isinstance(v, list) else v - before[k]
+            for k, v in after.items()}
 
 
 def _spec_counters(llm) -> dict:
@@ -188,7 +216,8 @@ def compare(prompts: dict, runs: dict) -> dict:
     """The report: vLLM's figures per run beside the project's, and which outputs agree."""
     turns = prompts["turns"]
     ar = [t["ar_tokens"] for t in turns]
-    report = {"turns": len(turns), "project": prompts["project"], "vllm": {}}
+    report = {"turns": len(turns), "project": prompts["project"], "project_compatible": prompts["project_compatible"],
+              "vllm": {}}
     plain = runs.get("ar")
     for mode, r in runs.items():
         entry = {k: r.get(k) for k in ("mean_acceptance_length", "per_position", "tokens_per_s", "new_tokens",
@@ -197,8 +226,26 @@ def compare(prompts: dict, runs: dict) -> dict:
         if plain is not None and mode != "ar":
             entry["outputs_equal_vllm_ar"] = sum(o == a for o, a in zip(r["outputs"], plain["outputs"]))
             entry["speedup_over_vllm_ar"] = r["tokens_per_s"] / max(plain["tokens_per_s"], 1e-9)
+        if mode != "ar":
+            entry["by_category"] = _by_category(turns, r["per_turn"])
         report["vllm"][mode] = entry
     return report
+
+
+def _by_category(turns: list[dict], per_turn: list[dict]) -> dict:
+    """Per benchmark category: vLLM's 1 + accepted / drafts beside the project's chain tau
+    and the compatible-mode chain tau over the same turns."""
+    out = {}
+    for cat in sorted({t["category"] for t in turns}):
+        idx = [i for i, t in enumerate(turns) if t["category"] == cat]
+        drafts = sum(per_turn[i]["num_drafts"] for i in idx)
+        acc = sum(per_turn[i]["num_accepted_tokens"] for i in idx)
+        proj = [a for i in idx for a in turns[i]["accepted"]]
+        comp = [a for i in idx for a in turns[i]["compatible_accepted"]]
+        out[cat] = {"turns": len(idx), "vllm_tau": 1 + acc / max(drafts, 1),
+                    "project_tau": sum(a + 1 for a in proj) / max(len(proj), 1),
+                    "project_compatible_tau": sum(a + 1 for a in comp) / max(len(comp), 1)}
+    return out
 
 
 def summary_lines(report: dict, k: int) -> list[str]:
@@ -206,7 +253,9 @@ def summary_lines(report: dict, k: int) -> list[str]:
     n = report["turns"]
     lines = [f"{n} turns, chain k={k}, greedy",
              f"project chain   tau {p['tau']:.3f}  per-position {_fmt(p['per_position'])}  "
-             f"outputs = project plain {p['chain_equals_ar']}/{n}"]
+             f"outputs = project plain {p['chain_equals_ar']}/{n}",
+             f"project chain, compatible mode (no fc bias, placeholder embeddings)   tau "
+             f"{report['project_compatible']['tau']:.3f}  per-position {_fmt(report['project_compatible']['per_position'])}"]
     for mode, r in report["vllm"].items():
         line = f"vLLM {mode:<10} {r['tokens_per_s']:.1f} tok/s  outputs = project plain {r['outputs_equal_project_ar']}/{n}"
         if mode != "ar":
