@@ -100,8 +100,8 @@ def _split_msd(head: MSDDraftModel) -> tuple[dict, dict, list[str]]:
         lost.append("the Qwen2 layers' q/k/v biases (vLLM's Llama layers have none)")
     if c.decouple_visual:
         lost.append("the decoupled visual inputs (stock vLLM drafts from the image placeholder's embedding)")
-    if c.mrope_section:
-        lost.append("nothing of M-RoPE in the layout, but vLLM's EAGLE proposer runs no M-RoPE draft: unchecked")
+    if c.mrope_section and c.draft_positions == "1d":
+        lost.append("draft_positions=1d: vLLM feeds the draft the target's M-RoPE positions, not 1-D ones")
     return stock, extras, lost
 
 

@@ -155,8 +155,9 @@ def run_vllm(spec: dict) -> dict:
         after = _spec_counters(llm)  # (outside the timed region)
         per_turn.append(_minus(after, before))
         before = after
+    counters = _minus(before, first)
     out = {"outputs": outputs, "seconds": seconds, "new_tokens": sum(len(o) for o in outputs),
-           "tokens_per_s": sum(len(o) for o in outputs) / max(seconds, 1e-9), "counters": _minus(after, first),
+           "tokens_per_s": sum(len(o) for o in outputs) / max(seconds, 1e-9), "counters": counters,
            "per_turn": per_turn, "draft_class": _draft_class(llm)}
     if speculative and counters["num_drafts"]:
         out["mean_acceptance_length"] = 1 + counters["num_accepted_tokens"] / counters["num_drafts"]

@@ -20,7 +20,6 @@ from itertools import chain
 from pathlib import Path
 
 import torch
-from torch import nn
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear
 from vllm.model_executor.models.llama_eagle import EagleLlamaForCausalLM
@@ -103,7 +102,7 @@ class MSDEagleLlamaForCausalLM(_VisualSlots, EagleLlamaForCausalLM):
         if self.msd.get("fc_bias"):
             m.fc = ReplicatedLinear(input_size=2 * c.hidden_size, output_size=c.hidden_size, bias=True,
                                     params_dtype=vllm_config.model_config.dtype, quant_config=m.quant_config,
-                                    prefix=m.fc.prefix if hasattr(m.fc, "prefix") else "model.fc", return_bias=False)
+                                    prefix="model.fc", return_bias=False)
         if self.msd.get("first_layer_input_norm"):
             m.layers[0].input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         if self.msd.get("layer_family") == "qwen2":
