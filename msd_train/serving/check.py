@@ -54,7 +54,7 @@ def project_prompts(target_cfg: dict, bench_cfg: dict, draft: str, k: int, max_n
                          target_cfg.get("adapter"), target_cfg.get("chat_template"),
                          bool(target_cfg.get("trust_remote_code", False)), "sdpa")
     head = import_vllm(draft).to(target.dtype)
-    compatible = compatible_head(import_vllm(draft).to(target.dtype))
+    compatible = compatible_head(import_vllm(draft).to(target.dtype), target)
     chain = DecodeConfig(method="chain", k=k, max_new_tokens=max_new_tokens)
     ar = dataclasses.replace(chain, method="ar")
     turns, t_chain, t_ar = [], 0.0, 0.0
@@ -83,13 +83,27 @@ def project_prompts(target_cfg: dict, bench_cfg: dict, draft: str, k: int, max_n
             "project_compatible": _chain_figures([t["compatible_accepted"] for t in turns], k)}
 
 
-def compatible_head(head):
+def compatible_head(head, target):
     """The head as stock vLLM runs the exported folder: no fc bias, no first-layer input
-    norm, the placeholder's embedding at image positions (``decouple_visual`` off). Its
-    chain figures are what stock vLLM should report, the plugin's reference's counterpart."""
+    norm, and at image positions the placeholder token's embedding in place of the visual
+    one, with no replacement (``decouple_visual`` off). Its chain figures are what stock
+    vLLM should report, as the head's own are what the plugin should."""
+    import torch
     from torch import nn
 
-    head.config.decouple_visual = False
+    head.config.decouple_visual = False  # msd3: embeddings() then reads the placeholder's
+    if head.feature_layers is None:  # msd: the fc's embedding half too
+        placeholder = target.embed_tokens.weight[target.image_token_id]
+        own = head.target_inputs
+
+        def target_inputs(features, target=None):
+            if features.visual_mask is not None:
+                embeds = features.inputs_embeds
+                embeds = torch.where(features.visual_mask[..., None].bool(), placeholder.to(embeds.dtype), embeds)
+                features = dataclasses.replace(features, inputs_embeds=embeds)
+            return own(features, target)
+
+        head.target_inputs = target_inputs
     if getattr(head, "fc", None) is not None and head.fc.bias is not None and head.feature_layers is None:
         nn.init.zeros_(head.fc.bias)
     if head.feature_layers is None and not isinstance(head.layers[0].input_layernorm, nn.Identity):
