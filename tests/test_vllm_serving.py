@@ -63,11 +63,14 @@ def test_vllm_serves_the_exported_head_losslessly_with_the_plugin_and_without(se
     assert vllm["stock"]["draft_class"] == "EagleLlamaForCausalLM"
 
 
-def test_the_plugin_drafts_as_the_project_does(served):
-    """Same head, prompts and k: vLLM with the plugin accepts what the project's chain accepts
-    (fp32 on both sides; see benchmarks/serving/README.md for the tolerance)."""
+def test_vllm_drafts_as_the_project_does_in_each_mode(served):
+    """Same head, prompts and k: vLLM with the plugin accepts what the project's chain
+    accepts, and stock vLLM what the project's chain accepts with the head in compatible
+    mode (fp32 on both sides; benchmarks/serving/README.md states the tolerance)."""
     _, _, report = served
-    assert report["vllm"]["plugin"]["mean_acceptance_length"] == pytest.approx(report["project"]["tau"], abs=0.05)
+    vllm = report["vllm"]
+    assert vllm["plugin"]["mean_acceptance_length"] == pytest.approx(report["project"]["tau"], abs=0.05)
+    assert vllm["stock"]["mean_acceptance_length"] == pytest.approx(report["project_compatible"]["tau"], abs=0.05)
 
 
 def test_vllm_reads_the_speculators_config_the_msd3_export_writes(tmp_path):
