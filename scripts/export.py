@@ -4,6 +4,7 @@
     python scripts/export.py checkpoint=runs/tiny/stage2/final format=msd out=heads/tiny dtype=bf16
     python scripts/export.py checkpoint=heads/tiny format=reference target=tiny out=heads/tiny-reference
     python scripts/export.py checkpoint=runs/tiny/stage2/final format=eagle3 out=heads/tiny-eagle3  (msd3 heads)
+    python scripts/export.py checkpoint=runs/tiny/stage2/final format=vllm out=heads/tiny-vllm  (docs/serving.md)
 
 format=reference writes config.json + model.safetensors (weights=bin: pytorch_model.bin)
 with embed_tokens.weight taken from embed_from=, target=, or the folder the head was

@@ -84,11 +84,10 @@ def test_a_registered_format_is_detected_and_a_write_only_one_is_not_loaded(tmp_
     assert detect_layout(tmp_path / "x") == "someengine"
     with pytest.raises(ValueError, match="someengine format is written for another engine"):
         load_head(tmp_path / "x")
-    with pytest.raises(ValueError, match="use one of msd, reference, eagle3, someengine"):
+    with pytest.raises(ValueError, match=f"use one of {', '.join(formats.names())}"):
         formats.get("vlm")
     with pytest.raises(ValueError, match="already registered"):
         formats.register(fmt)
-
 
 
 def test_the_docs_formats_table_is_the_registry():
@@ -124,11 +123,11 @@ def test_export_script_refuses_an_unknown_format_a_wrong_head_and_a_foreign_opti
     msd_head().save_pretrained(tmp_path / "msd")
     msd3_head().save_pretrained(tmp_path / "msd3")
     cases = [
-        (["checkpoint=msd", "format=onnx"], "format=onnx: no such head format; use one of msd, reference, eagle3"),
+        (["checkpoint=msd", "format=onnx"], "format=onnx: no such head format; use one of msd, reference, eagle3, vllm"),
         (["checkpoint=msd", "format=eagle3"],
-         "format=eagle3 holds msd3 heads; msd is an msd head (use format=msd or format=reference)"),
+         "format=eagle3 holds msd3 heads; msd is an msd head (use format=msd or format=reference or format=vllm)"),
         (["checkpoint=msd3", "format=reference", "embed_from=msd"],
-         "format=reference holds msd heads; msd3 is an msd3 head (use format=msd or format=eagle3)"),
+         "format=reference holds msd heads; msd3 is an msd3 head (use format=msd or format=eagle3 or format=vllm)"),
         (["checkpoint=msd3", "format=eagle3", "weights=bin"], "format=eagle3 takes no weights= (it takes dtype=)"),
     ]
     monkeypatch.chdir(tmp_path)

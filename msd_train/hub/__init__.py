@@ -6,7 +6,7 @@ Needs only torch, transformers, safetensors and huggingface_hub (no hydra, deeps
 so evaluation boxes can load heads with it.
 """
 
-from msd_train.hub import eagle3, ours, reference
+from msd_train.hub import eagle3, ours, reference, vllm
 from msd_train.hub.folders import IncompleteHeadError, detect_layout, load_export, resolve_folder
 from msd_train.hub.formats import HeadFormat, register
 from msd_train.hub.load import load_head
@@ -21,6 +21,7 @@ from msd_train.hub.vocab import VocabMap, check_embedding
 register(ours.FORMAT)
 register(reference.FORMAT)
 register(eagle3.FORMAT)
+register(vllm.FORMAT)
 
 __all__ = [
     "HeadFormat",

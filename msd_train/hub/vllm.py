@@ -1,0 +1,264 @@
+"""The layouts vLLM serves, for msd and msd3 heads, and their load-back.
+
+``msd`` head -> vLLM's native EAGLE layout (``speculative_config={"method": "eagle", ...}``):
+    config.json       a LlamaConfig with ``architectures: ["LlamaForCausalLM"]`` (vLLM names
+                      the draft class ``Eagle`` + that, ``EagleLlamaForCausalLM``), the
+                      head's layer count, ``vocab_size`` of the target, plus an ``"msd"``
+                      block (below)
+    model.safetensors ``fc.weight [H, 2H]`` and ``layers.N.*`` under transformers' names;
+                      no embedding, no lm_head (vLLM shares the target's)
+``msd3`` head -> the speculators EAGLE-3 layout (``method`` "eagle3", read from the folder):
+    config.json       ``speculators_model_type: "eagle3"``, ``speculators_config`` (verifier,
+                      ``proposal_methods[0].speculative_tokens``), ``transformer_layer_config``
+                      (the layer's LlamaConfig), ``draft_vocab_size``, ``target_hidden_size``,
+                      ``eagle_aux_hidden_state_layer_ids``, ``norm_before_residual: false``
+                      (vLLM's default for the format is true; MSD-3's residual is the
+                      un-normalised state), plus the ``"msd"`` block
+    model.safetensors ``fc.weight``, ``layers.0.*`` (q/k/v take 2H; ``hidden_norm``),
+                      ``norm.weight``, ``lm_head.weight``, ``d2t``/``t2d`` when the draft
+                      vocabulary is smaller than the target's
+
+What the stock vLLM classes cannot express is kept where stock vLLM does not look and
+this project's plugin (``msd_train.serving.vllm_plugin``) does:
+    - the ``"msd"`` block of config.json: decoupling, visual offset, draft positions, the
+      trained fields; vLLM's config classes carry unknown keys along unread;
+    - ``msd/extras.safetensors``: tensors the stock class has no parameter for (the msd
+      head's fc bias, a first-layer input norm, Qwen2 q/k/v biases). vLLM's loader reads
+      only ``*.safetensors`` at the top of the folder, and its AutoWeightsLoader raises on
+      any name the class lacks, so they cannot sit in model.safetensors.
+``export_vllm`` returns (and scripts/export.py prints) what stock vLLM loses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from msd_train.draft import MSD3DraftConfig, MSD3DraftModel, MSDDraftConfig, MSDDraftModel
+from msd_train.draft.head import DraftHead
+from msd_train.hub.folders import IncompleteHeadError
+from msd_train.hub.formats import HeadFormat
+from msd_train.runtime import atomic_dir, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+EXTRAS = "msd/extras.safetensors"
+EAGLE_ARCHITECTURE = "LlamaForCausalLM"
+#: speculative tokens written into a speculators config (vLLM's default k for the head;
+#: ``num_speculative_tokens`` at serving time overrides it)
+DEFAULT_SPECULATIVE_TOKENS = 5
+
+_LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "rms_norm_eps", "hidden_act", "max_position_embeddings")
+#: head config fields with no key in the layouts, kept in the "msd" block
+_MSD_FIELDS = {
+    "msd": ("fc_bias", "first_layer_input_norm", "decouple_visual", "visual_offset", "draft_positions",
+            "layer_family", "mrope_section", "target_name_or_path", "target_vocab_size", "target_hidden_size",
+            "target_adapter"),
+    "msd3": ("decouple_visual", "visual_offset", "draft_positions", "ttt_steps", "ttt_decay", "layer_family",
+             "mrope_section", "target_name_or_path", "target_num_layers", "target_adapter", "target_hidden_size"),
+}
+_QWEN2_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+
+
+def _layer_config(c, num_layers: int, vocab_size: int, dtype: torch.dtype) -> dict:
+    """The LlamaConfig fields vLLM's Llama layers read (``vllm/model_executor/models/llama.py``)."""
+    rope = dict(c.rope_parameters or {})
+    out = {"architectures": [EAGLE_ARCHITECTURE], "model_type": "llama",
+           **{k: getattr(c, k) for k in _LAYER_FIELDS},
+           "num_hidden_layers": num_layers, "vocab_size": vocab_size, "tie_word_embeddings": False,
+           "attention_bias": False, "mlp_bias": False, "rope_theta": rope.get("rope_theta"),
+           "torch_dtype": str(dtype).removeprefix("torch.")}
+    if c.mrope_section or rope.get("rope_type", "default") != "default":
+        out["rope_scaling"] = rope
+    return out
+
+
+def _msd_block(head, kind: str) -> dict:
+    c = head.config
+    return {"architecture": kind, "format_version": 1, **{k: getattr(c, k, None) for k in _MSD_FIELDS[kind]},
+            "extras": EXTRAS}
+
+
+def _split_msd(head: MSDDraftModel) -> tuple[dict, dict, list[str]]:
+    """(stock tensors, extras, what stock vLLM loses) of an msd head."""
+    c = head.config
+    stock, extras, lost = {}, {}, []
+    for name, t in head.state_dict().items():
+        if "rotary_emb" in name:
+            continue
+        t = t.detach().cpu().contiguous()
+        layer_bias = name.startswith("layers.") and name.split(".", 2)[2] in _QWEN2_BIASES
+        if name == "fc.bias" or name == "layers.0.input_layernorm.weight" or layer_bias:
+            extras[name] = t
+        else:
+            stock[name] = t
+    if "fc.bias" in extras:
+        lost.append(f"the fc bias (norm {extras['fc.bias'].float().norm():.4g}; stock vLLM's EAGLE fc has none)")
+    if "layers.0.input_layernorm.weight" in extras:
+        lost.append("the first layer's input norm (stock vLLM's EAGLE layer 0 has none)")
+    if any(k.endswith("proj.bias") for k in extras):
+        lost.append("the Qwen2 layers' q/k/v biases (vLLM's Llama layers have none)")
+    if c.decouple_visual:
+        lost.append("the decoupled visual inputs (stock vLLM drafts from the image placeholder's embedding)")
+    if c.mrope_section and c.draft_positions == "1d":
+        lost.append("draft_positions=1d: vLLM feeds the draft the target's M-RoPE positions, not 1-D ones")
+    return stock, extras, lost
+
+
+def _speculators_config(head: MSD3DraftModel, dtype: torch.dtype, verifier: str | None) -> dict:
+    c = head.config
+    layer = _layer_config(c, 1, c.target_vocab_size, dtype)
+    layer.pop("architectures")
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.9.0",
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": DEFAULT_SPECULATIVE_TOKENS,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": verifier or c.target_name_or_path, "architectures": []},
+        },
+        "transformer_layer_config": layer,
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size or c.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(c.feature_layers),
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def _split_msd3(head: MSD3DraftModel) -> tuple[dict, dict, list[str]]:
+    c = head.config
+    stock, extras, lost = {}, {}, []
+    full_vocab = c.draft_vocab_size == c.target_vocab_size
+    for name, t in head.state_dict().items():
+        if "rotary_emb" in name:
+            continue
+        t = t.detach().cpu().contiguous()
+        if name in ("d2t", "t2d") and full_vocab:
+            # vLLM builds no draft-to-target map when the vocabularies are equal and raises on a d2t
+            continue
+        name = name.replace("midlayer.", "layers.0.")
+        (extras if name.split(".", 2)[-1] in _QWEN2_BIASES else stock)[name] = t
+    if full_vocab and bool(head.d2t.any()):
+        raise ValueError("an msd3 head whose draft vocabulary is the whole target vocabulary must map draft id i "
+                         "to target id i (d2t all zero); this one does not")
+    if extras:
+        lost.append("the Qwen2 layer's q/k/v biases (vLLM's EAGLE-3 Llama layer has none)")
+    if c.decouple_visual:
+        lost.append("the decoupled visual inputs (stock vLLM drafts from the image placeholder's embedding)")
+    return stock, extras, lost
+
+
+def export_vllm(head, out: str | Path, dtype: torch.dtype | str | None = None, verifier: str | None = None) -> dict:
+    """Write ``head`` (msd or msd3; or the head in a folder / Hub id ``load_head`` opens) in
+    the layout vLLM serves, optionally cast to ``dtype``; returns a summary whose
+    ``"stock_vllm_loses"`` lists what stock vLLM (without the plugin) will not use (each
+    also logged)."""
+    if not isinstance(head, DraftHead):
+        from msd_train.hub.load import load_head
+
+        head = load_head(head)
+    if isinstance(dtype, str):
+        dtype = resolve_dtype(dtype, "cpu")
+    if isinstance(head, MSD3DraftModel):
+        kind, (stock, extras, lost) = "msd3", _split_msd3(head)
+    elif isinstance(head, MSDDraftModel):
+        kind, (stock, extras, lost) = "msd", _split_msd(head)
+        if head.config.visual_offset != "released":
+            # vLLM hands the draft slot t the embedding of token t+1 (the proposer shifts the
+            # inputs, `_gather_mm_embeddings(shift_computed_tokens=1)`): the released offset.
+            lost.append("visual_offset=paper: vLLM feeds slot t the embedding of token t+1, so the plugin "
+                        "refuses this head (it would draft with the visual block one slot late)")
+    else:
+        raise ValueError(f"format=vllm holds msd and msd3 heads, not {type(head).__name__}")
+    if dtype is not None:
+        stock = {k: v.to(dtype) if v.is_floating_point() else v for k, v in stock.items()}
+        extras = {k: v.to(dtype) if v.is_floating_point() else v for k, v in extras.items()}
+    weight_dtype = next(v.dtype for v in stock.values() if v.is_floating_point())
+    if kind == "msd":
+        config = _layer_config(head.config, head.config.num_hidden_layers, head.config.target_vocab_size,
+                               weight_dtype)
+    else:
+        config = _speculators_config(head, weight_dtype, verifier)
+    config["msd"] = _msd_block(head, kind)
+
+    def write(tmp: Path):
+        save_file(stock, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if extras:
+            (tmp / EXTRAS).parent.mkdir(parents=True, exist_ok=True)
+            save_file(extras, str(tmp / EXTRAS), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    atomic_dir(out, write)
+    for x in lost:
+        log.warning("stock vLLM (without this project's plugin) loses: %s", x)
+    return {"out": str(out), "format": "vllm", "method": "eagle" if kind == "msd" else "eagle3",
+            "stock_vllm_loses": lost}
+
+
+def is_vllm_export(config: dict) -> bool:
+    return (config.get("msd") or {}).get("architecture") in ("msd", "msd3") and (
+        "speculators_config" in config or config.get("architectures") == [EAGLE_ARCHITECTURE])
+
+
+def read_extras(folder: Path) -> dict[str, torch.Tensor]:
+    path = folder / EXTRAS
+    return load_file(str(path)) if path.is_file() else {}
+
+
+def import_vllm(folder: str | Path) -> MSDDraftModel | MSD3DraftModel:
+    """The msd or msd3 head of a folder written by ``export_vllm``, tensors bit for bit."""
+    folder = Path(folder)
+    path = folder / "config.json"
+    if not path.is_file() or not (folder / "model.safetensors").is_file():
+        raise IncompleteHeadError(f"{folder}: a vLLM-layout head is config.json + model.safetensors")
+    config = json.loads(path.read_text())
+    msd = config.get("msd") or {}
+    if not is_vllm_export(config):
+        raise IncompleteHeadError(f"{path}: not a head exported with format=vllm (no \"msd\" block naming "
+                                  f"architecture msd or msd3)")
+    layer = config.get("transformer_layer_config", config)
+    state = {**load_file(str(folder / "model.safetensors")), **read_extras(folder)}
+    rope = dict(layer.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", layer.get("rope_theta"))
+    rope.setdefault("rope_type", "default")
+    rope.pop("mrope_section", None)
+    fields = {k: layer[k] for k in _LAYER_FIELDS}
+    fields.update({k: v for k, v in msd.items() if k in _MSD_FIELDS[msd["architecture"]]})
+    fields["rope_parameters"] = rope
+    if msd["architecture"] == "msd":
+        head = MSDDraftModel(MSDDraftConfig(num_hidden_layers=layer["num_hidden_layers"], **fields))
+    else:
+        fields.update(feature_layers=list(config["eagle_aux_hidden_state_layer_ids"]),
+                      target_vocab_size=layer["vocab_size"], draft_vocab_size=config["draft_vocab_size"])
+        head = MSD3DraftModel(MSD3DraftConfig(**fields))
+        state = {k.replace("layers.0.", "midlayer."): v for k, v in state.items()}
+        for name in ("d2t", "t2d"):  # left out of a full-vocabulary export: the identity map
+            state.setdefault(name, getattr(head, name).clone())
+    dtype = next(v.dtype for v in state.values() if v.is_floating_point())
+    head = head.to(dtype)
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    missing = [k for k in missing if "rotary_emb" not in k]
+    if missing or unexpected:
+        raise IncompleteHeadError(f"{folder}: the weights do not fit the head its config describes "
+                                  f"(missing {missing[:6]}, unexpected {unexpected[:6]})")
+    return head.eval()
+
+
+def load_vllm(folder, target=None, source=None):
+    return import_vllm(folder)
+
+
+FORMAT = HeadFormat(
+    name="vllm", heads=("msd", "msd3"), write=export_vllm, detect=is_vllm_export, load=load_vllm, options=("dtype",),
+    describe='vLLM\'s EAGLE (msd heads) or speculators EAGLE-3 (msd3 heads) layout with an "msd" block',
+)
