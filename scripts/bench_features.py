@@ -33,6 +33,7 @@ import torch
 
 from msd_train.config import CONF_DIR, REPO_ROOT
 
+
 # Real targets: hidden size, vocabulary (so the id width) and M-RoPE from the adapters'
 # published shapes (msd_train/targets ``target_shapes``); here the visual tokens of a typical
 # image and ``prefix``: tokens every sample of the template opens with (Vicuna v1: at least
