@@ -66,7 +66,7 @@ def _keys(path) -> set[str]:
         return set(f.keys())
 
 
-@pytest.mark.parametrize("overrides", [{}, {"layer_family": "qwen2"}])
+@pytest.mark.parametrize("overrides", [{}, {"layer_family": "qwen2", "mrope_section": [2, 3, 3]}])
 def test_msd_export_loads_back_with_equal_outputs(tmp_path, overrides):
     head = _msd_head(**overrides)
     summary = export_vllm(head, tmp_path / "h")

@@ -18,7 +18,8 @@ from test_train import in_process, recipe  # noqa: F401 (in_process is a fixture
 
 from msd_train.decoding import DecodeConfig, generate
 from msd_train.draft import MSD3DraftConfig, MSDDraftConfig, MSDDraftModel
-from msd_train.targets import ADAPTERS, FAMILIES, adapter_class, target_shapes, wrap_target
+from msd_train.hf_compat import cache_kwargs
+from msd_train.targets import ADAPTERS, FAMILIES, adapter_class, target_shapes, transformers_at_least, wrap_target
 from msd_train.targets.random import FAMILY_NAMES, random_target, save_random_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -30,6 +31,14 @@ CONV = [
     {"role": "assistant", "content": "a blue circle"},
 ]
 TEMPLATE = {"llava": "vicuna_v1", "llava_next": "vicuna_v1"}  # the others: chatml_qwen
+
+
+def families(names):
+    """``names`` as parameters, each skipped where the installed transformers is older than
+    its adapter was tested on (``Target.min_transformers``: Qwen3-VL on the floor run)."""
+    return [pytest.param(f, marks=pytest.mark.skipif(
+        bool(FAMILIES[f].min_transformers) and not transformers_at_least(FAMILIES[f].min_transformers),
+        reason=f"{f} needs transformers >= {FAMILIES[f].min_transformers}")) for f in names]
 
 
 def wide_image(seed: int) -> Image.Image:
@@ -47,7 +56,7 @@ def make_target(family: str):
     return _TARGETS[family]
 
 
-@pytest.fixture(params=FAMILY_NAMES)
+@pytest.fixture(params=families(FAMILY_NAMES))
 def target(request):
     return make_target(request.param)
 
@@ -90,7 +99,7 @@ def test_every_family_has_an_adapter_a_builder_and_shapes():
     assert {"llava15_7b", "llava16_7b", "qwen2vl_7b", "qwen25vl_7b", "qwen3vl_8b"} <= set(shapes)
     assert {s["family"] for s in shapes.values()} == set(FAMILY_NAMES)
     for family in FAMILY_NAMES:
-        assert type(make_target(family).model).__name__ == {
+        assert type(random_target(family)[0]).__name__ == {
             "llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
             "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
             "qwen3_vl": "Qwen3VLForConditionalGeneration"}[family]
@@ -190,7 +199,7 @@ def test_position_ids_are_the_models_own(target):
         reset_rope_cache(target)
         built = model.compute_3d_position_ids(input_ids=ids, image_grid_thw=pixel["image_grid_thw"],
                                               video_grid_thw=None, inputs_embeds=target.embed(ids, pixel),
-                                              attention_mask=att, cache=None, mm_token_type_ids=types)
+                                              attention_mask=att, mm_token_type_ids=types, **cache_kwargs(None))
         reset_rope_cache(target)
         assert torch.equal(pos[:, real], built[:, real])
     if target.uses_mrope:  # the wide image spans 3 rows and 5 columns: text after it continues from the larger side
@@ -265,7 +274,7 @@ def test_tree_decoding_equals_plain_decoding(target):
 
 
 @pytest.mark.usefixtures("in_process")
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", families(FAMILY_NAMES))
 def test_both_training_stages(family, tmp_path):
     """Stage 1 then stage 2 (image conversations half the batch) through the recipe, on the
     family's random model laid out as a Hub folder and loaded by ``load_target``; then an
@@ -298,7 +307,7 @@ def test_both_training_stages(family, tmp_path):
 # ----- feature stores -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["llava_next", "qwen3_vl"])
+@pytest.mark.parametrize("family", families(["llava_next", "qwen3_vl"]))
 def test_feature_store_estimate_and_contents(family, tmp_path):
     """``generate_features`` on the family writes a store, and the dry run's estimate is
     the bytes written: M-RoPE positions are counted for M-RoPE families only (LLaVA-NeXT,
@@ -322,3 +331,10 @@ def test_feature_store_estimate_and_contents(family, tmp_path):
     real = generate(cfg(tmp_path / "real"), target=target)
     assert est["visual_tokens"] > 0
     assert 0 <= real["totals"]["bytes"] - est["bytes"] < 2000 * len(real["shards"])  # headers aside
+
+
+def test_a_family_newer_than_the_installed_transformers_is_refused_naming_the_upgrade(monkeypatch):
+    model, proc = random_target("llava")
+    monkeypatch.setattr(FAMILIES["llava"], "min_transformers", "99.0")
+    with pytest.raises(ValueError, match=r"LLaVA targets need transformers >= 99.0 \(installed: .*pip install -U"):
+        wrap_target(model, proc, "tiny")

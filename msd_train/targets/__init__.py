@@ -54,7 +54,20 @@ def wrap_target(model, processor, name: str, chat_template: str | None = None) -
             f"target {name}: model_type {model_type!r} is not supported; "
             f"supported: {', '.join(sorted(FAMILIES))}"
         )
-    return FAMILIES[model_type](model, processor, name, chat_template)
+    cls = FAMILIES[model_type]
+    if cls.min_transformers and not transformers_at_least(cls.min_transformers):
+        import transformers
+
+        raise ValueError(f"target {name}: {cls.display_name} targets need transformers >= {cls.min_transformers} "
+                         f"(installed: {transformers.__version__}); pip install -U transformers")
+    return cls(model, processor, name, chat_template)
+
+
+def transformers_at_least(version: str) -> bool:
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) >= Version(version)
 
 
 def load_processor(name_or_path: str, model_type: str, trust_remote_code: bool = False):

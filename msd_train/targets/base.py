@@ -99,6 +99,9 @@ class Target:
     vocab_appended: bool = False
     #: hidden size -> (Hub id, vocabulary rows) of the targets released heads were trained for
     published_targets: dict[int, tuple[str, int]] = {}
+    #: the oldest transformers this family's adapter was tested on, where newer than the
+    #: project's floor (``wrap_target`` refuses an older one, naming the upgrade)
+    min_transformers: str | None = None
     #: published checkpoints' shapes, for benchmarks of random models of their size: name ->
     #: ``text`` / ``vision`` (config keywords), ``image_side`` (a benchmark image's side in
     #: pixels) and ``visual`` (its visual tokens)

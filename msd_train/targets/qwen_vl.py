@@ -163,6 +163,9 @@ class Qwen3VLTarget(QwenVLTarget):
     hub_tags = ("qwen3-vl",)
     reference_model_type = None
     published_targets = {}
+    # tested on 5.19 and 5.24; 5.6 (the project's floor) adds the deepstack features with
+    # other shapes and its forward fails on them
+    min_transformers = "5.19"
     #: Qwen3-VL-8B: Qwen3 36 x 4096, head_dim 128; visual: a 768 x 768 image (patch 16, 2x2 merge)
     shapes = {"qwen3vl_8b": dict(
         text=dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
