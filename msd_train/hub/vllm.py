@@ -114,6 +114,10 @@ def _speculators_config(head: MSD3DraftModel, dtype: torch.dtype, verifier: str 
     c = head.config
     layer = _layer_config(c, 1, c.target_vocab_size, dtype)
     layer.pop("architectures")
+    # vLLM sizes the EAGLE-3 fc from this field (else from an `eagle_config` block it does not
+    # carry over from the speculators config), defaulting to 3 fused layers: a head fusing
+    # another number of layers would not load without it
+    layer["num_aux_hidden_states"] = len(c.feature_layers)
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
