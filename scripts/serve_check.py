@@ -53,7 +53,7 @@ def main(cfg: DictConfig) -> None:
         spec = {"target": str(target), "k": k, "max_new_tokens": n_new, "dtype": plain["dtype"],
                 "max_model_len": int(plain["max_model_len"]), "turns": prompts["turns"],
                 "max_images": max([len(t["images"]) for t in prompts["turns"]] + [1]),
-                "method": "eagle" if block["architecture"] == "msd" else None}
+                "method": "eagle" if block["architecture"] == "msd" else "eagle3"}
         runs = {}
         for mode in plain["modes"]:
             logging.info("vLLM: %s", mode)
