@@ -391,7 +391,7 @@ def model_card(
         "```python",
         "from vllm import LLM",
         f"llm = LLM(model={json.dumps(target_id or 'TARGET')}, speculative_config={{\"model\": \"head-vllm\", "
-        + ("" if msd3 else "\"method\": \"eagle\", ") + "\"num_speculative_tokens\": 5})",
+        + f"\"method\": \"{'eagle3' if msd3 else 'eagle'}\", \"num_speculative_tokens\": 5}})",
         "```",
         "",
         "With msd-train installed in vLLM's environment, its plugin serves the head as trained (the target's "
