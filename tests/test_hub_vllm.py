@@ -116,6 +116,10 @@ def test_msd3_export_is_the_speculators_format_and_loads_back(tmp_path, draft_vo
     assert spec["proposal_methods"][0]["speculative_tokens"] >= 1 and spec["verifier"]["name_or_path"] == "org/target"
     layer = config["transformer_layer_config"]
     assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1 and layer["vocab_size"] == 100
+    # vLLM builds the draft's config from transformer_layer_config: the fc's width and the
+    # plugin's "msd" block (decoupling, extras) must be there, not only at the top level
+    assert layer["num_aux_hidden_states"] == len(head.feature_layers)
+    assert layer["msd"] == config["msd"] and layer["msd"]["architecture"] == "msd3"
     assert config["draft_vocab_size"] == draft_vocab and config["target_hidden_size"] == 64
     assert config["eagle_aux_hidden_state_layer_ids"] == head.feature_layers
     # vLLM's update_eagle3 defaults norm_before_residual to True; MSD-3's residual is the raw state

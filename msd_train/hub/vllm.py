@@ -194,6 +194,10 @@ def export_vllm(head, out: str | Path, dtype: torch.dtype | str | None = None, v
     else:
         config = _speculators_config(head, weight_dtype, verifier)
     config["msd"] = _msd_block(head, kind)
+    if kind == "msd3":
+        # vLLM builds an EAGLE-3 draft's config from transformer_layer_config (plus a few named
+        # speculators fields): the plugin finds the block only there
+        config["transformer_layer_config"]["msd"] = config["msd"]
 
     def write(tmp: Path):
         save_file(stock, str(tmp / "model.safetensors"), metadata={"format": "pt"})
