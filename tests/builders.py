@@ -66,6 +66,28 @@ def fit_head(head, target, batch, steps: int, lr: float = 3e-3):
     return head.eval().requires_grad_(False)
 
 
+def model_inputs(target, ids: torch.Tensor, pixel: dict, attention_mask=None) -> dict:
+    """What the model's own forward / generate takes for these ids and images."""
+    kwargs = dict(pixel, input_ids=ids)
+    if target.uses_mrope:
+        kwargs["mm_token_type_ids"] = (ids == target.image_token_id).int()
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask
+    return kwargs
+
+
+def padded(encs) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Right-padded batch of ``Encoded``, pixel tensors concatenated in sample order."""
+    L = max(len(e.input_ids) for e in encs)
+    ids = torch.zeros(len(encs), L, dtype=torch.long)
+    att = torch.zeros(len(encs), L, dtype=torch.long)
+    for i, e in enumerate(encs):
+        ids[i, : len(e.input_ids)] = e.input_ids
+        att[i, : len(e.input_ids)] = 1
+    pixel = {k: torch.cat([e.pixel[k] for e in encs]) for k in encs[0].pixel}
+    return ids, att, pixel
+
+
 def write_mini_data(root, n: int, n_heldout: int, image, words: tuple[int, int, int, int]) -> list[str]:
     """Text and image conversations of random words under ``root`` (train and held-out
     splits of each kind, images in ``root/img`` drawn by ``image(i)``), returned as the Hydra

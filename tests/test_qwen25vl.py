@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from builders import fit_head, random_image, tiny_qwen25vl, tiny_qwen25vl_target, write_mini_data
+from builders import fit_head, model_inputs, padded, random_image, tiny_qwen25vl, tiny_qwen25vl_target, write_mini_data
 from PIL import Image
 
 from msd_train.decoding import DecodeConfig, generate
@@ -45,25 +45,6 @@ def target():
     return tiny_qwen25vl_target()
 
 
-def _model_inputs(target, ids: torch.Tensor, pixel: dict, attention_mask=None) -> dict:
-    kwargs = dict(pixel, input_ids=ids, mm_token_type_ids=(ids == target.image_token_id).int())
-    if attention_mask is not None:
-        kwargs["attention_mask"] = attention_mask
-    return kwargs
-
-
-def _padded(encs) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Right-padded batch of ``Encoded``, pixel tensors concatenated in sample order."""
-    L = max(len(e.input_ids) for e in encs)
-    ids = torch.zeros(len(encs), L, dtype=torch.long)
-    att = torch.zeros(len(encs), L, dtype=torch.long)
-    for i, e in enumerate(encs):
-        ids[i, : len(e.input_ids)] = e.input_ids
-        att[i, : len(e.input_ids)] = 1
-    pixel = {k: torch.cat([e.pixel[k] for e in encs]) for k in encs[0].pixel}
-    return ids, att, pixel
-
-
 # ----- features and positions ---------------------------------------------------------
 
 
@@ -80,7 +61,7 @@ def test_features_equal_the_models_own_forward(target):
     assert int(visual.sum()) == 16 + 15
 
     feats = target.features(a.input_ids[None], None, a.pixel)
-    out = target.model(**_model_inputs(target, a.input_ids[None], a.pixel), output_hidden_states=True)
+    out = target.model(**model_inputs(target, a.input_ids[None], a.pixel), output_hidden_states=True)
     own_visual = torch.cat(target.model.model.get_image_features(a.pixel["pixel_values"], a.pixel["image_grid_thw"],
                                                                   return_dict=True).pooler_output)
     assert torch.equal(feats.inputs_embeds[0][visual], own_visual)
@@ -88,9 +69,9 @@ def test_features_equal_the_models_own_forward(target):
     torch.testing.assert_close(target.lm_head(feats.hidden_states), out.logits, rtol=0, atol=1e-5)
     assert torch.equal(feats.visual_mask[0], visual)
 
-    ids, att, pixel = _padded([a, b])
+    ids, att, pixel = padded([a, b])
     feats = target.features(ids, att, pixel)
-    out = target.model(**_model_inputs(target, ids, pixel, att), output_hidden_states=True)
+    out = target.model(**model_inputs(target, ids, pixel, att), output_hidden_states=True)
     real = att.bool()
     torch.testing.assert_close(feats.hidden_states[real], out.hidden_states[-1][real], rtol=0, atol=1e-5)
     torch.testing.assert_close(target.lm_head(feats.hidden_states)[real], out.logits[real], rtol=0, atol=1e-5)
@@ -102,7 +83,7 @@ def test_positions_equal_get_rope_index(target):
     a = target.encode(CONV, [wide_image(4), random_image(5, 32)])
     b = target.encode(CONV[:2], [random_image(6, 24)])
     model = target.model.model
-    for ids, att, pixel in [(a.input_ids[None], None, a.pixel), _padded([a, b])]:
+    for ids, att, pixel in [(a.input_ids[None], None, a.pixel), padded([a, b])]:
         pos, deltas = target.position_ids(ids, att, pixel)
         types = (ids == target.image_token_id).int()
         own, own_deltas = model.get_rope_index(ids, types, image_grid_thw=pixel["image_grid_thw"],
@@ -169,7 +150,7 @@ def test_plain_decoding_equals_transformers_generate(target, decoding_setup):
     for name in ("one_image", "two_images"):
         enc = encs[name]
         ours = generate(target, None, enc, DecodeConfig(method="ar", max_new_tokens=24, eos_token_ids=()))
-        theirs = target.model.generate(**_model_inputs(target, enc.input_ids[None], enc.pixel), generation_config=gen)
+        theirs = target.model.generate(**model_inputs(target, enc.input_ids[None], enc.pixel), generation_config=gen)
         target.model.model.rope_deltas = None
         assert ours.tokens == theirs[0, len(enc.input_ids):].tolist(), name
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from builders import fit_head, random_image, write_mini_data
+from builders import fit_head, model_inputs, padded, random_image, write_mini_data
 from PIL import Image
 from test_train import in_process, recipe  # noqa: F401 (in_process is a fixture: one DeepSpeed group)
 
@@ -59,28 +59,6 @@ def make_target(family: str):
 @pytest.fixture(params=families(FAMILY_NAMES))
 def target(request):
     return make_target(request.param)
-
-
-def model_inputs(target, ids: torch.Tensor, pixel: dict, attention_mask=None) -> dict:
-    """What the model's own forward / generate takes for these ids and images."""
-    kwargs = dict(pixel, input_ids=ids)
-    if target.uses_mrope:
-        kwargs["mm_token_type_ids"] = (ids == target.image_token_id).int()
-    if attention_mask is not None:
-        kwargs["attention_mask"] = attention_mask
-    return kwargs
-
-
-def padded(encs) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Right-padded batch of ``Encoded``, pixel tensors concatenated in sample order."""
-    L = max(len(e.input_ids) for e in encs)
-    ids = torch.zeros(len(encs), L, dtype=torch.long)
-    att = torch.zeros(len(encs), L, dtype=torch.long)
-    for i, e in enumerate(encs):
-        ids[i, : len(e.input_ids)] = e.input_ids
-        att[i, : len(e.input_ids)] = 1
-    pixel = {k: torch.cat([e.pixel[k] for e in encs]) for k in encs[0].pixel}
-    return ids, att, pixel
 
 
 def reset_rope_cache(target):
