@@ -20,7 +20,7 @@ from pathlib import Path
 from msd_train.draft import MSD3DraftConfig, MSDDraftConfig
 from msd_train.formatting import fmt
 from msd_train.hub.folders import is_repo_id
-from msd_train.targets import ADAPTERS, FAMILIES
+from msd_train.targets import head_family
 from msd_train.targets.lora import adapter_identity
 
 log = logging.getLogger(__name__)
@@ -36,14 +36,6 @@ KNOWN_DATASETS = {
 #: An absolute (or home-relative) local path inside running text; not a URL's "//host/..."
 #: nor "a/b" within a word.
 _LOCAL_PATH = re.compile(r"(?<![\w:/.~-])~?/[^\s`'\"()\[\]{}<>,;|*]+")
-
-
-def target_family(config):
-    """The target adapter of the head's family: the one its config records, else (heads saved
-    before they recorded it) the first family drafting with its layer family."""
-    if config.target_model_type in FAMILIES:
-        return FAMILIES[config.target_model_type]
-    return next(c for c in ADAPTERS if c.draft_layer_family == config.layer_family)
 
 
 def hub_id(name: str | None) -> str | None:
@@ -265,7 +257,7 @@ def _training_section(training: list[dict]) -> list[str]:
 def _target_lines(config: MSDDraftConfig, target_id: str | None) -> tuple[str, list[str], str]:
     """(title, lines of the Target section, the `load_target` argument of the snippet)."""
     recorded = config.target_name_or_path
-    shape = (f"a {target_family(config).display_name}-family model with hidden size "
+    shape = (f"a {head_family(config).display_name}-family model with hidden size "
              f"{config.hidden_size}" + (f" and a vocabulary of {config.target_vocab_size} tokens"
                                         if config.target_vocab_size else ""))
     if target_id:
@@ -319,7 +311,7 @@ def model_card(
     msd3 = isinstance(config, MSD3DraftConfig)
     if msd3:
         title = title.replace("MSD draft head", "MSD-3 draft head (EAGLE-3 style)", 1)
-    tags = TAGS + (["eagle3"] if msd3 else []) + list(target_family(config).hub_tags)
+    tags = TAGS + (["eagle3"] if msd3 else []) + list(head_family(config).hub_tags)
     data = ModelCardData(
         base_model=target_id,
         license=license,

@@ -45,7 +45,7 @@ from msd_train.hub.target import PUBLISHED_TARGETS, TargetInfo
 from msd_train.hub.vocab import EmbeddingCheck, VocabMap, check_embedding
 from msd_train.paths import user_path
 from msd_train.runtime import atomic_dir
-from msd_train.targets import FAMILIES
+from msd_train.targets import FAMILIES, head_family
 
 log = logging.getLogger(__name__)
 
@@ -379,9 +379,7 @@ def source_name(src) -> str:
 def released_model_type(config: MSDDraftConfig) -> str:
     """The released layout's ``model_type`` for this head: its target family's (the adapter's
     ``reference_model_type``); heads saved before they recorded their family go by layer family."""
-    family = FAMILIES.get(config.target_model_type) if config.target_model_type else None
-    if family is None:
-        return "qwen2_vl" if config.layer_family == "qwen2" else "llava"
+    family = head_family(config)
     if family.reference_model_type is None:
         raise ValueError(f"the released MSD layout has no model_type for {family.display_name} heads (the released "
                          f"code runs {', '.join(REFERENCE_MODEL_TYPES)}); export with format=msd")

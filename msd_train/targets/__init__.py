@@ -63,6 +63,14 @@ def wrap_target(model, processor, name: str, chat_template: str | None = None) -
     return cls(model, processor, name, chat_template)
 
 
+def head_family(config) -> type[Target]:
+    """The target adapter of a head's family: the one its config records, else (heads saved
+    before they recorded it) the first family drafting with its layer family."""
+    if config.target_model_type in FAMILIES:
+        return FAMILIES[config.target_model_type]
+    return next(c for c in ADAPTERS if c.draft_layer_family == config.layer_family)
+
+
 def transformers_at_least(version: str) -> bool:
     import transformers
     from packaging.version import Version
