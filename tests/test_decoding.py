@@ -37,6 +37,7 @@ from msd_train.decoding.graphs import StepGraphs, TracedCapture
 from msd_train.decoding.stopping import StopCriteria, find_stop
 from msd_train.decoding.transfers import HostReads
 from msd_train.draft import MSDDraftConfig, MSDDraftModel
+from msd_train.errors import ConfigError
 from msd_train.targets import Encoded, Features
 
 TREE = dict(method="tree", depth=3, top_k=4, total_tokens=16)
@@ -280,6 +281,50 @@ def test_draft_tree_children_are_the_heads_top_k(setup):
             torch.testing.assert_close(tree.scores[c], tree.scores[node] + ref[tokens[c]], atol=1e-4, rtol=1e-4)
         checked += node > 0
     assert checked >= 2
+
+
+def test_a_draft_vocabulary_drafts_only_its_tokens_and_keeps_outputs_exact(llava_setup):
+    """decoding.draft_vocab=N: the head's logits are the full ones on the N most frequent
+    ids of its token counts and -inf elsewhere, every drafted token is one of them, and
+    tree and chain outputs still equal plain decoding's."""
+    from msd_train.decoding import use_draft_vocabulary
+    from msd_train.draft.vocabulary import most_frequent
+
+    target, head, prompts = llava_setup
+    prompt = prompts["image"]
+    plain = run(target, None, prompt, method="ar", eos_token_ids=())
+    counts = torch.zeros(target.vocab_size, dtype=torch.long)
+    counts[plain.tokens[::3]] += 1  # a third of the answer's tokens are in, so some drafts are refused
+    size = int((counts > 0).sum())
+    ids = most_frequent(counts, size)
+    others = torch.ones(target.vocab_size, dtype=torch.bool)
+    others[ids] = False
+    states = torch.randn(5, head.config.hidden_size)
+    full = head.logits(states, target)
+    head.token_counts = counts
+    try:
+        use_draft_vocabulary(head, target, size)
+        part = head.logits(states, target)
+        torch.testing.assert_close(part[:, ids], full[:, ids])
+        assert torch.isneginf(part[:, others]).all()
+        for method in (TREE, CHAIN):
+            out = run(target, head, prompt, eos_token_ids=(), draft_vocab=size, **method)
+            assert out.tokens == plain.tokens, method["method"]
+        state = prefill(target, head, prompt)
+        state.tokens.append(int(state.next_logits.argmax()))
+        tree = draft_tree(state.drafter, target, state.pending(), depth=2, top_k=3, total_tokens=12,
+                          sampling=DecodeConfig().sampling)
+        drafted = tree.tokens[1:][tree.valid[1:]]
+        assert len(drafted) and not others[drafted].any()
+        # without counts the setting says where they come from; draft_vocab=None lifts it
+        del head.token_counts
+        with pytest.raises(ConfigError, match="count_tokens.py"):
+            run(target, head, prompt, draft_vocab=size, **CHAIN)
+        run(target, head, prompt, eos_token_ids=(), **CHAIN)
+        assert head.logits(states, target).isfinite().all()
+    finally:
+        use_draft_vocabulary(head, target, None)
+        head.__dict__.pop("token_counts", None)
 
 
 def test_chain_draft_leaves_head_cache_at_committed_length(llava_setup):

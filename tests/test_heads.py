@@ -16,7 +16,7 @@ from msd_train.decoding import DecodeConfig, generate
 from msd_train.decoding.ensemble import EnsembleDrafter
 from msd_train.draft import HEADS, MSD3DraftConfig, MSD3DraftModel, MSDDraftConfig, MSDDraftModel
 from msd_train.draft.loss import loss_index
-from msd_train.draft.msd3 import draft_vocabulary, token_counts
+from msd_train.draft.vocabulary import draft_vocabulary, token_counts
 from msd_train.targets import Features
 
 pytestmark = pytest.mark.usefixtures("one_thread")

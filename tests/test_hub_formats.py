@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from test_hub import released_head
 
 from msd_train.draft import MSD3DraftConfig, MSD3DraftModel, MSDDraftConfig, MSDDraftModel
-from msd_train.draft.msd3 import draft_vocabulary
+from msd_train.draft.vocabulary import draft_vocabulary
 from msd_train.hub import HeadFormat, detect_layout, formats, load_head
 from msd_train.hub.eagle3 import export_eagle3, import_eagle3, same_tensors
 

@@ -126,6 +126,30 @@ def test_stages_differ_only_by_their_yaml(in_process, mini_run, tmp_path):
         recipe(["stage='2'", *mini_run, *s2, "stage.splits=[text]", f"run_dir={tmp_path / 'three'}"])
 
 
+def test_exports_carry_their_training_token_counts_and_count_tokens_writes_the_same(in_process, mini_run, tmp_path):
+    """Every export holds token_counts.safetensors (the stage's assistant tokens, what
+    decoding.draft_vocab ranks by); scripts/count_tokens.py writes the same file for a head
+    that lacks it, from the same data."""
+    from msd_train.draft.vocabulary import COUNTS_FILE, load_counts, token_counts
+
+    r = recipe(["stage='1'", *mini_run, "train.max_steps=1", "train.micro_batch_size=2", f"run_dir={tmp_path}"])
+    run_steps(r)
+    r.export("final")
+    final = tmp_path / "stage1" / "final"
+    saved = load_counts(final)
+    assert torch.equal(saved, token_counts([r.text], r.target.vocab_size)) and saved.sum() > 100
+    (final / COUNTS_FILE).unlink()
+    data = [o for o in mini_run if not o.startswith("logging.")]
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "count_tokens.py"), f"draft={final}", *data,
+                          f"data.cache_dir={tmp_path / 'cache'}", "splits=[text]"],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert torch.equal(load_counts(final), saved)
+    missing = subprocess.run([sys.executable, str(ROOT / "scripts" / "count_tokens.py"), f"draft={tmp_path / 'none'}",
+                              *data], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 1 and "none" in missing.stderr and "Traceback" not in missing.stderr
+
+
 def test_a_skipped_non_finite_micro_batch_keeps_deepspeed_on_the_recipes_step(in_process, mini_run, tmp_path):
     r = recipe(["stage='1'", *mini_run, "train.max_steps=4", "train.micro_batch_size=2", "train.grad_accum=2",
                 f"run_dir={tmp_path}"])

@@ -11,7 +11,7 @@ one head, the tree and chain drafters), ``ensemble`` (a drafter over input varia
 """
 
 from msd_train.decoding.cache import PositionCache, key_mask
-from msd_train.decoding.config import METHODS, DecodeConfig, build_drafter
+from msd_train.decoding.config import METHODS, DecodeConfig, build_drafter, use_draft_vocabulary
 from msd_train.decoding.drafter import HeadDrafter, Pending, PromptPass, draft_chain, draft_tree
 from msd_train.decoding.sampling import SamplingParams, log_probs, logits_to_probs, sample
 from msd_train.decoding.speculative import (
@@ -38,5 +38,5 @@ __all__ = [
     "Pending", "PositionCache", "PromptPass", "SamplingParams", "StopCriteria", "Tree", "accept_greedy", "accept_sampling",
     "build_drafter", "chain", "commit", "decode", "decode_plain", "draft_chain", "draft_tree", "find_stop",
     "generate", "key_mask", "log_probs", "logits_to_probs", "prefill", "read_acceptance", "sample",
-    "tree_attention_bias", "verify", "Workspace",
+    "tree_attention_bias", "use_draft_vocabulary", "verify", "Workspace",
 ]

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+import torch
+
 from msd_train.decoding.drafter import HeadDrafter
 from msd_train.decoding.ensemble import EnsembleDrafter
 from msd_train.decoding.sampling import SamplingParams
+from msd_train.draft.vocabulary import COUNTS_FILE, most_frequent
+from msd_train.errors import ConfigError
 from msd_train.validate import METHODS, check_decoding  # noqa: F401  (METHODS: msd_train.decoding's)
 
 
@@ -31,6 +35,9 @@ class DecodeConfig:
     #: CUDA graphs (msd_train/decoding/graphs.py): auto = on for CUDA targets, off on CPU;
     #: a step whose capture fails runs eagerly after one warning
     cuda_graphs: str | bool = "auto"
+    #: msd heads: draft over the ``draft_vocab`` target tokens most frequent in the head's
+    #: training data only (``msd_train.draft.vocabulary``); None: the whole vocabulary
+    draft_vocab: int | None = None
     # --- drafting with input variants (msd_train/decoding/ensemble.py) ---
     ensemble: str | None = None  # None: the head alone (variant M) | ibed | tabed
     variants: tuple[str, ...] = ("M",)  # the head's input variants, one batch row each
@@ -50,6 +57,28 @@ class DecodeConfig:
         if self.method == "tree":
             return max(self.total_tokens, min(self.top_k, 1 << 20) * (self.depth + 1)) + self.depth + 2
         return self.k + 2
+
+
+def use_draft_vocabulary(draft, target, size: int | None) -> None:
+    """Restrict ``draft`` to the ``size`` target tokens its training data used most (its
+    saved token counts), or lift the restriction (None). Idempotent: a benchmark calls it
+    once per prompt."""
+    if draft is None:
+        return
+    if size is None:
+        if getattr(draft, "_vocab_rows", None) is not None:
+            draft.restrict_vocabulary(target, None)
+        return
+    counts = getattr(draft, "token_counts", None)
+    if counts is None:
+        raise ConfigError(
+            f"decoding.draft_vocab={size} needs the head's token counts ({COUNTS_FILE} in its folder, which "
+            f"training writes beside every export); this head has none: write them with "
+            f"python scripts/count_tokens.py draft=HEAD_DIR data=... (its training data), or drop decoding.draft_vocab")
+    ids = most_frequent(counts, size)
+    rows = getattr(draft, "_vocab_rows", None)
+    if rows is None or not torch.equal(rows[0].cpu(), ids):
+        draft.restrict_vocabulary(target, ids)
 
 
 def build_drafter(draft, config: DecodeConfig, captions: list[str] | None = None) -> HeadDrafter | None:

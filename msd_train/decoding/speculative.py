@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from msd_train.decoding.cache import PositionCache, key_mask
-from msd_train.decoding.config import METHODS, DecodeConfig, build_drafter
+from msd_train.decoding.config import METHODS, DecodeConfig, build_drafter, use_draft_vocabulary
 from msd_train.decoding.drafter import HeadDrafter, Pending, PromptPass, draft_chain, draft_tree
 from msd_train.decoding.graphs import StepGraphs
 from msd_train.decoding.sampling import logits_to_probs, sample
@@ -518,6 +518,8 @@ def generate(target, draft, prompt, config: DecodeConfig, generator: torch.Gener
     t0 = clock.mark()
     need = len(prompt.input_ids) + config.max_new_tokens + 2 * config.block_size
     capacity = -(-need // CAPACITY_STEP) * CAPACITY_STEP  # a few capacities, so a few shapes to capture
+    if config.method != "ar":
+        use_draft_vocabulary(draft, target, config.draft_vocab)
     state = prefill(target, None, prompt, capacity, drafter=build_drafter(draft, config, captions),
                     workspace=workspace)
     t1 = clock.mark()

@@ -13,6 +13,7 @@ lm_head: both stay with the target.
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -188,6 +189,7 @@ class MSDDraftModel(DraftHead):
         rotary_class = Qwen2VLRotaryEmbedding if config.uses_mrope else LlamaRotaryEmbedding
         self.rotary_emb = rotary_class(config)
         self.gradient_checkpointing = False
+        self._vocab_rows = None  # decode time: (ids, lm_head rows, bias rows), see restrict_vocabulary
         self.post_init()
 
     @classmethod
@@ -309,8 +311,26 @@ class MSDDraftModel(DraftHead):
     # ----- the head interface (msd_train.draft.head) ------------------------------------
 
     def logits(self, states: torch.Tensor, target) -> torch.Tensor:
-        """The head predicts the target's next feature; the target's lm_head reads it."""
-        return target.lm_head(states.to(target.dtype))
+        """The head predicts the target's next feature; the target's lm_head reads it
+        (only its rows of the decode-time vocabulary, if one was set)."""
+        states = states.to(target.dtype)
+        rows = self._vocab_rows
+        if rows is None:
+            return target.lm_head(states)
+        ids, weight, bias = rows
+        out = states.new_full((*states.shape[:-1], target.lm_head.weight.shape[0]), float("-inf"))
+        return out.index_copy_(-1, ids, F.linear(states, weight, bias))
+
+    def restrict_vocabulary(self, target, ids: torch.Tensor | None) -> None:
+        """Draft over target ids ``ids`` only: their lm_head rows are copied once here
+        (a gather per draft step would cost what the restriction saves)."""
+        if ids is None:
+            self._vocab_rows = None
+            return
+        lm_head = target.lm_head
+        ids = ids.to(lm_head.weight.device)
+        bias = lm_head.bias[ids] if getattr(lm_head, "bias", None) is not None else None
+        self._vocab_rows = (ids, lm_head.weight[ids].contiguous(), bias)
 
     def training_loss(self, target, features, index, n_tokens: float, train, noise=None, forward=None):
         """Feature regression plus the token term (``training.loss.msd_loss``)."""

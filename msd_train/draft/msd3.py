@@ -39,27 +39,6 @@ from msd_train.draft.positions import draft_position_ids
 from msd_train.hf_compat import cache_kwargs
 
 
-def draft_vocabulary(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t, t2d) for the ``size`` most frequent target ids of ``counts`` (V,) (ties and
-    unseen ids by id), sorted: draft id i is target id i + d2t[i]; t2d[v] marks members."""
-    order = sorted(range(len(counts)), key=lambda v: (-int(counts[v]), v))[:size]
-    ids = torch.tensor(sorted(order), dtype=torch.long)
-    t2d = torch.zeros(len(counts), dtype=torch.bool)
-    t2d[ids] = True
-    return ids - torch.arange(size), t2d
-
-
-def token_counts(datasets, vocab_size: int) -> torch.Tensor:
-    """How often each target id is an assistant (loss) token in tokenised datasets."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for ds in datasets:
-        for row in ds:
-            ids = torch.as_tensor(row["input_ids"], dtype=torch.long)
-            mask = torch.as_tensor(row["loss_mask"], dtype=torch.bool)
-            counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
-    return counts
-
-
 class _Replayed:
     """A cache for one checkpointed layer call: the first call extends ``cache``; the
     recomputation in the backward pass, when later steps have extended it further, sees
@@ -113,6 +92,11 @@ class MSD3DraftModel(DraftHead):
         out = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         check_finite((out[0] if isinstance(out, tuple) else out).state_dict().items(), str(pretrained_model_name_or_path))
         return out
+
+    def restrict_vocabulary(self, target, ids: torch.Tensor | None) -> None:
+        if ids is not None:
+            raise ValueError(f"an msd3 head drafts over the {self.config.draft_vocab_size}-token vocabulary it was "
+                             f"trained with (draft.draft_vocab_size at training); decoding.draft_vocab is for msd heads")
 
     def set_vocabulary(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:

@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 from msd_train.draft import MSDDraftModel
+from msd_train.draft.vocabulary import load_counts
 from msd_train.hub import formats
 from msd_train.hub.folders import IncompleteHeadError, detect_layout, resolve_folder
 from msd_train.hub.target import cast_head
@@ -37,6 +38,7 @@ def load_head(path_or_repo_id: str | Path, target=None, revision: str | None = N
         raise IncompleteHeadError(f"{path_or_repo_id}: a head in the {fmt.name} format is written for another engine; "
                                   f"this project does not load it back (load the folder it was exported from)")
     model = fmt.load(folder, target=target, source=str(path_or_repo_id))
+    model.token_counts = load_counts(folder)  # None without a counts file (decoding.draft_vocab needs it)
     if target is not None:
         check_fits(model, target, str(path_or_repo_id))
         model = cast_head(model, device=target.device, dtype=target.dtype)

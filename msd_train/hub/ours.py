@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from msd_train.draft.head import HEADS, DraftHead, head_class_of_config
+from msd_train.draft.vocabulary import COUNTS_FILE, load_counts, save_counts
 from msd_train.hub.folders import detect_layout, load_export, resolve_folder
 from msd_train.hub.formats import FORMATS, HeadFormat
 from msd_train.hub.reference import IMPORT_RECORD, convert_reference, read_reference, source_name
@@ -20,9 +21,10 @@ def export_msd(checkpoint, out: str | Path, target: TargetInfo | None = None, dt
     """Write this project's export folder from a head, or from a folder (or Hub id) in
     any format that loads (a released-layout folder is imported, with its record),
     optionally cast to `dtype` (fp16/bf16/fp32): training exports are fp32."""
-    extra = {}
+    extra, counts = {}, None
     if isinstance(checkpoint, DraftHead):
         model = checkpoint
+        counts = getattr(model, "token_counts", None)
     else:
         folder = resolve_folder(checkpoint)
         layout = detect_layout(folder)
@@ -35,6 +37,7 @@ def export_msd(checkpoint, out: str | Path, target: TargetInfo | None = None, dt
             for name in ("training.json", IMPORT_RECORD):
                 if (folder / name).is_file():
                     extra[name] = (folder / name).read_text()
+            counts = load_counts(folder)
         else:
             model = _load_other(layout, folder, checkpoint)
     if dtype:
@@ -44,9 +47,12 @@ def export_msd(checkpoint, out: str | Path, target: TargetInfo | None = None, dt
         model.save_pretrained(tmp)
         for name, text in extra.items():
             (tmp / name).write_text(text)
+        if counts is not None:
+            save_counts(tmp, counts)
 
     atomic_dir(Path(out), write)
-    return {"out": str(out), "files": sorted(["config.json", "model.safetensors", *extra]), "dtype": str(model.dtype)}
+    files = ["config.json", "model.safetensors", *extra] + ([COUNTS_FILE] if counts is not None else [])
+    return {"out": str(out), "files": sorted(files), "dtype": str(model.dtype)}
 
 
 def _load_other(layout: str, folder: Path, checkpoint):

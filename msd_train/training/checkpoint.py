@@ -25,6 +25,7 @@ import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from msd_train.draft.vocabulary import save_counts
 from msd_train.runtime import atomic_dir, replace_dir
 
 log = logging.getLogger(__name__)
@@ -178,13 +179,17 @@ def export_complete(folder: Path) -> bool:
     return True
 
 
-def export_atomic(model, out: Path, extra_files: dict[str, str] | None = None) -> None:
+def export_atomic(model, out: Path, extra_files: dict[str, str] | None = None,
+                  token_counts=None) -> None:
     """``save_pretrained`` into a temp folder, then rename over ``out``; files readable
-    like any other output (safetensors creates its files private to the writer)."""
+    like any other output (safetensors creates its files private to the writer).
+    ``token_counts``: the training data's assistant-token counts, saved beside the head."""
     def write(tmp: Path) -> None:
         with writing(out.parent / "checkpoints", tmp, f"the {out.name} export"):
             model.save_pretrained(tmp, safe_serialization=True)
             for name, text in (extra_files or {}).items():
                 (tmp / name).write_text(text)
+            if token_counts is not None:
+                save_counts(tmp, token_counts)
 
     atomic_dir(out, write)

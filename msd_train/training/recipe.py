@@ -39,7 +39,7 @@ from msd_train.data.collate import StepBatches, collate, step_loader
 from msd_train.data.curriculum import Curriculum, mm_share
 from msd_train.data.dataset import build_split, write_skipped
 from msd_train.draft import DraftHead, MSDDraftModel, head_class
-from msd_train.draft.msd3 import draft_vocabulary, token_counts
+from msd_train.draft.vocabulary import draft_vocabulary, load_counts, token_counts
 from msd_train.features import make_feature_source
 from msd_train.targets import load_target
 from msd_train.training import checkpoint as ckpt
@@ -218,9 +218,14 @@ class TrainRecipe:
                 self.target.config, self.target.name, target_adapter=cfg.target.adapter,
                 target_vocab_size=self.target.vocab_size, **overrides)
             draft = head_cls(config)
-            if hasattr(draft, "set_vocabulary"):  # a draft vocabulary from this stage's assistant tokens
-                counts = token_counts([self.text, self.mm], self.target.vocab_size)
-                draft.set_vocabulary(*draft_vocabulary(counts, config.draft_vocab_size))
+        # this stage's assistant tokens: an msd3 head's draft vocabulary, and every export's
+        # token_counts.safetensors (decoding.draft_vocab restricts an msd head to its most frequent)
+        self.token_counts = token_counts([self.text, self.mm], self.target.vocab_size)
+        earlier = load_counts(init) if init is not None else None
+        if earlier is not None and earlier.shape == self.token_counts.shape:
+            self.token_counts += earlier  # what the head saw in the stages before this one
+        if hasattr(draft, "set_vocabulary") and init is None:
+            draft.set_vocabulary(*draft_vocabulary(self.token_counts, draft.config.draft_vocab_size))
         return draft.to(self.device).train()
 
     def _setup_logging(self) -> None:
@@ -595,7 +600,8 @@ class TrainRecipe:
         buffers = {n: b.detach().cpu() for n, b in module.named_buffers() if n in head.state_dict()}
         head.load_state_dict({**buffers, **weights})  # saved buffers too (msd3's d2t, t2d)
         head.config.dtype = "float32"  # what is stored
-        ckpt.export_atomic(head, self.stage_dir / name, {"training.json": json.dumps(meta, indent=1)})
+        ckpt.export_atomic(head, self.stage_dir / name, {"training.json": json.dumps(meta, indent=1)},
+                           token_counts=self.token_counts)
         log.info("exported %s", self.stage_dir / name)
 
     def cleanup(self) -> None:
