@@ -1,0 +1,73 @@
+"""Image prompts for stage 2 on the SmolLM2 target, and held-out image questions.
+
+    python benchmarks/real_lm/make_image_data.py OUT_DIR [--n-train 120]
+
+OUT_DIR gets
+  train_prompts.jsonl  easy-VQA training images (the first --n-train, one per image) with an
+                       open request ("Describe this image." and three others in turn); the
+                       assistant turn is easy-VQA's answer to one of the image's questions, a
+                       placeholder that scripts/regenerate_data.py replaces with the target's answer
+  bench_images.jsonl   held-out image questions: photographs of scikit-image (category
+                       "photo", saved to OUT_DIR/photos/) and easy-VQA *test* images
+                       (category "shapes"), none of them trained on
+The target's vision side knows coloured shapes only (data/README.md), so its answers about
+photographs are its own guesses: still the distribution a head must predict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+REQUESTS = ("Describe this image.", "What do you see in this picture?", "Describe the shape in the image in detail.",
+            "What is in this image? Explain.")
+PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "camera", "coins")  # shipped with scikit-image (no download)
+EASY_VQA = Path("~/.cache/msd-train/smollm2/easy_vqa-1.0-py3-none-any").expanduser()
+
+
+def images_with_answers(root: Path, split: str) -> list[tuple[str, str]]:
+    """(image path, an open answer about it) per image of an easy-VQA split, in image order."""
+    data = root / "easy_vqa" / "data" / split
+    seen: dict[int, str] = {}
+    for q, a, image in json.loads((data / "questions.json").read_text()):
+        if a not in ("yes", "no") and image not in seen:
+            seen[image] = f"{a[0].upper()}{a[1:]}."
+    return [(str(data / "images" / f"{i}.png"), seen[i]) for i in sorted(seen)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--n-train", type=int, default=120)
+    ap.add_argument("--n-shapes", type=int, default=4, help="held-out easy-VQA test images")
+    ap.add_argument("--easy-vqa", default=str(EASY_VQA), help="the unpacked easy-vqa wheel (scripts/make_smollm2_llava.py)")
+    a = ap.parse_args()
+    out = Path(a.out)
+    (out / "photos").mkdir(parents=True, exist_ok=True)
+    root = Path(a.easy_vqa)
+    with open(out / "train_prompts.jsonl", "w", encoding="utf-8") as fh:
+        for k, (path, answer) in enumerate(images_with_answers(root, "train")[: a.n_train]):
+            msgs = [{"role": "user", "content": "<image>\n" + REQUESTS[k % len(REQUESTS)]},
+                    {"role": "assistant", "content": answer}]
+            fh.write(json.dumps({"id": f"easyvqa-train-{k}", "messages": msgs, "images": [path]}) + "\n")
+
+    import skimage.data
+    from PIL import Image
+
+    bench = []
+    for k, name in enumerate(PHOTOS):
+        img = Image.fromarray(getattr(skimage.data, name)()).convert("RGB")
+        path = out / "photos" / f"{name}.png"
+        img.save(path)
+        bench.append({"id": f"photo-{name}", "image": str(path), "turns": [REQUESTS[k % 2]], "category": "photo"})
+    for k, (path, _) in enumerate(images_with_answers(root, "test")[: a.n_shapes]):
+        bench.append({"id": f"easyvqa-test-{k}", "image": path, "turns": [REQUESTS[k % 2]], "category": "shapes"})
+    with open(out / "bench_images.jsonl", "w", encoding="utf-8") as fh:
+        for r in bench:
+            fh.write(json.dumps(r) + "\n")
+    print(f"{a.n_train} training prompts, {len(bench)} held-out image questions -> {out}")
+
+
+if __name__ == "__main__":
+    main()
