@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The whole real-LM benchmark of benchmarks/real_lm/README.md, from a built target
+# (python scripts/make_smollm2_llava.py) to the tables, with the settings it was run with.
+# Hours of CPU on a 2-core machine (the README gives each part's time); every step resumes
+# or is skipped when its output exists, so a relaunch goes on where it stopped.
+#
+#   benchmarks/real_lm/reproduce.sh [WORK]          # WORK: scratch folder, default /tmp/reallm
+#
+# Environment: REGEN_LIMIT (ShareGPT conversations to answer, default 566), STEPS (stage 1,
+# default 300), THREADS (decoder benchmark, default 2), REPEATS (default 3).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+W=${1:-/tmp/reallm}
+here=benchmarks/real_lm
+mkdir -p "$W"
+one() { OMP_NUM_THREADS=1 nice -n 10 "$@"; }   # the training jobs ran one thread each, two at a time
+
+# 1. data: ShareGPT answered by the target (greedy, first exchange), split; image prompts answered too
+[ -f data/sharegpt-v3-prefix.jsonl ] || python scripts/sharegpt_prefix.py
+one python scripts/regenerate_data.py target=smollm2_llava out="$W/regen" \
+    "inputs=[{path: data/sharegpt-v3-prefix.jsonl}]" limit="${REGEN_LIMIT:-566}" max_turns=1 max_new_tokens=256
+python $here/make_data.py "$W/regen/regenerated.jsonl" data/sharegpt-v3-prefix.jsonl "$W/data" --heldout 24 --bench-n 16
+python $here/make_image_data.py "$W/img"
+one python scripts/regenerate_data.py target=smollm2_llava out="$W/regen_img" \
+    "inputs=[{path: $W/img/train_prompts.jsonl}]" max_turns=1 max_new_tokens=128
+head -n 108 "$W/regen_img/regenerated.jsonl" > "$W/data/mm_train.jsonl"
+tail -n +109 "$W/regen_img/regenerated.jsonl" > "$W/data/mm_heldout.jsonl"
+{ head -n 6 "$W/data/bench.jsonl"; cat "$W/img/bench_images.jsonl"; } > "$W/data/bench_mm.jsonl"
+
+# 2. stage 1, msd: regenerated vs original answers, same conversations, seed and steps
+common=(target=smollm2_llava "data.heldout_text=[{path: $W/data/heldout_regen.jsonl}]" data.max_length=512
+        eval.every=50 checkpoint.every=50 train.loader_workers=0 seed=0 logging.wandb.mode=disabled)
+for v in regen orig; do
+    one python train.py stage=1 "${common[@]}" "data.text=[{path: $W/data/${v}_train.jsonl}]" \
+        train.max_steps="${STEPS:-300}" train.lr=6e-4 run_dir="$W/runs/$v" &
+done
+wait
+
+# 3. stage 2 from the regenerated-data head: the image conversations ramped in
+one python train.py stage=2 "${common[@]}" "data.text=[{path: $W/data/regen_train.jsonl}]" \
+    "data.multimodal=[{path: $W/data/mm_train.jsonl}]" "data.heldout_multimodal=[{path: $W/data/mm_heldout.jsonl}]" \
+    train.max_steps=100 train.lr=3e-4 stage.curriculum.end=0.5 stage.curriculum.ramp_steps=50 run_dir="$W/runs/regen"
+
+# 4. stage 1, msd3 (EAGLE-3's head): three training-time-test steps, an 8,192-token draft vocabulary
+one python train.py stage=1 head=msd3 "${common[@]}" "data.text=[{path: $W/data/regen_train.jsonl}]" \
+    draft.ttt_steps=3 draft.draft_vocab_size=8192 train.max_steps=150 train.lr=6e-4 run_dir="$W/runs/msd3"
+
+# 5. decoders on held-out prompts (plain decoding in the same process), each setting REPEATS times
+THREADS=${THREADS:-2} SAMPLES=8 BENCH="$W/data/bench.jsonl" \
+    $here/bench_decoders.sh "$W/runs/regen/stage1/final" "$W/eval/regen" "${REPEATS:-3}"
+THREADS=${THREADS:-2} SAMPLES=8 BENCH="$W/data/bench.jsonl" \
+    $here/eval.sh "$W/runs/orig/stage1/final" "$W/eval/orig/chain2-dv8k-r1" chain decoding.k=2 decoding.draft_vocab=8192
+THREADS=${THREADS:-2} SAMPLES=16 BENCH="$W/data/bench_mm.jsonl" \
+    $here/eval.sh "$W/runs/regen/stage2/final" "$W/eval/stage2/chain2-dv8k-r1" chain decoding.k=2 decoding.draft_vocab=8192
+THREADS=${THREADS:-2} SAMPLES=8 BENCH="$W/data/bench.jsonl" \
+    $here/eval.sh "$W/runs/msd3/stage1/final" "$W/eval/msd3/chain2-r1" chain decoding.k=2
+python $here/plain_vs_generate.py --draft "$W/runs/regen/stage1/final" --bench "$W/data/bench.jsonl" \
+    --out "$W/eval/plain_vs_generate.json" --repeats 3 --new-tokens 32
+python $here/matmul_rows.py --out "$W/eval/matmul_rows.json"
+python $here/table.py "$W"/eval/regen/* "$W"/eval/orig/* "$W"/eval/stage2/* "$W"/eval/msd3/*
