@@ -182,6 +182,8 @@ def check_decoding(decoding, vocab_size: int | None = None) -> None:
     if vocab_size and isinstance(top_k, int) and top_k > vocab_size:
         raise ConfigError(f"decoding.top_k={top_k} is more than the target's {vocab_size} tokens (each tree node "
                           f"gets top_k children); give decoding.top_k of at most {vocab_size}, e.g. 10")
+    _number(cfg, "decoding.draft_min_prob", float, lo=0, hi=1,
+            hint=" (chain: stop drafting below this chain probability under the head; 0: always k tokens)")
     _number(cfg, "decoding.draft_vocab", int, lo=1, hi=vocab_size or None, allow_none=True,
             hint=" (the target tokens an msd head drafts over, e.g. 8192; null: all of them)")
     sampling = _get(cfg, "decoding.sampling")

@@ -327,6 +327,24 @@ def test_a_draft_vocabulary_drafts_only_its_tokens_and_keeps_outputs_exact(llava
         head.__dict__.pop("token_counts", None)
 
 
+def test_a_chain_stopped_by_draft_min_prob_keeps_outputs_exact(setup):
+    """decoding.draft_min_prob: a cycle drafts only while the chain's probability under the
+    head stays above the bound, down to no draft at all (a plain step); greedy outputs
+    still equal plain decoding's."""
+    target, head, prompts = setup
+    for name, prompt in prompts.items():
+        plain = run(target, None, prompt, method="ar", eos_token_ids=())
+        full = run(target, head, prompt, eos_token_ids=(), **CHAIN)
+        cut = run(target, head, prompt, eos_token_ids=(), draft_min_prob=0.5, **CHAIN)
+        assert cut.tokens == plain.tokens, name
+        sizes = [c.tree_size for c in cut.cycles]
+        assert min(sizes) >= 1 and max(sizes) <= CHAIN["k"] + 1
+        assert sum(sizes) < sum(c.tree_size for c in full.cycles), "the bound never shortened a chain"
+    sizes = [c.tree_size for name in prompts for c in run(target, head, prompts[name], eos_token_ids=(),
+                                                               draft_min_prob=0.5, **CHAIN).cycles]
+    assert 1 in sizes and any(n > 1 for n in sizes), sizes
+
+
 def test_chain_draft_leaves_head_cache_at_committed_length(llava_setup):
     target, head, prompts = llava_setup
     state = prefill(target, head, prompts["text"])

@@ -39,7 +39,7 @@ wait
 # 3. stage 2 from the regenerated-data head: the image conversations ramped in
 one python train.py stage=2 "${common[@]}" "data.text=[{path: $W/data/regen_train.jsonl}]" \
     "data.multimodal=[{path: $W/data/mm_train.jsonl}]" "data.heldout_multimodal=[{path: $W/data/mm_heldout.jsonl}]" \
-    train.max_steps=100 train.lr=3e-4 stage.curriculum.end=0.5 stage.curriculum.ramp_steps=50 run_dir="$W/runs/regen"
+    train.max_steps=250 train.lr=3e-4 stage.curriculum.end=0.5 stage.curriculum.ramp_steps=125 run_dir="$W/runs/regen"
 
 # 4. stage 1, msd3 (EAGLE-3's head): three training-time-test steps, an 8,192-token draft vocabulary
 one python train.py stage=1 head=msd3 "${common[@]}" "data.text=[{path: $W/data/regen_train.jsonl}]" \

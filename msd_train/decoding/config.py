@@ -23,6 +23,10 @@ class DecodeConfig:
     top_k: int = 10  # tree: frontier width and children per expanded node
     total_tokens: int = 60  # tree: nodes verified per cycle, root included
     k: int = 5  # chain: draft tokens per cycle
+    #: chain: stop drafting a cycle once the chain's probability under the head would fall
+    #: below this (0: always k tokens); a host read per draft token, for targets whose
+    #: verification costs more per token verified (a CPU), see draft_chain
+    draft_min_prob: float = 0.0
     max_new_tokens: int = 64
     stop_strings: tuple[str, ...] = ()
     #: None: the target's own EOS ids (generation config, else tokenizer); () never stops on EOS

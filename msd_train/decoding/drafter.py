@@ -107,7 +107,7 @@ class HeadDrafter:
     def draft_block(self, target, pending: Pending, config, generator: torch.Generator | None = None) -> Tree:
         if config.method == "tree":
             return draft_tree(self, target, pending, config.depth, config.top_k, config.total_tokens, config.sampling)
-        return draft_chain(self, target, pending, config.k, config.sampling, generator)
+        return draft_chain(self, target, pending, config.k, config.sampling, generator, config.draft_min_prob)
 
     def record_verified(self, path: list[int], logits: torch.Tensor, lm_head) -> None:
         """A single head keeps no history."""
@@ -180,15 +180,31 @@ def _node_positions(drafter: HeadDrafter, target, root: int, depth: int, n: int)
 
 @torch.inference_mode()
 def draft_chain(drafter: HeadDrafter, target, pending: Pending, k: int, sampling: SamplingParams,
-                generator: torch.Generator | None = None) -> Tree:
-    """k draft tokens, one after another: the argmax of the draft distribution q when
-    greedy, else a draw from it (q kept, for the acceptance test)."""
+                generator: torch.Generator | None = None, min_prob: float = 0.0) -> Tree:
+    """Up to k draft tokens, one after another: the argmax of the draft distribution q when
+    greedy, else a draw from it (q kept, for the acceptance test).
+
+    ``min_prob`` > 0 stops the chain before the token that would take the chain's
+    probability under the head (the product of its tokens' q) below ``min_prob``: a chain
+    of 0 tokens makes the cycle a plain decoding step. Verification decides as always, so
+    outputs do not change; each draft token costs one host read (the length is decided on
+    the host), which a CPU does not notice and a GPU does.
+    """
     drafter.begin_block()
     h = drafter.feed_pending(target, pending)  # (R, H)
-    tokens, probs = [], []
+    tokens, probs, chain_prob = [], [], 1.0
     for i in range(k):
-        q = drafter.distribution(target, h[:, None], sampling)[0]
-        x = q.argmax(-1) if sampling.greedy else sample(q, generator)
+        if sampling.greedy and min_prob > 0:  # the head's probability of its argmax: the log-softmax's max
+            lp = drafter.distribution(target, h[:, None], sampling, log=True)[0]
+            x, p_x = lp.argmax(-1), lp.max(-1).values.exp()
+        else:
+            q = drafter.distribution(target, h[:, None], sampling)[0]
+            x = q.argmax(-1) if sampling.greedy else sample(q, generator)
+            p_x = None if sampling.greedy else q.gather(-1, x[..., None])
+        if min_prob > 0:
+            chain_prob *= float(p_x.reshape(-1)[0])  # the host read deciding the length
+            if chain_prob < min_prob:
+                break
         if not sampling.greedy:
             probs.append(q)
         tokens.append(x)
@@ -196,9 +212,12 @@ def draft_chain(drafter: HeadDrafter, target, pending: Pending, k: int, sampling
             seen = torch.ones(1, i + 1, dtype=torch.bool, device=target.device)
             h = drafter.head(target.embed_tokens(x.view(1, 1)), h[:, None],
                              _node_positions(drafter, target, pending.root, i + 1, 1), seen)[:, -1]
-    index = torch.arange(k + 1, device=target.device)  # node i's children came from the i-th distribution
-    drafter.children_index(torch.where(index < k, index, -1))  # the last node has none
+    n = len(tokens)
+    index = torch.arange(n + 1, device=target.device)  # node i's children came from the i-th distribution
+    drafter.children_index(torch.where(index < n, index, -1))  # the last node has none
     root = pending.tokens[-1:]
+    if not tokens:
+        return chain(root)
     return chain(root, torch.stack(tokens), torch.stack(probs) if probs else None)
 
 
