@@ -5,7 +5,7 @@ head step, each timed on the loaded SmolLM2-LLaVA target; then what a chain of k
 costs in plain steps and the tau it needs to break even.
 
     OMP_NUM_THREADS=1 python benchmarks/real_lm/forward_cost.py --target data/smollm2-llava \
-        --draft HEAD --out benchmarks/real_lm/forward_cost.json
+        --draft HEAD --out benchmarks/real_lm/results/forward_cost.json
 
 The head's cost is measured without its lm_head (``head.step``) and the lm_head apart, so the
 share of the 49k-token output layer is visible.
