@@ -7,7 +7,7 @@
 #   benchmarks/real_lm/reproduce.sh [WORK]          # WORK: scratch folder, default /tmp/reallm
 #
 # Environment: REGEN_LIMIT (ShareGPT conversations to answer, default 566), STEPS (stage 1,
-# default 300), THREADS (decoder benchmark, default 2), REPEATS (default 3).
+# default 300), REPEATS (decoder settings, default 3).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 W=${1:-/tmp/reallm}
@@ -45,16 +45,38 @@ one python train.py stage=2 "${common[@]}" "data.text=[{path: $W/data/regen_trai
 one python train.py stage=1 head=msd3 "${common[@]}" "data.text=[{path: $W/data/regen_train.jsonl}]" \
     draft.ttt_steps=3 draft.draft_vocab_size=8192 train.max_steps=150 train.lr=6e-4 run_dir="$W/runs/msd3"
 
-# 5. decoders on held-out prompts (plain decoding in the same process), each setting REPEATS times
-THREADS=${THREADS:-2} SAMPLES=8 BENCH="$W/data/bench.jsonl" \
-    $here/bench_decoders.sh "$W/runs/regen/stage1/final" "$W/eval/regen" "${REPEATS:-3}"
-THREADS=${THREADS:-2} SAMPLES=8 BENCH="$W/data/bench.jsonl" \
-    $here/eval.sh "$W/runs/orig/stage1/final" "$W/eval/orig/chain2-dv8k-r1" chain decoding.k=2 decoding.draft_vocab=8192
-THREADS=${THREADS:-2} SAMPLES=16 BENCH="$W/data/bench_mm.jsonl" \
-    $here/eval.sh "$W/runs/regen/stage2/final" "$W/eval/stage2/chain2-dv8k-r1" chain decoding.k=2 decoding.draft_vocab=8192
-THREADS=${THREADS:-2} SAMPLES=8 BENCH="$W/data/bench.jsonl" \
-    $here/eval.sh "$W/runs/msd3/stage1/final" "$W/eval/msd3/chain2-r1" chain decoding.k=2
-python $here/plain_vs_generate.py --draft "$W/runs/regen/stage1/final" --bench "$W/data/bench.jsonl" \
-    --out "$W/eval/plain_vs_generate.json" --repeats 3 --new-tokens 32
+# 5. decoders on held-out prompts (plain decoding in the same process), both cores, nothing else running
+export NICE=0
+B=(SAMPLES=8 BENCH="$W/data/bench.jsonl")
+H="$W/runs/regen/stage2/final"
+env THREADS=2 "${B[@]}" $here/bench_decoders.sh "$H" "$W/eval/t2" "${REPEATS:-3}"
+for r in 1 2 3; do
+    env THREADS=2 "${B[@]}" $here/eval.sh "$H" "$W/eval/mp/chain3-dv8k-mp0.3-r$r" chain decoding.k=3 \
+        decoding.draft_vocab=8192 decoding.draft_min_prob=0.3
+done
+for p in 0.5 0.7; do
+    env THREADS=2 "${B[@]}" $here/eval.sh "$H" "$W/eval/mp/chain3-dv8k-mp$p-r1" chain decoding.k=3 \
+        decoding.draft_vocab=8192 decoding.draft_min_prob=$p
+done
+env THREADS=2 "${B[@]}" $here/eval.sh "$H" "$W/eval/mp/chain5-dv8k-mp0.3-r1" chain decoding.k=5 decoding.draft_vocab=8192 \
+    decoding.draft_min_prob=0.3
+env THREADS=2 "${B[@]}" $here/eval.sh "$H" "$W/eval/mp/chain1-dv4k-r1" chain decoding.k=1 decoding.draft_vocab=4096
+for r in 1 2; do
+    for k in 1 2; do
+        env THREADS=1 "${B[@]}" $here/eval.sh "$H" "$W/eval/t1/chain$k-dv8k-r$r" chain decoding.k=$k decoding.draft_vocab=8192
+    done
+done
+for s in 1 2; do  # stage 1 vs stage 2 on text, photographs and shapes
+    env THREADS=2 SAMPLES=16 BENCH="$W/data/bench_mm.jsonl" $here/eval.sh "$W/runs/regen/stage$s/final" \
+        "$W/eval/mm/stage$s-chain2-dv8k" chain decoding.k=2 decoding.draft_vocab=8192
+done
+# the three stage-1 heads (tau; the timings of this run were taken with training jobs beside it)
+for v in regen orig; do
+    env THREADS=1 "${B[@]}" $here/eval.sh "$W/runs/$v/stage1/final" "$W/eval/cmp/$v-s1-chain3-dv8k" chain decoding.k=3 \
+        decoding.draft_vocab=8192
+done
+env THREADS=1 "${B[@]}" $here/eval.sh "$W/runs/msd3/stage1/final" "$W/eval/cmp/msd3-s1-chain3" chain decoding.k=3
+python $here/plain_vs_generate.py --draft "$H" --bench "$W/data/bench.jsonl" \
+    --out "$W/eval/plain_vs_generate-2threads.json" --repeats 3 --new-tokens 32 --threads 2
 python $here/matmul_rows.py --out "$W/eval/matmul_rows.json"
-python $here/table.py "$W"/eval/regen/* "$W"/eval/orig/* "$W"/eval/stage2/* "$W"/eval/msd3/*
+for g in t2 mp t1 mm cmp; do python $here/table.py "$W"/eval/$g/*; done
