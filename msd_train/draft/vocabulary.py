@@ -6,7 +6,7 @@ target's own lm_head, over the whole vocabulary; at decode time it can be restri
 the ``size`` target tokens its training data used most (``decoding.draft_vocab``). The
 decoder verifies every draft token against the target, so a restriction never changes
 the output: it only stops the head proposing rare tokens, and makes each draft step's
-lm_head (on a small model most of the step: ``benchmarks/real_lm/forward_cost.json``)
+lm_head (on a small model most of the step: ``benchmarks/real_lm/README.md``)
 ``V / size`` times cheaper.
 
 The counts travel with the head: training writes ``token_counts.safetensors`` beside
