@@ -184,6 +184,10 @@ def check_decoding(decoding, vocab_size: int | None = None) -> None:
                           f"gets top_k children); give decoding.top_k of at most {vocab_size}, e.g. 10")
     _number(cfg, "decoding.draft_min_prob", float, lo=0, hi=1,
             hint=" (chain: stop drafting below this chain probability under the head; 0: always k tokens)")
+    min_prob, method = _get(cfg, "decoding.draft_min_prob"), _get(cfg, "decoding.method")
+    if isinstance(min_prob, (int, float)) and min_prob > 0 and method not in (_MISSING, "chain"):
+        raise ConfigError(f"decoding.draft_min_prob={min_prob} stops chains; decoding.method={method} does not "
+                          f"draft one (use decoding=chain, or leave draft_min_prob at 0)")
     _number(cfg, "decoding.draft_vocab", int, lo=1, hi=vocab_size or None, allow_none=True,
             hint=" (the target tokens an msd head drafts over, e.g. 8192; null: all of them)")
     sampling = _get(cfg, "decoding.sampling")
