@@ -20,6 +20,22 @@ def random_image(seed: int, size: int = 32) -> Image.Image:
     return Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8))
 
 
+def wide_image(seed: int) -> Image.Image:
+    """24 x 40 pixels: another aspect ratio (a 2x1 anyres tiling, a 3 x 5 Qwen grid of
+    merged visual tokens: height and width differ)."""
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (24, 40, 3), dtype=np.uint8))
+
+
+def image_prompts(target) -> dict:
+    """Prompts with one image and with two of different shapes (decoding tests)."""
+    user = lambda text: {"role": "user", "content": text}  # noqa: E731
+    return {
+        "one_image": target.encode_prompt([user("<image>\nwhat colour is the circle?")], [random_image(1, 32)]),
+        "two_images": target.encode_prompt([user("<image>\n<image>\nthere are two red circle")],
+                                           [wide_image(2), random_image(3, 24)]),
+    }
+
+
 def tiny_llava(seed: int = 0):
     """A random tiny LlavaForConditionalGeneration with a real processor (16 visual tokens)."""
     return random_target("llava", seed)

@@ -13,11 +13,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from builders import fit_head, model_inputs, padded, random_image, tiny_qwen25vl, tiny_qwen25vl_target, write_mini_data
-from PIL import Image
+from builders import (
+    fit_head,
+    image_prompts,
+    model_inputs,
+    padded,
+    random_image,
+    tiny_qwen25vl,
+    tiny_qwen25vl_target,
+    wide_image,
+    write_mini_data,
+)
 
 from msd_train.decoding import DecodeConfig, generate
 from msd_train.draft import MSDDraftConfig, MSDDraftModel
@@ -33,11 +41,6 @@ CONV = [
     {"role": "user", "content": "and the <image> second one"},
     {"role": "assistant", "content": "a blue circle"},
 ]
-
-
-def wide_image(seed: int) -> Image.Image:
-    """24 x 40 pixels: a 3 x 5 grid of merged visual tokens (height and width differ)."""
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (24, 40, 3), dtype=np.uint8))
 
 
 @pytest.fixture(scope="module")
@@ -110,9 +113,7 @@ def test_positions_equal_get_rope_index(target):
 def prompts(target) -> dict:
     user = lambda text: {"role": "user", "content": text}  # noqa: E731
     return {
-        "one_image": target.encode_prompt([user("<image>\nwhat colour is the circle?")], [random_image(1, 32)]),
-        "two_images": target.encode_prompt([user("<image>\n<image>\nthere are two red circle")],
-                                           [wide_image(2), random_image(3, 24)]),
+        **image_prompts(target),
         "second_turn": target.encode_prompt(
             [user("<image>\ndescribe this image"), {"role": "assistant", "content": "a red circle"},
              user("and <image> how many squares are there")], [random_image(4, 32), random_image(5, 24)]),

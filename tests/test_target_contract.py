@@ -9,11 +9,9 @@ offsets after each image.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from builders import fit_head, model_inputs, padded, random_image, write_mini_data
-from PIL import Image
+from builders import fit_head, image_prompts, model_inputs, padded, random_image, wide_image, write_mini_data
 from test_train import in_process, recipe  # noqa: F401 (in_process is a fixture: one DeepSpeed group)
 
 from msd_train.decoding import DecodeConfig, generate
@@ -39,11 +37,6 @@ def families(names):
     return [pytest.param(f, marks=pytest.mark.skipif(
         bool(FAMILIES[f].min_transformers) and not transformers_at_least(FAMILIES[f].min_transformers),
         reason=f"{f} needs transformers >= {FAMILIES[f].min_transformers}")) for f in names]
-
-
-def wide_image(seed: int) -> Image.Image:
-    """24 x 40 pixels: another aspect ratio (a 2x1 anyres tiling, a 3 x 5 Qwen grid)."""
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (24, 40, 3), dtype=np.uint8))
 
 
 _TARGETS: dict = {}
@@ -189,15 +182,6 @@ def test_position_ids_are_the_models_own(target):
 # ----- decoding -----------------------------------------------------------------------
 
 
-def prompts(target) -> dict:
-    user = lambda text: {"role": "user", "content": text}  # noqa: E731
-    return {
-        "one_image": target.encode_prompt([user("<image>\nwhat colour is the circle?")], [random_image(1, 32)]),
-        "two_images": target.encode_prompt([user("<image>\n<image>\nthere are two red circle")],
-                                           [wide_image(2), random_image(3, 24)]),
-    }
-
-
 _DECODING: dict = {}
 
 
@@ -205,7 +189,7 @@ def decoding_setup(target):
     """The prompts and a head fitted to the target's greedy continuations of them, so that
     drafts are often accepted."""
     if target.name not in _DECODING:
-        encs = prompts(target)
+        encs = image_prompts(target)
         torch.manual_seed(0)
         head = MSDDraftModel(MSDDraftConfig.from_target_config(target.config, target.name))
         batch = []
@@ -226,7 +210,7 @@ def test_plain_decoding_equals_transformers_generate(target):
     from transformers import GenerationConfig
 
     gen = GenerationConfig(do_sample=False, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
-    for name, enc in prompts(target).items():
+    for name, enc in image_prompts(target).items():
         ours = generate(target, None, enc, DecodeConfig(method="ar", max_new_tokens=20, eos_token_ids=()))
         theirs = target.model.generate(**model_inputs(target, enc.input_ids[None], enc.pixel), generation_config=gen)
         reset_rope_cache(target)
