@@ -18,7 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from make_smollm2_llava import vqa_pairs  # noqa: E402
 
 REQUESTS = ("Describe this image.", "What do you see in this picture?", "Describe the shape in the image in detail.",
             "What is in this image? Explain.")
@@ -27,13 +31,12 @@ EASY_VQA = Path("~/.cache/msd-train/smollm2/easy_vqa-1.0-py3-none-any").expandus
 
 
 def images_with_answers(root: Path, split: str) -> list[tuple[str, str]]:
-    """(image path, an open answer about it) per image of an easy-VQA split, in image order."""
-    data = root / "easy_vqa" / "data" / split
-    seen: dict[int, str] = {}
-    for q, a, image in json.loads((data / "questions.json").read_text()):
-        if a not in ("yes", "no") and image not in seen:
-            seen[image] = f"{a[0].upper()}{a[1:]}."
-    return [(str(data / "images" / f"{i}.png"), seen[i]) for i in sorted(seen)]
+    """(image path, its first open answer) per image of an easy-VQA split, in image order
+    (the projector's reader of the same file: make_smollm2_llava.vqa_pairs)."""
+    first: dict[str, str] = {}
+    for path, _, answer in vqa_pairs(root, split, open_only=True):
+        first.setdefault(path, answer)
+    return sorted(first.items(), key=lambda item: int(Path(item[0]).stem))
 
 
 def main() -> None:

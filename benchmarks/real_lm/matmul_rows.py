@@ -13,6 +13,7 @@ verification of a chain of k drafts (M = k + 1) costs what this says about M row
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -52,8 +53,8 @@ def main() -> None:
             for m in ROWS:
                 x = torch.randn(1, m, k, generator=g)
                 reps = max(3, args.repeats // 3) if name == "lm_head" else args.repeats
-                row = {"stored": median_ms(lambda: F.linear(x, w), reps),
-                       "transposed": median_ms(lambda: F.linear(x, wt), reps)}
+                row = {"stored": median_ms(functools.partial(F.linear, x, w), reps),
+                       "transposed": median_ms(functools.partial(F.linear, x, wt), reps)}
                 out["results"].setdefault(f"{threads} threads", {}).setdefault(name, {})[m] = row
                 print(threads, name, m, row, flush=True)
     with open(args.out, "w") as fh:
