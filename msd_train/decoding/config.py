@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-import torch
-
 from msd_train.decoding.drafter import HeadDrafter
 from msd_train.decoding.ensemble import EnsembleDrafter
 from msd_train.decoding.sampling import SamplingParams
@@ -70,8 +68,7 @@ def use_draft_vocabulary(draft, target, size: int | None) -> None:
     if draft is None:
         return
     if size is None:
-        if getattr(draft, "_vocab_rows", None) is not None:
-            draft.restrict_vocabulary(target, None)
+        draft.restrict_vocabulary(target, None)
         return
     counts = getattr(draft, "token_counts", None)
     if counts is None:
@@ -79,10 +76,7 @@ def use_draft_vocabulary(draft, target, size: int | None) -> None:
             f"decoding.draft_vocab={size} needs the head's token counts ({COUNTS_FILE} in its folder, which "
             f"training writes beside every export); this head has none: write them with "
             f"python scripts/count_tokens.py draft=HEAD_DIR data=... (its training data), or drop decoding.draft_vocab")
-    ids = most_frequent(counts, size)
-    rows = getattr(draft, "_vocab_rows", None)
-    if rows is None or not torch.equal(rows[0].cpu(), ids):
-        draft.restrict_vocabulary(target, ids)
+    draft.restrict_vocabulary(target, most_frequent(counts, size))
 
 
 def build_drafter(draft, config: DecodeConfig, captions: list[str] | None = None) -> HeadDrafter | None:

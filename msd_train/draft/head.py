@@ -151,8 +151,10 @@ class DraftHead(PreTrainedModel):
 
     def restrict_vocabulary(self, target, ids: torch.Tensor | None) -> None:
         """Decode time: draft only target ids ``ids`` (``logits`` -inf elsewhere); None
-        drafts over the head's whole vocabulary again (``msd_train.draft.vocabulary``)."""
-        raise ValueError(f"a {self.architecture} head cannot restrict its draft vocabulary at decode time")
+        drafts over the head's whole vocabulary again (``msd_train.draft.vocabulary``).
+        Calling it again with the same ids does nothing."""
+        if ids is not None:
+            raise ValueError(f"a {self.architecture} head cannot restrict its draft vocabulary at decode time")
 
     def training_loss(self, target, features, index, n_tokens: float, train, noise=None, forward=None):
         """(loss, sums): the batch's loss, already divided by ``n_tokens`` (the global
