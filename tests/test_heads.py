@@ -130,8 +130,13 @@ def test_draft_vocabulary_maps_every_draft_id_to_a_target_id_and_back():
 
 
 def test_token_counts_read_assistant_tokens_only():
+    from datasets import Dataset
+
     rows = [{"input_ids": [1, 2, 2, 3], "loss_mask": [0, 1, 1, 0]}, {"input_ids": [3, 3], "loss_mask": [1, 0]}]
-    assert token_counts([rows], 5).tolist() == [0, 0, 2, 1, 0]
+    assert token_counts([Dataset.from_list(rows)], 5).tolist() == [0, 0, 2, 1, 0]
+    # rows of one length (numpy gives them as a 2-D batch), split across batches, and an empty split
+    same = Dataset.from_list([{"input_ids": [4, 1], "loss_mask": [1, 1]}] * 3)
+    assert token_counts([same, Dataset.from_list([])], 5, batch_size=2).tolist() == [0, 3, 0, 0, 3]
 
 
 def test_feature_layers_default_to_eagle3s_and_clamp(llava_target):

@@ -18,20 +18,28 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 COUNTS_FILE = "token_counts.safetensors"
 
 
-def token_counts(datasets, vocab_size: int) -> torch.Tensor:
-    """How often each target id is an assistant (loss) token in tokenised datasets."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
+def token_counts(datasets, vocab_size: int, batch_size: int = 1024) -> torch.Tensor:
+    """How often each target id is an assistant (loss) token in tokenised ``datasets.Dataset``s.
+    Training runs this at every stage's start on every rank, so it reads the two columns as
+    numpy a batch at a time and counts each batch in one ``bincount``, not one
+    ``vocab_size``-long count per row."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
     for ds in datasets:
-        for row in ds:
-            ids = torch.as_tensor(row["input_ids"], dtype=torch.long)
-            mask = torch.as_tensor(row["loss_mask"], dtype=torch.bool)
-            counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
-    return counts
+        if len(ds) == 0:  # an unused split: possibly no columns at all
+            continue
+        columns = ds.select_columns(["input_ids", "loss_mask"]).with_format("numpy")
+        for batch in columns.iter(batch_size=batch_size):
+            # rows of one length come as a 2-D array, ragged ones as an array of arrays: both are rows
+            ids = np.concatenate(list(batch["input_ids"]))
+            mask = np.concatenate(list(batch["loss_mask"])).astype(bool)
+            counts += np.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+    return torch.from_numpy(counts)
 
 
 def most_frequent(counts: torch.Tensor, size: int) -> torch.Tensor:
