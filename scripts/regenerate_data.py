@@ -3,6 +3,8 @@
     python scripts/regenerate_data.py out=DIR inputs='[{path: sharegpt.json}]' target=smollm2_llava
     torchrun --nproc_per_node 8 scripts/regenerate_data.py out=DIR ...
     python scripts/regenerate_data.py out=DIR ... limit=200 max_new_tokens=256 temperature=0.7
+    .venv-vllm/bin/python scripts/regenerate_data.py engine=vllm out=DIR ...   # batched in vLLM
+    python scripts/regenerate_data.py engine=hf batch_size=16 out=DIR ...      # batched generate()
 
 Re-running the same command resumes: finished conversations are skipped, none is written
 twice. The result, DIR/regenerated.jsonl, is a messages JSONL with each conversation's
@@ -27,13 +29,14 @@ def main(cfg: DictConfig) -> None:
     from omegaconf import OmegaConf
 
     from msd_train import runtime
+    from msd_train.data.engines import EngineError, HFEngine, Sampling, VLLMEngine, vllm_version
     from msd_train.data.regenerate import RegenerateError, regenerate
     from msd_train.targets import load_target
     from msd_train.validate import ConfigError, _number, user_errors
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     settings = OmegaConf.to_container(cfg, resolve=True)
-    with user_errors(RegenerateError, FileNotFoundError):
+    with user_errors(RegenerateError, EngineError, FileNotFoundError):
         if OmegaConf.is_missing(cfg, "out"):
             raise ConfigError("out is not set; give out=DIR, the folder for the regenerated conversations")
         for key in ("max_new_tokens", "max_prompt_tokens"):
@@ -41,6 +44,11 @@ def main(cfg: DictConfig) -> None:
         for key in ("limit", "max_turns"):
             _number(settings, key, int, lo=1, allow_none=True)
         _number(settings, "temperature", float, lo=0)
+        _number(settings, "batch_size", int, lo=1, allow_none=True)
+        if settings["engine"] not in ("hf", "vllm"):
+            raise ConfigError(f"engine={settings['engine']!r}: give engine=hf (transformers) or engine=vllm")
+        if settings["engine"] == "vllm":
+            vllm_version()  # missing or another release: said before the target loads
         _number(cfg, "dist.timeout_minutes", float, lo=0, lo_open=True)
         if not settings.get("inputs"):
             raise ConfigError("inputs is empty; give inputs='[{path: FILE}]' (ShareGPT, LLaVA-Instruct or messages JSONL)")
@@ -49,7 +57,16 @@ def main(cfg: DictConfig) -> None:
             tc = cfg.target
             target = load_target(tc.name_or_path, tc.dtype, runtime.local_device(tc.device), tc.adapter,
                                  tc.chat_template, tc.trust_remote_code, tc.attn_implementation)
-            manifest = regenerate(target, settings, group)
+            sampling = Sampling(int(settings["max_new_tokens"]), float(settings["temperature"]),
+                                float(settings["top_p"]), int(settings["top_k"]))
+            if settings["engine"] == "vllm":
+                engine = VLLMEngine(target, tc.name_or_path, sampling,
+                                    int(settings["max_prompt_tokens"]) + int(settings["max_new_tokens"]),
+                                    settings["batch_size"] or 256, cache=settings["vllm"]["cache"],
+                                    dtype=settings["vllm"]["dtype"])
+            else:
+                engine = HFEngine(target, sampling, settings["batch_size"] or 1)
+            manifest = regenerate(target, settings, group, engine=engine)
         finally:
             group.destroy(barrier=False)
     if manifest is not None:

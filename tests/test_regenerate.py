@@ -3,6 +3,7 @@ interrupted and resumed, sharded, every conversation answered exactly once, in o
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -43,7 +44,7 @@ def merged(out) -> list[dict]:
     recs = [json.loads(line) for line in (out / MERGED).read_text().splitlines()]
     for r in recs:
         r["regenerated"].pop("seconds")
-        r["regenerated"].pop("cpu_seconds")
+        r["regenerated"].pop("engine")
     return recs
 
 
@@ -130,3 +131,57 @@ def test_command_line(tmp_path):
     assert r.returncode == 1 and "limit=0 must be at least 1" in r.stderr and "Traceback" not in r.stderr
     r = subprocess.run(cmd[:1] + cmd[1:2], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 1 and "out is not set" in r.stderr and not (tmp_path / "???").exists()
+
+
+def test_an_edited_input_is_matched_by_content_not_position(target, reference, tmp_path):
+    """Killed, its input edited (one conversation removed, one changed), relaunched: the
+    removed one is left out of the merge, the changed one answered again, the rest kept."""
+    rows = json.loads(SOURCE.read_text())[:8]
+    first = tmp_path / "in.json"
+    first.write_text(json.dumps(rows))
+    out = tmp_path / "run"
+    regenerate(target, settings(out, inputs=[{"path": str(first), "format": "auto"}], limit=None))
+    before = {r["id"]: r for r in merged(out)}
+    edited = [rows[0], rows[2], dict(rows[3], conversations=[dict(rows[3]["conversations"][0], value="Another question?"),
+                                                            *rows[3]["conversations"][1:]]), *rows[4:]]
+    first.write_text(json.dumps(edited))
+    answered = []
+    regenerate(target, settings(out, inputs=[{"path": str(first), "format": "auto"}], limit=None),
+               on_record=lambda r: answered.append(r["original"][0]["content"]))
+    after = merged(out)
+    assert answered == ["Another question?"]  # only the changed conversation is answered again
+    assert [r["original"][0]["content"] for r in after] == [c["conversations"][0]["value"] for c in edited][: len(after)]
+    assert rows[1]["conversations"][0]["value"] not in [r["original"][0]["content"] for r in after]  # removed: not merged
+    kept = [r for r in after if r["original"][0]["content"] != "Another question?"]
+    assert all(r["messages"] == before[r["id"]]["messages"] for r in kept)
+
+
+def test_a_damaged_progress_line_is_named_with_the_fix(target, tmp_path):
+    regenerate(target, settings(tmp_path, limit=2))
+    with open(tmp_path / "rank-0.jsonl", "a") as f:
+        f.write("not json\n")
+    with pytest.raises(RegenerateError, match=r"rank-0.jsonl, line 3: not a JSON record.*delete that line"):
+        regenerate(target, settings(tmp_path, limit=2))
+
+
+def test_batched_hf_engine_answers_like_the_decoder_when_greedy(target, tmp_path):
+    """engine=hf batch_size>1: text prompts through transformers' batched generate(),
+    left-padded; greedy answers equal the project's decoder one prompt at a time."""
+    from msd_train.data.engines import HFEngine, Sampling
+
+    one = regenerate(target, settings(tmp_path / "one", temperature=0.0, max_turns=1))
+    batched = HFEngine(target, Sampling(8), batch_size=4)
+    many = regenerate(target, settings(tmp_path / "many", temperature=0.0, max_turns=1), engine=batched)
+    assert one["new_tokens"] == many["new_tokens"]
+    assert [r["messages"] for r in merged(tmp_path / "one")] == [r["messages"] for r in merged(tmp_path / "many")]
+    assert many["engines"] == {batched.name: 6} and "generate-batch4" in batched.name
+
+
+def test_engine_vllm_without_vllm_says_how_to_build_it(tmp_path):
+    pytest.importorskip("transformers")
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "regenerate_data.py"), f"out={tmp_path}", "engine=vllm"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "scripts/vllm_env.sh" in r.stderr and "Traceback" not in r.stderr
+    assert not any(tmp_path.iterdir())  # refused before anything is written

@@ -1,6 +1,6 @@
 """Image prompts for stage 2 on the SmolLM2 target, and held-out image questions.
 
-    python benchmarks/real_lm/make_image_data.py OUT_DIR [--n-train 120]
+    python benchmarks/real_lm/make_image_data.py OUT_DIR [--n-train 120] [--questions]
 
 OUT_DIR gets
   train_prompts.jsonl  easy-VQA training images (the first --n-train, one per image) with an
@@ -33,10 +33,15 @@ EASY_VQA = Path("~/.cache/msd-train/smollm2/easy_vqa-1.0-py3-none-any").expandus
 def images_with_answers(root: Path, split: str) -> list[tuple[str, str]]:
     """(image path, its first open answer) per image of an easy-VQA split, in image order
     (the projector's reader of the same file: make_smollm2_llava.vqa_pairs)."""
-    first: dict[str, str] = {}
-    for path, _, answer in vqa_pairs(root, split, open_only=True):
-        first.setdefault(path, answer)
-    return sorted(first.items(), key=lambda item: int(Path(item[0]).stem))
+    return [(path, answer) for path, _, answer in images_with_questions(root, split)]
+
+
+def images_with_questions(root: Path, split: str) -> list[tuple[str, str, str]]:
+    """(image path, its first open question, that question's answer) per image, in image order."""
+    first: dict[str, tuple[str, str]] = {}
+    for path, question, answer in vqa_pairs(root, split, open_only=True):
+        first.setdefault(path, (question, answer))
+    return sorted(((p, q, a) for p, (q, a) in first.items()), key=lambda item: int(Path(item[0]).stem))
 
 
 def main() -> None:
@@ -44,14 +49,17 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--n-train", type=int, default=120)
     ap.add_argument("--n-shapes", type=int, default=4, help="held-out easy-VQA test images")
+    ap.add_argument("--questions", action="store_true",
+                    help="every other training image gets its own easy-VQA question instead of an open request")
     ap.add_argument("--easy-vqa", default=str(EASY_VQA), help="the unpacked easy-vqa wheel (scripts/make_smollm2_llava.py)")
     a = ap.parse_args()
     out = Path(a.out)
     (out / "photos").mkdir(parents=True, exist_ok=True)
     root = Path(a.easy_vqa)
     with open(out / "train_prompts.jsonl", "w", encoding="utf-8") as fh:
-        for k, (path, answer) in enumerate(images_with_answers(root, "train")[: a.n_train]):
-            msgs = [{"role": "user", "content": "<image>\n" + REQUESTS[k % len(REQUESTS)]},
+        for k, (path, question, answer) in enumerate(images_with_questions(root, "train")[: a.n_train]):
+            ask = question if a.questions and k % 2 else REQUESTS[(k // 2 if a.questions else k) % len(REQUESTS)]
+            msgs = [{"role": "user", "content": "<image>\n" + ask},
                     {"role": "assistant", "content": answer}]
             fh.write(json.dumps({"id": f"easyvqa-train-{k}", "messages": msgs, "images": [path]}) + "\n")
 
@@ -69,7 +77,7 @@ def main() -> None:
     with open(out / "bench_images.jsonl", "w", encoding="utf-8") as fh:
         for r in bench:
             fh.write(json.dumps(r) + "\n")
-    print(f"{a.n_train} training prompts, {len(bench)} held-out image questions -> {out}")
+    print(f"{min(a.n_train, len(images_with_questions(root, 'train')))} training prompts, {len(bench)} held-out image questions -> {out}")
 
 
 if __name__ == "__main__":
