@@ -212,13 +212,18 @@ def test_a_wrong_setting_is_named_before_anything_loads():
         check_train({"draft": {"visual_compression": "pool", "visual_compression_tokens": 0}})
 
 
-def test_the_released_layout_export_warns_that_it_drafts_over_whole_images(llava_target, tmp_path):
+def test_the_released_layout_export_refuses_a_compressing_head(llava_target, tmp_path):
+    """The released code drafts over every visual token and its layout has no field for
+    compression: the export refuses, naming the setting and the format that keeps it
+    (issue 33; it warned before, and the folder imported back as an uncompressed head)."""
     from msd_train.hub import TargetInfo, export_reference
 
     head = MSDDraftModel(MSDDraftConfig.from_target_config(llava_target.config, "x", visual_compression="kmeans"))
     head.save_pretrained(tmp_path / "ours")
-    summary = export_reference(tmp_path / "ours", tmp_path / "released", target=TargetInfo.of(llava_target))
-    assert any("keeps 32 slots per image" in w for w in summary["warnings"]), summary["warnings"]
+    with pytest.raises(ValueError, match=r"visual_compression=kmeans \(visual_compression_tokens=32\).*format=msd "
+                                         r"keeps it"):
+        export_reference(tmp_path / "ours", tmp_path / "released", target=TargetInfo.of(llava_target))
+    assert not (tmp_path / "released").exists()
 
 
 @pytest.mark.usefixtures("in_process")

@@ -107,12 +107,16 @@ def test_saved_with_the_head(qwen_target, tmp_path):
 
 def test_imported_qwen_head_says_1d(qwen_target, tmp_path):
     """A head in the released layout (written by the exporter) imports as a 1-D-position
-    head; exporting an M-RoPE head to that layout warns that the released code drafts in 1-D."""
+    head; exporting an M-RoPE-position head to that layout is refused, since the released
+    code drafts in 1-D (issue 33: a format keeps what the head drafts with, or refuses)."""
     from msd_train.hub import TargetInfo, export_reference, import_reference, load_head
 
-    MSDDraftModel(qwen_config(qwen_target, "mrope")).save_pretrained(tmp_path / "ours")
+    MSDDraftModel(qwen_config(qwen_target, "mrope")).save_pretrained(tmp_path / "mrope")
+    with pytest.raises(ValueError, match="draft_positions='mrope': the released code drafts with 1-D positions"):
+        export_reference(tmp_path / "mrope", tmp_path / "refused", target=TargetInfo.of(qwen_target))
+    MSDDraftModel(qwen_config(qwen_target, "1d")).save_pretrained(tmp_path / "ours")
     summary = export_reference(tmp_path / "ours", tmp_path / "released", target=TargetInfo.of(qwen_target))
-    assert any("1-D positions" in w for w in summary["warnings"])
+    assert summary["warnings"] == []
     assert json.loads((tmp_path / "released" / "config.json").read_text())["model_type"] == "qwen2_vl"
     report = import_reference(tmp_path / "released", tmp_path / "imported", target=TargetInfo.of(qwen_target))
     assert report.config["draft_positions"] == "1d"

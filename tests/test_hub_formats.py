@@ -221,6 +221,25 @@ def test_eagle3_export_of_a_qwen_head_says_what_sglang_does_differently(tmp_path
     assert any("fuses 2 target layers" in w and "SGLang will not load this fc.weight" in w for w in summary["warnings"])
 
 
+def test_every_format_keeps_or_refuses_visual_compression(tmp_path):
+    """Issue 33: a compressing head exports to msd and eagle3 with the setting kept (eagle3
+    in its "msd" block, with a warning that SGLang drafts over whole images); reference and
+    vllm refuse it, naming the setting and format=msd."""
+    head3 = msd3_head(visual_compression="pool", visual_compression_tokens=8)
+    for name in ("msd", "eagle3"):
+        summary = formats.get(name).export(head3, tmp_path / name)
+        back = load_head(tmp_path / name)
+        assert (back.config.visual_compression, back.config.visual_compression_tokens) == ("pool", 8)
+        assert same_tensors(back.state_dict(), head3.state_dict())
+    assert any("SGLang drafts over every visual token" in w for w in summary["warnings"])
+    head = MSDDraftModel(MSDDraftConfig(hidden_size=H, intermediate_size=2 * H, num_attention_heads=4,
+                                        visual_compression="pool", visual_compression_tokens=8))
+    with pytest.raises(ValueError, match=r"format=reference cannot keep .*visual_compression=pool.*format=msd keeps"):
+        formats.get("reference").export(head, tmp_path / "reference", embed_from=tmp_path)
+    with pytest.raises(ValueError, match=r"format=vllm cannot serve .*visual_compression=pool.*format=msd keeps"):
+        formats.get("vllm").export(head, tmp_path / "vllm")
+
+
 def test_eagle3_layer_ids_of_third_party_and_older_exports(tmp_path):
     head = msd3_head()
     export_eagle3(head, tmp_path / "e")

@@ -38,11 +38,11 @@ def _msd_head(**overrides) -> MSDDraftModel:
     return head.eval()
 
 
-def _msd3_head(draft_vocab: int = 100) -> MSD3DraftModel:
+def _msd3_head(draft_vocab: int = 100, **overrides) -> MSD3DraftModel:
     torch.manual_seed(0)
     config = MSD3DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, target_vocab_size=100,
                              target_hidden_size=64, target_num_layers=6, draft_vocab_size=draft_vocab,
-                             rope_theta=10000.0)
+                             rope_theta=10000.0, **overrides)
     head = MSD3DraftModel(config)
     if draft_vocab < 100:
         ids = torch.arange(0, 2 * draft_vocab, 2)
@@ -101,9 +101,32 @@ def test_msd_export_is_vllms_eagle_layout_and_names_what_stock_vllm_loses(tmp_pa
     assert "fc bias" in lost and "input norm" in lost and "decoupled visual" in lost
 
 
-def test_msd_export_warns_that_the_paper_offset_cannot_be_served(tmp_path):
-    summary = export_vllm(_msd_head(visual_offset="paper"), tmp_path / "h")
-    assert any("visual_offset=paper" in x for x in summary["stock_vllm_loses"])
+@pytest.mark.parametrize(("make", "setting"), [
+    (lambda: _msd_head(visual_compression="pool", visual_compression_tokens=8), "visual_compression=pool"),
+    (lambda: _msd3_head(visual_compression="kmeans"), "visual_compression=kmeans"),
+    (lambda: _msd_head(visual_offset="paper"), "visual_offset=paper"),
+    (lambda: _msd_head(layer_family="qwen2", mrope_section=[2, 3, 3], draft_positions="1d"), "draft_positions=1d"),
+    (lambda: _msd3_head(layer_family="qwen2"), "layer_family=qwen2"),
+])
+def test_export_refuses_what_the_plugin_would_serve_otherwise(tmp_path, make, setting):
+    """A setting that changes what the head drafts and that the plugin cannot honour stops
+    the export, named with the format that keeps it; nothing is written."""
+    with pytest.raises(ValueError, match=f"format=vllm cannot serve this .*{setting}.*format=msd keeps it"):
+        export_vllm(make(), tmp_path / "h")
+    assert not (tmp_path / "h").exists()
+
+
+def test_the_msd_block_carries_every_drafting_setting(tmp_path):
+    """The block names the compression (none) and positions, so the plugin can check a
+    folder written otherwise (``vllm_refusals`` on the block, as the plugin calls it)."""
+    from msd_train.hub.vllm import vllm_refusals
+
+    export_vllm(_msd_head(layer_family="qwen2", mrope_section=[2, 3, 3], draft_positions="mrope"), tmp_path / "h")
+    block = json.loads((tmp_path / "h" / "config.json").read_text())["msd"]
+    assert block["visual_compression"] == "none" and block["draft_positions"] == "mrope" and vllm_refusals(block) == []
+    back = import_vllm(tmp_path / "h")
+    assert (back.config.visual_compression, back.config.draft_positions) == ("none", "mrope")
+    assert "visual_compression=pool" in vllm_refusals({**block, "visual_compression": "pool"})[0]
 
 
 @pytest.mark.parametrize("draft_vocab", [100, 40])

@@ -15,7 +15,8 @@ layer's input), while a head here names the layers whose INPUT it reads
 (vLLM reads the same key as inputs, unshifted: serve this folder with SGLang; vLLM has
 `format=vllm`.) What the layout has no field for is kept under `"msd"` in config.json
 (decoupling, draft positions, the training-time test, the target, the exact
-`feature_layers`). A third-party head without the `"msd"` block imports with
+`feature_layers`, draft-side visual compression, which SGLang does not do: the export
+warns). A third-party head without the `"msd"` block imports with
 `decouple_visual=False` (such heads were trained on placeholder embeddings).
 """
 
@@ -93,6 +94,11 @@ def eagle3_config(head: MSD3DraftModel) -> tuple[dict, list[str]]:
     if len(c.feature_layers) != 3:
         warnings.append(f"this head fuses {len(c.feature_layers)} target layers ({c.feature_layers}); SGLang's "
                         f"LlamaForCausalLMEagle3 builds fc for 3, so SGLang will not load this fc.weight")
+    if c.visual_compression != "none":
+        # kept in the "msd" block (load_head and eval.py draft as trained), not read by SGLang
+        warnings.append(f"this head keeps {c.visual_compression_tokens} slots per image (visual_compression="
+                        f"{c.visual_compression}); SGLang drafts over every visual token, so acceptance on images may "
+                        f"differ there (the \"msd\" block keeps the setting for this project's decoder)")
     biases = [k for k, _ in head.midlayer.self_attn.named_parameters() if k.endswith(".bias")]
     if biases:
         warnings.append(f"SGLang's EAGLE-3 layer has no q/k/v bias and silently skips midlayer.self_attn."
@@ -130,16 +136,35 @@ def _fused_layers(config: dict, path: Path, target_num_layers: int | None) -> li
     msd = config.get("msd")
     ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if msd and msd.get("feature_layers") is not None:
-        return list(msd["feature_layers"])
+        return _layer_ids(msd["feature_layers"], path, "msd.feature_layers", 0)
     if ids is not None:
         # exports of ours from before the ids were written SGLang's way carry an "msd"
         # block without feature_layers; their ids already are the inputs read
-        return list(ids) if msd else [i + 1 for i in ids]
+        key = "eagle_config.eagle_aux_hidden_state_layer_ids"
+        return _layer_ids(ids, path, key, 0) if msd else [i + 1 for i in _layer_ids(ids, path, key, 0)]
     n_layers = (msd or {}).get("target_num_layers") or target_num_layers
     if n_layers is None:
         raise IncompleteHeadError(f"{path} names no fused target layers (eagle_config."
                                   f"eagle_aux_hidden_state_layer_ids); give the target's layer count")
     return default_feature_layers(n_layers)
+
+
+def _layer_ids(ids, path: Path, key: str, lo: int) -> list[int]:
+    """The fused target layers a config names: a non-empty list of integers of at least ``lo``
+    (a negative id would read a layer counted from the end, and fail only inside the target)."""
+    ok = isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+    if not ok or min(ids) < lo:
+        raise IncompleteHeadError(f"{path}: {key}={ids!r} is not a list of target layer ids of at least {lo}; "
+                                  f"fix the config.json (the layers whose outputs the head fuses, e.g. [1, 15, 28])")
+    return list(ids)
+
+
+def _field(config: dict, key: str, path: Path):
+    if config.get(key) is None:
+        raise IncompleteHeadError(f"{path}: no {key!r}; an EAGLE-3 config.json names the draft layer's sizes "
+                                  f"(hidden_size, intermediate_size, num_attention_heads, rms_norm_eps, vocab_size, "
+                                  f"draft_vocab_size): add it, or get the folder again")
+    return config[key]
 
 
 def import_eagle3(folder: str | Path, target_num_layers: int | None = None) -> MSD3DraftModel:
@@ -151,12 +176,24 @@ def import_eagle3(folder: str | Path, target_num_layers: int | None = None) -> M
     path = folder / "config.json"
     if not path.is_file() or not (folder / "model.safetensors").is_file():
         raise IncompleteHeadError(f"{folder}: an EAGLE-3 head is config.json + model.safetensors")
-    config = json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise IncompleteHeadError(f"{path}: not valid JSON ({e})") from e
     if not is_eagle3(config):
         raise IncompleteHeadError(f"{path}: architectures {config.get('architectures')} is not {ARCHITECTURE}")
     msd = config.get("msd") or {}
     layers = _fused_layers(config, path, target_num_layers)
-    state = load_file(str(folder / "model.safetensors"))
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "rms_norm_eps", "vocab_size",
+                "draft_vocab_size"):
+        _field(config, key, path)
+    try:
+        state = load_file(str(folder / "model.safetensors"))
+    except Exception as e:  # cut short, not safetensors
+        raise IncompleteHeadError(f"{folder / 'model.safetensors'}: unreadable ({type(e).__name__}: {e}); the "
+                                  f"file is damaged or half-written: get it again") from e
+    if "lm_head.weight" not in state:
+        raise IncompleteHeadError(f"{folder / 'model.safetensors'}: no lm_head.weight; not an EAGLE-3 head's weights")
     rope = dict(config.get("rope_scaling") or {})
     if config.get("rope_theta") is not None:
         rope.setdefault("rope_theta", config["rope_theta"])
@@ -179,6 +216,13 @@ def import_eagle3(folder: str | Path, target_num_layers: int | None = None) -> M
     head = MSD3DraftModel(MSD3DraftConfig(**fields))
     dtype = state["lm_head.weight"].dtype
     head = head.to(dtype)
+    own = head.state_dict()
+    wrong = [f"{k} {tuple(v.shape)} (the config makes {tuple(own[k].shape)})" for k, v in state.items()
+             if k in own and own[k].shape != v.shape]
+    if wrong:
+        raise IncompleteHeadError(f"{folder}/model.safetensors does not fit its config.json: {'; '.join(wrong[:4])}"
+                                  f"{' ...' if len(wrong) > 4 else ''}; the two come from different heads, or one was "
+                                  f"edited: get the folder again")
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise IncompleteHeadError(f"{folder}: the weights do not fit an EAGLE-3 head of its config "

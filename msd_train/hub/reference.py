@@ -475,7 +475,7 @@ def export_reference(
         record_path = folder / IMPORT_RECORD
         record = json.loads(record_path.read_text()) if record_path.is_file() else None
     FORMAT.check_holds(model, folder)
-    warnings = _released_layout_warnings(folder, model.config)
+    warnings = _check_released_layout(folder, model.config)
     embed, embed_source = _reference_embedding(folder, record, target, embed_from, vocab_size)
     embed = embed.to(model.dtype)
     if record is not None and tensor_sha256(embed) != record["embed_tokens"]["sha256"]:
@@ -490,9 +490,12 @@ def export_reference(
             "embed_rows": embed.shape[0], "warnings": warnings}
 
 
-def _released_layout_warnings(folder: Path, config: MSDDraftConfig) -> list[str]:
-    """What the released code will do differently with this head (acceptance drops
-    there); an error for what the released layout cannot express at all."""
+def _check_released_layout(folder: Path, config: MSDDraftConfig) -> list[str]:
+    """Refuse a head the released code would draft with otherwise than it was trained: the
+    released layout has no field for these settings and its code fixes them (decoupling with
+    the released offset, 1-D positions, every visual token, no input norm on a LLaVA head's
+    first layer), so the folder would be served, and would import back, as another head.
+    Each setting is named with the format that keeps it. Returns the warnings (none now)."""
     family_norm = config.layer_family == "qwen2"
     if config.first_layer_input_norm != family_norm:
         raise ValueError(
@@ -500,19 +503,21 @@ def _released_layout_warnings(folder: Path, config: MSDDraftConfig) -> list[str]
             f"layout, whose {'Qwen2-VL' if family_norm else 'LLaVA'} code {'always' if family_norm else 'never'} "
             f"applies an input norm on the first layer"
         )
-    warnings = []
+    keep = "format=msd keeps it (eval.py, load_head)"
+    refused = []
     if not config.decouple_visual or config.visual_offset != "released":
-        warnings.append(f"this head was trained with decouple_visual={config.decouple_visual}, "
-                        f"visual_offset={config.visual_offset!r}; the released code decouples with the released "
-                        f"offset, so acceptance on images will drop there")
+        refused.append(f"decouple_visual={config.decouple_visual}, visual_offset={config.visual_offset!r}: the "
+                       f"released code decouples with the released offset; {keep}")
     if config.uses_mrope and config.draft_positions != "1d":
-        warnings.append("this head was trained with the target's M-RoPE positions; the released code drafts with "
-                        "1-D positions, so acceptance at and after images will drop there")
+        refused.append(f"draft_positions={config.draft_positions!r}: the released code drafts with 1-D positions; "
+                       f"{keep}")
     if getattr(config, "visual_compression", "none") != "none":
-        warnings.append(f"this head keeps {config.visual_compression_tokens} slots per image "
-                        f"(visual_compression={config.visual_compression}); the released code drafts over every visual "
-                        "token, so acceptance on images may drop there")
-    return warnings
+        refused.append(f"visual_compression={config.visual_compression} (visual_compression_tokens="
+                       f"{config.visual_compression_tokens}): the released code drafts over every visual token; "
+                       f"{keep}")
+    if refused:
+        raise ValueError(f"{folder}: format=reference cannot keep what this head drafts with: " + "; ".join(refused))
+    return []
 
 
 def _released_config(record: dict | None, config: MSDDraftConfig, embed: torch.Tensor, dtype: torch.dtype) -> dict:

@@ -27,6 +27,17 @@ this project's plugin (``msd_train.serving.vllm_plugin``) does:
       only ``*.safetensors`` at the top of the folder, and its AutoWeightsLoader raises on
       any name the class lacks, so they cannot sit in model.safetensors.
 ``export_vllm`` returns (and scripts/export.py prints) what stock vLLM loses.
+
+What the plugin cannot serve as trained is refused at export (``vllm_refusals``), each
+setting named with the format that keeps it, rather than written into a folder that would
+draft differently from the head evaluated: draft-side visual compression (vLLM's draft
+keeps every visual token in its cache), ``visual_offset="paper"`` (vLLM hands slot t the
+embedding of token t+1), ``draft_positions="1d"`` on an M-RoPE head (vLLM passes the
+draft the target's M-RoPE positions), Qwen2 layers in an msd3 head (the plugin's EAGLE-3
+class has no q/k/v bias). What it keeps: decoupling, the fc bias, a first-layer input
+norm, Qwen2 biases of an msd head (the plugin), the fused target layers
+(``eagle_aux_hidden_state_layer_ids``: vLLM captures the input of each named layer, as
+``feature_layers`` means) and the draft vocabulary (``d2t``) (stock vLLM).
 """
 
 from __future__ import annotations
@@ -57,12 +68,38 @@ _LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num
 #: head config fields with no key in the layouts, kept in the "msd" block
 _MSD_FIELDS = {
     "msd": ("fc_bias", "first_layer_input_norm", "decouple_visual", "visual_offset", "draft_positions",
-            "layer_family", "mrope_section", "target_name_or_path", "target_vocab_size", "target_hidden_size",
-            "target_adapter"),
-    "msd3": ("decouple_visual", "visual_offset", "draft_positions", "ttt_steps", "ttt_decay", "layer_family",
-             "mrope_section", "target_name_or_path", "target_num_layers", "target_adapter", "target_hidden_size"),
+            "visual_compression", "visual_compression_tokens", "layer_family", "mrope_section",
+            "target_name_or_path", "target_vocab_size", "target_hidden_size", "target_adapter"),
+    "msd3": ("decouple_visual", "visual_offset", "draft_positions", "visual_compression",
+             "visual_compression_tokens", "ttt_steps", "ttt_decay", "layer_family", "mrope_section",
+             "target_name_or_path", "target_num_layers", "target_adapter", "target_hidden_size"),
 }
 _QWEN2_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+
+
+def vllm_refusals(config) -> list[str]:
+    """Why this project's vLLM plugin cannot serve a head of ``config`` (an msd or msd3 head
+    config, or the ``"msd"`` block of an export as a dict) as it was trained: one sentence
+    per setting, naming it and the format that keeps it; [] when it can. ``export_vllm``
+    refuses such a head; the plugin refuses such a folder; the model card says so."""
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    msd3 = get("architecture") == "msd3" if isinstance(config, dict) else isinstance(config, MSD3DraftConfig)
+    keep = "format=msd keeps it (served by this project's decoder: eval.py, msd_train.decoding)"
+    out = []
+    if (get("visual_compression") or "none") != "none":
+        out.append(f"visual_compression={get('visual_compression')} (visual_compression_tokens="
+                   f"{get('visual_compression_tokens')}): vLLM's draft keeps every visual token in its cache and "
+                   f"the plugin has no compressed context, so vLLM would draft otherwise than the head was "
+                   f"trained and evaluated; {keep}")
+    if not msd3 and get("decouple_visual", True) and (get("visual_offset") or "released") != "released":
+        out.append(f"visual_offset={get('visual_offset')}: vLLM hands draft slot t the embedding of token t+1, "
+                   f"which is the 'released' offset only; {keep}")
+    if get("mrope_section") and get("draft_positions") == "1d":
+        out.append(f"draft_positions=1d: vLLM feeds the draft the target's M-RoPE positions, not 1-D ones; {keep}")
+    if msd3 and get("layer_family") == "qwen2":
+        out.append(f"layer_family=qwen2 in an msd3 head: the plugin's EAGLE-3 layer has no q/k/v bias; {keep} "
+                   f"(format=eagle3 writes it for SGLang, which skips the biases too)")
+    return out
 
 
 def _layer_config(c, num_layers: int, vocab_size: int, dtype: torch.dtype) -> dict:
@@ -105,8 +142,6 @@ def _split_msd(head: MSDDraftModel) -> tuple[dict, dict, list[str]]:
         lost.append("the Qwen2 layers' q/k/v biases (vLLM's Llama layers have none)")
     if c.decouple_visual:
         lost.append("the decoupled visual inputs (stock vLLM drafts from the image placeholder's embedding)")
-    if c.mrope_section and c.draft_positions == "1d":
-        lost.append("draft_positions=1d: vLLM feeds the draft the target's M-RoPE positions, not 1-D ones")
     return stock, extras, lost
 
 
@@ -173,17 +208,16 @@ def export_vllm(head, out: str | Path, dtype: torch.dtype | str | None = None, v
         head = load_head(head)
     if isinstance(dtype, str):
         dtype = resolve_dtype(dtype, "cpu")
+    if not isinstance(head, (MSDDraftModel, MSD3DraftModel)):
+        raise ValueError(f"format=vllm holds msd and msd3 heads, not {type(head).__name__}")
+    refused = vllm_refusals(head.config)
+    if refused:
+        raise ValueError(f"format=vllm cannot serve this {head.architecture} head as it was trained: "
+                         + "; ".join(refused))
     if isinstance(head, MSD3DraftModel):
         kind, (stock, extras, lost) = "msd3", _split_msd3(head)
-    elif isinstance(head, MSDDraftModel):
-        kind, (stock, extras, lost) = "msd", _split_msd(head)
-        if head.config.visual_offset != "released":
-            # vLLM hands the draft slot t the embedding of token t+1 (the proposer shifts the
-            # inputs, `_gather_mm_embeddings(shift_computed_tokens=1)`): the released offset.
-            lost.append("visual_offset=paper: vLLM feeds slot t the embedding of token t+1, so the plugin "
-                        "refuses this head (it would draft with the visual block one slot late)")
     else:
-        raise ValueError(f"format=vllm holds msd and msd3 heads, not {type(head).__name__}")
+        kind, (stock, extras, lost) = "msd", _split_msd(head)
     if dtype is not None:
         stock = {k: v.to(dtype) if v.is_floating_point() else v for k, v in stock.items()}
         extras = {k: v.to(dtype) if v.is_floating_point() else v for k, v in extras.items()}

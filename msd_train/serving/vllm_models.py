@@ -54,12 +54,16 @@ def _extras(vllm_config, block: dict) -> dict[str, torch.Tensor]:
     return load_file(str(path)) if path.is_file() else {}
 
 
-def _check_offset(block: dict) -> None:
-    if block.get("decouple_visual") and block.get("visual_offset", "released") != "released":
-        raise ValueError(
-            f"this msd head was trained with visual_offset={block.get('visual_offset')!r}: vLLM hands draft slot t "
-            "the embedding of token t+1, which is the 'released' offset only; serve it with this project's decoder "
-            "(eval.py) or retrain with draft.visual_offset=released")
+def check_block(block: dict) -> None:
+    """Refuse a folder whose head this plugin would serve otherwise than it was trained
+    (``msd_train.hub.vllm.vllm_refusals``: the export refuses these heads; a folder written
+    by hand or by an older export may still carry one)."""
+    from msd_train.hub.vllm import vllm_refusals
+
+    refused = vllm_refusals(block)
+    if refused:
+        raise ValueError(f"the vLLM plugin of msd-train cannot serve this {block.get('architecture')} head as it "
+                         "was trained: " + "; ".join(refused))
 
 
 class _VisualSlots:
@@ -97,7 +101,7 @@ class MSDEagleLlamaForCausalLM(_VisualSlots, EagleLlamaForCausalLM):
         self.supports_multimodal_embeddings = bool(self.msd and self.msd.get("decouple_visual"))
         if self.msd is None:
             return
-        _check_offset(self.msd)
+        check_block(self.msd)
         m, c = self.model, self.config
         if self.msd.get("fc_bias"):
             m.fc = ReplicatedLinear(input_size=2 * c.hidden_size, output_size=c.hidden_size, bias=True,
@@ -149,9 +153,8 @@ class MSDEagle3LlamaForCausalLM(_VisualSlots, Eagle3LlamaForCausalLM):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.msd = _msd_block(self.config, "msd3")
         self.supports_multimodal_embeddings = bool(self.msd and self.msd.get("decouple_visual"))
-        if self.msd is not None and self.msd.get("layer_family") == "qwen2":
-            raise ValueError("this msd3 head has Qwen2 layers (q/k/v biases); the vLLM plugin serves msd3 heads "
-                             "with Llama layers only")
+        if self.msd is not None:
+            check_block(self.msd)
 
     def embed_input_ids(self, input_ids, multimodal_embeddings=None, is_multimodal=None):
         if not self.supports_multimodal_embeddings:
