@@ -105,6 +105,28 @@ def test_offline_features_equal_online_features(store, mini_run, target):
         torch.testing.assert_close(off.hidden_states[i, :last], on.hidden_states[i, :last], rtol=0, atol=1e-5)
 
 
+def test_the_store_holds_the_targets_top1_for_a_pruned_loss(store, mini_run, target):
+    """Each stored row comes with the target's top-1 id there (what draft.train_vocab's rule
+    reads instead of a full-vocabulary product every step); -1 where no row is stored."""
+    from msd_train.draft.loss import lm_head_argmax
+
+    path, _ = store
+    source = OfflineFeatures(train_cfg(mini_run, path), target)
+    rows = split_rows(mini_run, target, "multimodal")[:2] + split_rows(mini_run, target, "text")[:3]
+    batch = batch_of(target, rows)
+    on = target.features(batch["input_ids"], batch["attention_mask"], batch["pixel"])
+    off = source({**batch, "pixel": {}})
+    want = lm_head_argmax(target.lm_head, on.hidden_states)
+    top2 = target.lm_head(on.hidden_states).topk(2, -1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 1e-3  # a random model has near-ties another batch's numerics may flip
+    for i, r in enumerate(rows):
+        last = max(j for j, m in enumerate(r["loss_mask"]) if m)
+        sure = clear[i, :last]
+        assert sure.float().mean() > 0.8
+        assert torch.equal(off.target_top[i, :last][sure], want[i, :last][sure])
+        assert (off.target_top[i, len(r["input_ids"]):] == -1).all()
+
+
 def test_offline_store_reads_happen_in_the_loader_workers(store, mini_run, target, monkeypatch):
     """Training from a store: the DataLoader's workers read and check the shards with the
     collation; the training thread only embeds and copies (no store read there)."""

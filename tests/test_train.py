@@ -323,3 +323,32 @@ def test_a_bf16_run_exports_its_float32_master_weights_and_stage2_starts_from_th
     assert any((w != w.bfloat16().float()).any() for w in stored.values())  # not the bf16 rounding
     head = MSDDraftModel.from_pretrained(tmp_path / "stage1" / "final")
     assert all(torch.equal(p, masters[n]) for n, p in head.named_parameters())
+
+
+def test_a_head_trained_over_a_draft_vocabulary_decodes_exactly_over_it(in_process, mini_run, tmp_path):
+    """draft.train_vocab=N: the token term over the stage's N most frequent tokens; the
+    export records N, decoding drafts over those N by default, and outputs equal plain
+    decoding. N out of range is refused before training starts."""
+    from msd_train.decoding import DecodeConfig
+    from msd_train.decoding.speculative import generate
+    from msd_train.draft.vocabulary import most_frequent
+    from msd_train.hub.load import load_head
+    from msd_train.training.recipe import TrainingError
+
+    common = ["stage='1'", *mini_run, "train.micro_batch_size=2", f"run_dir={tmp_path}"]
+    r = recipe([*common, "train.max_steps=2", "draft.train_vocab=24"])
+    assert r.draft._train_vocab.size == 24
+    assert torch.equal(r.draft._train_vocab.ids.cpu(), most_frequent(r.token_counts, 24))
+    run_steps(r)
+    r.export("final")
+    head = load_head(str(tmp_path / "stage1" / "final"), r.target)
+    assert head.config.train_vocab == 24
+    prompt = r.target.encode_prompt([{"role": "user", "content": "hello there"}], [])
+    plain = generate(r.target, None, prompt, DecodeConfig(method="ar", max_new_tokens=12, eos_token_ids=()))
+    chain = generate(r.target, head, prompt, DecodeConfig(method="chain", k=3, max_new_tokens=12, eos_token_ids=()))
+    assert chain.tokens == plain.tokens
+    states = torch.randn(3, head.config.hidden_size)
+    assert int(torch.isfinite(head.logits(states, r.target)).sum(-1)[0]) == 24  # its vocabulary by default
+    for bad in ("0", str(r.target.vocab_size + 1)):
+        with pytest.raises(TrainingError, match="draft.train_vocab"):
+            recipe([*common, "train.max_steps=1", f"draft.train_vocab={bad}", f"run_dir={tmp_path / bad}"])

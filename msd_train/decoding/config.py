@@ -38,7 +38,8 @@ class DecodeConfig:
     #: a step whose capture fails runs eagerly after one warning
     cuda_graphs: str | bool = "auto"
     #: msd heads: draft over the ``draft_vocab`` target tokens most frequent in the head's
-    #: training data only (``msd_train.draft.vocabulary``); None: the whole vocabulary
+    #: training data only (``msd_train.draft.vocabulary``); None: the vocabulary the head was
+    #: trained over (``draft.train_vocab``), else the whole one; the target's vocabulary size: the whole
     draft_vocab: int | None = None
     # --- drafting with input variants (msd_train/decoding/ensemble.py) ---
     ensemble: str | None = None  # None: the head alone (variant M) | ibed | tabed
@@ -63,10 +64,15 @@ class DecodeConfig:
 
 def use_draft_vocabulary(draft, target, size: int | None) -> None:
     """Restrict ``draft`` to the ``size`` target tokens its training data used most (its
-    saved token counts), or lift the restriction (None). Idempotent: a benchmark calls it
-    once per prompt."""
+    saved token counts), or lift the restriction (None). ``size`` None on a head trained
+    over a draft vocabulary (``draft.train_vocab``) means that vocabulary; the target's
+    vocabulary size lifts it. Idempotent: a benchmark calls it once per prompt."""
     if draft is None:
         return
+    if size is None:
+        size = getattr(getattr(draft, "config", None), "train_vocab", None)
+    if size is not None and size >= target.vocab_size:
+        size = None
     if size is None:
         draft.restrict_vocabulary(target, None)
         return

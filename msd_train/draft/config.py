@@ -55,6 +55,9 @@ class MSDDraftConfig(PreTrainedConfig):
             `msd_train.draft.compression`. "none" (the default): every visual token.
         visual_compression_tokens: K, the slots an image keeps; an image of at most K
             visual tokens is not compressed.
+        train_vocab: N, the token term was trained over the N target tokens the training
+            data used most (``draft.train_vocab``; ``msd_train.draft.loss.TrainVocab``);
+            decoding then drafts over the same N by default. None: the whole vocabulary.
         target_name_or_path, target_vocab_size, target_hidden_size, target_adapter:
             the target this head drafts for (the head reuses its embedding and lm_head).
         target_model_type: that target's family, as the composite model_type of its
@@ -95,6 +98,7 @@ class MSDDraftConfig(PreTrainedConfig):
     draft_positions: Literal["mrope", "1d"] = "mrope"
     visual_compression: Literal["none", "kmeans", "pool"] = "none"
     visual_compression_tokens: int = 32
+    train_vocab: int | None = None
 
     target_name_or_path: str | None = None
     target_vocab_size: int | None = None

@@ -11,9 +11,19 @@ for one chunk at a time (Qwen's 152k vocabulary in fp32 is 0.6 MB per position a
 several GB per micro-batch otherwise), and each chunk's gradient with respect to the
 draft's features is taken as it is computed, so the backward pass holds an (N, H)
 gradient instead of the logits (benchmarks/loss_memory/).
+
+Over a draft vocabulary (``draft.train_vocab=N``, ``TrainVocab``): both distributions are
+taken over the lm_head's rows of the N target tokens the training data uses most
+(softmaxes over those N logits), and positions whose target argmax (over the whole
+vocabulary) falls outside them are left out of the token term, as EAGLE-3 trains its
+pruned head; the feature term is unchanged. The token term's two products and its
+gradient then cost N / V of the full ones; the target's argmax is read from the feature
+store where it was stored (``Features.target_top``), else computed once per step.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,27 +50,62 @@ def loss_index(mask: torch.Tensor) -> torch.Tensor:
 CHUNK = 512
 
 
+@dataclass
+class TrainVocab:
+    """The draft vocabulary of the token term: target ids ``ids`` (N,), sorted; their
+    lm_head rows, copied once; ``member`` (V,) marks them."""
+
+    ids: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    member: torch.Tensor
+
+    @classmethod
+    def of(cls, lm_head: torch.nn.Module, ids: torch.Tensor) -> TrainVocab:
+        weight = lm_head.weight
+        ids = ids.to(weight.device).sort().values
+        member = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)
+        member[ids] = True
+        bias = getattr(lm_head, "bias", None)
+        return cls(ids, weight[ids].detach().contiguous(), None if bias is None else bias[ids].detach(), member)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def size(self) -> int:
+        return len(self.ids)
+
+
 class _TokenLoss(torch.autograd.Function):
     """sum_i CE(softmax(lm_head f_i), log_softmax(lm_head p_i)) and the top-1 agreement count,
-    chunk by chunk; the gradient with respect to ``p`` is computed in the forward pass."""
+    chunk by chunk; the gradient with respect to ``p`` is computed in the forward pass.
+    With a ``TrainVocab``: over its rows, positions whose target top-1 ``top`` is outside
+    it weighted 0 (no host sync: every position is computed over N rows, then masked)."""
 
     @staticmethod
-    def forward(ctx, p, f, lm_head, chunk):
+    def forward(ctx, p, f, lm_head, chunk, vocab=None, top=None):
         want_grad = ctx.needs_input_grad[0]
         tok = torch.zeros((), dtype=torch.float32, device=p.device)
         agree = torch.zeros((), dtype=torch.long, device=p.device)
         grad = torch.zeros_like(p) if want_grad else None
+        head = lm_head if vocab is None else vocab
         dtype = lm_head.weight.dtype
         for s in range(0, p.shape[0], chunk):
-            target_logp = torch.log_softmax(lm_head(f[s:s + chunk].to(dtype)).float(), -1)
+            target_logp = torch.log_softmax(head(f[s:s + chunk].to(dtype)).float(), -1)
+            keep = None if vocab is None else vocab.member[top[s:s + chunk]].float()
             with torch.enable_grad():
                 pc = p[s:s + chunk].detach().requires_grad_(want_grad)
-                draft_logp = torch.log_softmax(lm_head(pc.to(dtype)).float(), -1)
-                part = -(target_logp.exp() * draft_logp).sum()
+                draft_logp = torch.log_softmax(head(pc.to(dtype)).float(), -1)
+                per = -(target_logp.exp() * draft_logp).sum(-1)
+                part = per.sum() if keep is None else (per * keep).sum()
                 if want_grad:
                     grad[s:s + chunk] = torch.autograd.grad(part, pc)[0]
             tok += part.detach()
-            agree += (draft_logp.argmax(-1) == target_logp.argmax(-1)).sum()
+            if vocab is None:
+                agree += (draft_logp.argmax(-1) == target_logp.argmax(-1)).sum()
+            else:  # a target top-1 outside the vocabulary is a miss, as in decoding
+                agree += ((vocab.ids[draft_logp.argmax(-1)] == top[s:s + chunk]) & (keep > 0)).sum()
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(agree)
         return tok, agree
@@ -68,7 +113,7 @@ class _TokenLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_tok, grad_agree):
         (grad,) = ctx.saved_tensors
-        return grad * grad_tok, None, None, None
+        return grad * grad_tok, None, None, None, None, None
 
 
 def lm_head_argmax(lm_head: torch.nn.Module, hidden: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
@@ -88,23 +133,33 @@ def msd_loss(
     w_tok: float = 0.1,
     index: torch.Tensor | None = None,
     chunk: int = CHUNK,
+    vocab: TrainVocab | None = None,
+    target_top: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss summed over ``mask`` positions and divided by ``n_tokens`` (global count).
 
     ``pred`` and ``target_hidden`` are (B, T, H): the draft's predicted features and the
     target's true next features. ``index`` (``loss_index(mask)`` on the pred's device), when
     given, selects the same positions without a host sync. ``chunk``: loss positions whose
-    logits are built at once (the result does not depend on it). Returns the loss and
-    detached parts (sums, for logging).
+    logits are built at once (the result does not depend on it). ``vocab``: the token term
+    over a draft vocabulary (module docstring); ``target_top`` (B, T), the target's top-1
+    id at each of ``target_hidden``'s positions where the caller has it (a feature store),
+    spares the full-vocabulary product that finds it. Returns the loss and detached parts
+    (sums, for logging).
     """
     if index is None:
         m = mask.bool()
         p, f, n = pred[m].float(), target_hidden[m].float(), m.sum()
+        top = None if target_top is None else target_top[m]
     else:
         p = pred.flatten(0, 1).index_select(0, index).float()
         f = target_hidden.flatten(0, 1).index_select(0, index).float()
         n = torch.full((), index.numel(), dtype=torch.long, device=pred.device)
+        top = None if target_top is None else target_top.flatten().index_select(0, index)
     feat = F.smooth_l1_loss(p, f, reduction="none").mean(-1).sum()
-    tok, agree = _TokenLoss.apply(p, f.detach(), lm_head, max(int(chunk), 1))
+    if vocab is not None and (top is None or bool((top < 0).any())):
+        top = lm_head_argmax(lm_head, f.detach(), chunk)  # not stored: one full-vocabulary product
+    tok, agree = _TokenLoss.apply(p, f.detach(), lm_head, max(int(chunk), 1), vocab,
+                                  None if vocab is None else top.to(p.device))
     loss = (w_feat * feat + w_tok * tok) / max(n_tokens, 1.0)
     return loss, {"feat_sum": feat.detach(), "tok_sum": tok.detach(), "agree_sum": agree, "n": n}

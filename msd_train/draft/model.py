@@ -22,7 +22,7 @@ from transformers.utils import ModelOutput
 
 from msd_train.draft.config import MSDDraftConfig
 from msd_train.draft.head import DraftHead, head_class_of_config, pair, register_head, saved_model_type
-from msd_train.draft.loss import lm_head_argmax, msd_loss
+from msd_train.draft.loss import TrainVocab, lm_head_argmax, msd_loss
 from msd_train.draft.positions import draft_position_ids
 from msd_train.hf_compat import cache_kwargs
 
@@ -190,6 +190,7 @@ class MSDDraftModel(DraftHead):
         self.rotary_emb = rotary_class(config)
         self.gradient_checkpointing = False
         self._vocab_rows = None  # decode time: (ids, lm_head rows, bias rows), see restrict_vocabulary
+        self._train_vocab = None  # training: the token term's TrainVocab (set_train_vocabulary)
         self.post_init()
 
     @classmethod
@@ -334,15 +335,24 @@ class MSDDraftModel(DraftHead):
         bias = lm_head.bias[ids] if getattr(lm_head, "bias", None) is not None else None
         self._vocab_rows = (ids, lm_head.weight[ids].contiguous(), bias)
 
+    def set_train_vocabulary(self, target, ids: torch.Tensor | None) -> None:
+        """Train the token term over target ids ``ids`` (``draft.train_vocab``; None: the whole
+        vocabulary). Their lm_head rows are copied once; the saved config records the size."""
+        self._train_vocab = None if ids is None else TrainVocab.of(target.lm_head, ids)
+        self.config.train_vocab = None if ids is None else len(ids)
+
     def training_loss(self, target, features, index, n_tokens: float, train, noise=None, forward=None):
-        """Feature regression plus the token term (``training.loss.msd_loss``)."""
+        """Feature regression plus the token term (``training.loss.msd_loss``), over the
+        draft vocabulary when one is set (``set_train_vocabulary``)."""
         inputs, plan = self.read_pass(features, target)
         if noise is not None:
             inputs["hidden_states"] = noise(inputs["hidden_states"])
         out = (forward or self)(**inputs).last_hidden_state
         out = out if plan is None else plan.expand(out)
+        top = features.target_top[:, 1:] if features.target_top is not None else None
         loss, parts = msd_loss(out, features.hidden_states[:, 1:], target.lm_head,
-                               None, n_tokens, train.w_feat, train.w_tok, index=index)
+                               None, n_tokens, train.w_feat, train.w_tok, index=index,
+                               vocab=self._train_vocab, target_top=top)
         return loss, {"feat_sum": parts["feat_sum"], "tok_sum": parts["tok_sum"], "agree_sum": parts["agree_sum"],
                       "n": parts["n"]}
 

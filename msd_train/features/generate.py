@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 
 from msd_train.config import SPLITS as _SPLITS
 from msd_train.data.dataset import file_digest
+from msd_train.draft.loss import lm_head_argmax
 from msd_train.features.store import (
     DTYPES,
     FORMAT,
@@ -215,10 +216,10 @@ def estimate(datasets: dict, plans: list[ShardPlan], target, dtype: torch.dtype,
         part = datasets[p.split].select(p.rows)
         ids, masks, nvis = part["input_ids"], part["loss_mask"], part["n_visual"]
         _, shares = prefix_plan(ids, target.image_token_id, masks)
-        b = max(shares) * (H + extra) * itemsize
+        b = max(shares) * ((H + extra) * itemsize + 4)
         for seq, m, v, P in zip(ids, masks, nvis, shares):
             b += sample_bytes(len(seq), v, needed_rows(m) - P, H, itemsize, ids_size, mrope and v > 0)
-            b += (needed_rows(m) - P) * extra * itemsize
+            b += (needed_rows(m) - P) * (extra * itemsize + 4)  # the layer inputs, the int32 top-1 id
         s = out["splits"].setdefault(p.split, {"samples": 0, "tokens": 0, "visual_tokens": 0, "bytes": 0, "shards": 0})
         for d in (s, out):
             d["samples"] += len(ids)
@@ -227,7 +228,8 @@ def estimate(datasets: dict, plans: list[ShardPlan], target, dtype: torch.dtype,
             d["bytes"] += b
         s["shards"] += 1
     out["shards"] = len(plans)
-    out["budget_bytes"] = 2 * H * (out["tokens"] - out["visual_tokens"]) + 4 * H * out["visual_tokens"]
+    # bf16 rows (a visual token also stores its projector output) and the int32 top-1 id
+    out["budget_bytes"] = (2 * H + 4) * (out["tokens"] - out["visual_tokens"]) + (4 * H + 4) * out["visual_tokens"]
     return out
 
 
@@ -287,6 +289,7 @@ def _features_of(rows: list[dict], target, batch_size: int, layers: list[int] | 
         batch = collate([rows[i] for i in idx], target, pixels=True)
         f = target.features(batch["input_ids"], batch["attention_mask"], batch["pixel"], layers=layers)
         hidden = f.hidden_states if layers is None else torch.cat([f.layer_states, f.hidden_states], -1)
+        top = lm_head_argmax(target.lm_head, f.hidden_states).cpu()  # stored: a pruned loss reads it
         embeds, hidden = f.inputs_embeds.cpu(), hidden.cpu()
         vmask, pos = f.visual_mask.cpu(), f.position_ids.cpu()
         for b, i in enumerate(idx):
@@ -297,7 +300,7 @@ def _features_of(rows: list[dict], target, batch_size: int, layers: list[int] | 
                 key=sample_key(rows[i]), input_ids=batch["input_ids"][b, :n], loss_mask=batch["loss_mask"][b, :n],
                 hidden=hidden[b, :n], visual=embeds[b][vmask[b]],
                 position_ids=pos[:, b, :n] if has_pos else None,
-                rope_delta=int(f.rope_deltas[b]) if has_pos else 0)
+                rope_delta=int(f.rope_deltas[b]) if has_pos else 0, top=top[b, :n])
     return out
 
 

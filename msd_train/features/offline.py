@@ -61,6 +61,7 @@ class OfflineFeatures:
         B, L = ids.shape
         width = target.hidden_size * (1 + len(self.layers or []))
         hidden = torch.zeros(B, L, width, dtype=self.store.dtype)
+        top = torch.full((B, L), -1, dtype=torch.long)  # -1: not stored (the loss computes it)
         visual, stored_pos = [], {}
         for i, key in enumerate(batch["keys"]):
             s = self.store.read(key)
@@ -75,6 +76,8 @@ class OfflineFeatures:
             P = len(s.prefix)
             hidden[i, :P] = s.prefix
             hidden[i, P:P + len(s.rows)] = s.rows
+            if s.top is not None:
+                top[i, :len(s.top)] = s.top
             visual.append(s.visual)
             if s.position_ids is not None:
                 stored_pos[i] = (s.position_ids, s.rope_delta)
@@ -83,7 +86,7 @@ class OfflineFeatures:
         if n_image != len(vis):
             raise FeatureStoreError(f"batch {batch['keys']}: {n_image} image tokens but the store "
                                     f"holds {len(vis)} visual embeddings for these samples; regenerate the store")
-        return {"hidden": hidden, "visual": vis, "stored_pos": stored_pos}
+        return {"hidden": hidden, "visual": vis, "stored_pos": stored_pos, "top": top}
 
     @torch.no_grad()
     def __call__(self, batch: dict) -> Features:
@@ -106,4 +109,7 @@ class OfflineFeatures:
             deltas[i] = d
         rows = part["hidden"].to(device, target.dtype, non_blocking=nb)
         H = target.hidden_size
-        return Features(embeds, rows[..., -H:], visual_mask, pos, deltas, rows[..., :-H] if self.layers else None)
+        top = part.get("top")
+        top = None if top is None else top.to(device, non_blocking=nb)
+        return Features(embeds, rows[..., -H:], visual_mask, pos, deltas, rows[..., :-H] if self.layers else None,
+                        target_top=top)

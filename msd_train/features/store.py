@@ -16,6 +16,10 @@ Each shard holds its samples' tensors concatenated along the token axis, and an
     input_ids       (T,)     uint16 when the vocabulary fits, else int32
     loss_mask_bits  (M,)     uint8, the loss mask packed eight tokens a byte
     position_ids    (3, Q)   int32, M-RoPE targets' samples with images only
+    top             (R,)     int32, the target's top-1 id at each ``hidden`` row (argmax of its
+                             lm_head there): a pruned token loss reads it instead of a
+                             full-vocabulary product (stores written before it have none)
+    prefix_top      (K,)     int32, the same for ``prefix_hidden``
     index           (N, 11)  int64, columns INDEX_COLUMNS
 
 Only rows training reads are stored. The draft at position t reads h_t as input and is
@@ -149,6 +153,7 @@ class SampleFeatures:
     visual: torch.Tensor  # (V, H)
     position_ids: torch.Tensor | None = None  # (3, n) where not trivial
     rope_delta: int = 0
+    top: torch.Tensor | None = None  # (n,) the target's top-1 id at each position
 
 
 def write_shard(path: str | Path, samples: list[SampleFeatures], dtype: torch.dtype, id_dtype: torch.dtype,
@@ -163,7 +168,8 @@ def write_shard(path: str | Path, samples: list[SampleFeatures], dtype: torch.dt
     H = samples[0].hidden.shape[-1]
     masks = [s.loss_mask for s in samples]
     ref, shares = prefix_plan([s.input_ids.tolist() for s in samples], image_token_id, [m.tolist() for m in masks])
-    hidden, visual, ids, bits, pos, index = [], [], [], [], [], []
+    hidden, visual, ids, bits, pos, index, tops = [], [], [], [], [], [], []
+    with_top = all(s.top is not None for s in samples)
     tok = hrow = vrow = prow = mbyte = 0
     for s, P in zip(samples, shares):
         n = len(s.input_ids)
@@ -178,6 +184,8 @@ def write_shard(path: str | Path, samples: list[SampleFeatures], dtype: torch.dt
         index.append([tok, n, hrow, len(rows), vrow, len(vis), prow if has_pos else -1, int(s.rope_delta),
                       sample_crc(rows, vis, sid), mbyte, P])
         hidden.append(rows)
+        if with_top:
+            tops.append(s.top[P:P + len(rows)].to(torch.int32))
         visual.append(vis)
         ids.append(sid)
         bits.append(packed)
@@ -195,6 +203,9 @@ def write_shard(path: str | Path, samples: list[SampleFeatures], dtype: torch.dt
         "position_ids": torch.cat(pos, dim=1) if pos else torch.zeros(3, 0, dtype=torch.int32),
         "index": torch.tensor(index, dtype=torch.int64),
     }
+    if with_top:
+        tensors["top"] = torch.cat(tops) if hrow else torch.zeros(0, dtype=torch.int32)
+        tensors["prefix_top"] = samples[ref].top[:max(shares)].to(torch.int32).contiguous()
     # One metadata entry: safetensors writes several in hash order, which would make equal
     # shards differ byte-wise (and so in checksum) from one run to the next.
     meta = {"msd_features": json.dumps({
@@ -220,6 +231,7 @@ class StoredSample:
     visual: torch.Tensor  # (V, H)
     position_ids: torch.Tensor | None
     rope_delta: int
+    top: torch.Tensor | None = None  # (P + r,) int64: the target's top-1 at the prefix and stored rows
 
     def hidden(self) -> torch.Tensor:
         """The (n, H) states, zeros where training reads none."""
@@ -367,5 +379,16 @@ class FeatureStore:
         pos = None
         if c["pos_start"] >= 0:
             pos = h.get_slice("position_ids")[:, c["pos_start"]:c["pos_start"] + n].to(torch.int64)
+        top = None
+        if "top" in h.keys():
+            P = c["prefix_len"]
+            top = torch.cat([self._prefix_top(s, h)[:P],
+                             h.get_slice("top")[c["hidden_start"]:c["hidden_start"] + c["n_hidden"]]]).to(torch.int64)
         return StoredSample(key, ids.to(torch.int64), mask, self._prefix_rows(s, h)[:c["prefix_len"]], rows,
-                            visual, pos, c["rope_delta"])
+                            visual, pos, c["rope_delta"], top)
+
+    def _prefix_top(self, s: int, h) -> torch.Tensor:
+        key = ("top", s)
+        if key not in self._prefix:
+            self._prefix[key] = h.get_tensor("prefix_top")
+        return self._prefix[key]

@@ -48,6 +48,9 @@ class Features:
     #: (B, L, k*H): the inputs of the k target layers a head reads (``DraftHead.feature_layers``),
     #: concatenated in that order; None when only the last layer's output was asked for
     layer_states: torch.Tensor | None = None
+    #: (B, L) the target's top-1 id at each position (argmax of lm_head(hidden_states)) where a
+    #: feature store holds it, -1 elsewhere; None when not known (the loss computes it)
+    target_top: torch.Tensor | None = None
 
 
 def eagle3_layers(num_layers: int, low: int = 2) -> list[int]:

@@ -39,7 +39,7 @@ from msd_train.data.collate import StepBatches, collate, step_loader
 from msd_train.data.curriculum import Curriculum, mm_share
 from msd_train.data.dataset import build_split, write_skipped
 from msd_train.draft import DraftHead, MSDDraftModel, head_class
-from msd_train.draft.vocabulary import draft_vocabulary, load_counts, token_counts
+from msd_train.draft.vocabulary import draft_vocabulary, load_counts, most_frequent, token_counts
 from msd_train.features import make_feature_source
 from msd_train.targets import load_target
 from msd_train.training import checkpoint as ckpt
@@ -226,6 +226,15 @@ class TrainRecipe:
             self.token_counts += earlier  # what the head saw in the stages before this one
         if hasattr(draft, "set_vocabulary") and init is None:
             draft.set_vocabulary(*draft_vocabulary(self.token_counts, draft.config.draft_vocab_size))
+        train_vocab = overrides.get("train_vocab", getattr(draft.config, "train_vocab", None))
+        if train_vocab is not None:  # the token term over the N tokens this stage's data uses most
+            if not hasattr(draft, "set_train_vocabulary"):
+                raise TrainingError(f"draft.train_vocab={train_vocab}: an {draft.architecture} head trains over its own "
+                                    "draft vocabulary (draft.draft_vocab_size); drop draft.train_vocab")
+            if not 0 < int(train_vocab) <= self.target.vocab_size:
+                raise TrainingError(f"draft.train_vocab={train_vocab} must be between 1 and the target's vocabulary "
+                                    f"({self.target.vocab_size}); drop it to train over the whole vocabulary")
+            draft.set_train_vocabulary(self.target, most_frequent(self.token_counts, int(train_vocab)))
         return draft.to(self.device).train()
 
     def _setup_logging(self) -> None:
