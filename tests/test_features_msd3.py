@@ -30,6 +30,23 @@ def test_a_store_with_layers_gives_the_online_layer_inputs(mini_run, target, tmp
         torch.testing.assert_close(off.hidden_states[i, :last], on.hidden_states[i, :last], rtol=0, atol=1e-5)
         torch.testing.assert_close(off.layer_states[i, :last], on.layer_states[i, :last], rtol=0, atol=1e-5)
 
+    # the store's top-1 ids spare the head's loss the full-vocabulary argmax, and change nothing
+    import dataclasses
+
+    from msd_train.draft import MSD3DraftConfig, MSD3DraftModel
+    from msd_train.draft.loss import draft_loss_mask, loss_index
+
+    torch.manual_seed(0)
+    head = MSD3DraftModel(MSD3DraftConfig.from_target_config(target.config, target.name, target_vocab_size=target.vocab_size,
+                                                             draft_vocab_size=16, ttt_steps=2))
+    index = loss_index(draft_loss_mask(batch["loss_mask"]))
+    train = type("T", (), {"w_feat": 1.0, "w_tok": 0.1})()
+    assert off.target_top is not None
+    with_top, parts = head.training_loss(target, off, index, 10.0, train)
+    without, _ = head.training_loss(target, dataclasses.replace(off, target_top=None), index, 10.0, train)
+    torch.testing.assert_close(with_top, without)
+    assert parts["valid_0"] > 0
+
     with pytest.raises(FeatureStoreError, match=r"features.layers=\[1\]"):
         OfflineFeatures(cfg, target, [1])
     with pytest.raises(FeatureStoreError, match="holds the inputs of target layers none"):

@@ -214,14 +214,19 @@ class MSD3DraftModel(DraftHead):
     def _targets(self, target, features):
         """Target probabilities over the draft vocabulary at each draft position (B, T, N)
         and whether the target's argmax lies in the draft vocabulary (B, T). Only the draft
-        vocabulary's rows of the lm_head are applied; the full argmax runs in chunks."""
+        vocabulary's rows of the lm_head are applied; the full argmax runs in chunks, unless
+        a feature store holds it (``Features.target_top``)."""
         with torch.no_grad():
             hidden = features.hidden_states[:, 1:]
             head = target.lm_head
             rows = head.weight[self.draft_ids]
             bias = None if getattr(head, "bias", None) is None else head.bias[self.draft_ids]
             probs = F.linear(hidden.to(rows.dtype), rows, bias).float().softmax(-1)
-            in_vocab = self.t2d[lm_head_argmax(head, hidden)]
+            if features.target_top is not None:  # a feature store's: -1 only where no loss reads it
+                top = features.target_top[:, 1:]
+                in_vocab = self.t2d[top.clamp(min=0)] & (top >= 0)
+            else:
+                in_vocab = self.t2d[lm_head_argmax(head, hidden)]
         return probs, in_vocab
 
     @staticmethod
