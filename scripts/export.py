@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from msd_train.config import CONF_DIR
 from msd_train.hub.cli import require_arguments, target_info, user_error_kinds
+from msd_train.outputs import output_dir, relocate
 from msd_train.paths import user_path
 from msd_train.validate import user_errors
 
@@ -40,7 +41,12 @@ def main(cfg: DictConfig) -> None:
         options = {k: cfg[k] for k in OPTIONS if k in fmt.options or cfg[k] not in (None, "auto")}
         if "target" in fmt.options:
             options["target"] = target_info(cfg.target)
-        summary = fmt.export(user_path(cfg.checkpoint), user_path(cfg.out), **options)
+        out = user_path(cfg.out)
+        # written beside out= and renamed into place; a folder this command did not make is refused
+        # (overwrite=true replaces it), a run or the checkpoint itself never
+        with output_dir(out, "scripts/export.py", overwrite=cfg.overwrite,
+                        sources=[user_path(cfg.checkpoint), cfg.embed_from and user_path(cfg.embed_from)]) as tmp:
+            summary = relocate(fmt.export(user_path(cfg.checkpoint), tmp, **options), tmp, out)
     print(json.dumps(summary, indent=1))
 
 

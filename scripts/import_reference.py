@@ -17,6 +17,8 @@ from omegaconf import DictConfig
 
 from msd_train.config import CONF_DIR
 from msd_train.hub.cli import require_arguments, target_info, user_error_kinds
+from msd_train.outputs import output_dir
+from msd_train.paths import user_path
 from msd_train.validate import user_errors
 
 
@@ -28,8 +30,11 @@ def main(cfg: DictConfig) -> None:
         from msd_train.hub import import_reference
 
         target = target_info(cfg.target)
-        report = import_reference(cfg.src, cfg.out, target=target, revision=cfg.revision)
-    print(f"imported {cfg.src} -> {cfg.out}")
+        out = user_path(cfg.out)
+        with output_dir(out, "scripts/import_reference.py", overwrite=cfg.overwrite,
+                        sources=[user_path(cfg.src)]) as tmp:  # renamed into place when whole
+            report = import_reference(cfg.src, tmp, target=target, revision=cfg.revision)
+    print(f"imported {cfg.src} -> {out}")
     print(json.dumps({"config": report.config, "dropped_keys": report.dropped_keys,
                       "embedding_check": report.embedding.as_dict() if report.embedding else None,
                       "notes": report.notes}, indent=1))

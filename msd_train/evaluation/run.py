@@ -6,6 +6,7 @@ records, rank 0 merges them into one report (totals over all ranks).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from msd_train import outputs
 from msd_train.decoding import DecodeConfig, SamplingParams, Workspace
 from msd_train.evaluation.bench import bench_decoding, grouped_by, load_bench
 from msd_train.evaluation.metrics import DEFINITIONS, summarize, summarize_by_category
@@ -24,7 +26,7 @@ from msd_train.evaluation.report import write_report
 from msd_train.evaluation.runner import evaluate
 from msd_train.paths import user_path
 from msd_train.runtime import local_device, setup_group
-from msd_train.validate import ConfigError, check_eval, check_head, check_out_dir
+from msd_train.validate import ConfigError, check_eval, check_head
 
 log = logging.getLogger(__name__)
 
@@ -135,31 +137,51 @@ def run_eval(cfg: dict, command: str | None = None) -> dict | None:
     config = bench_decoding(cfg["bench"], decode_config(cfg["decoding"]))  # a benchmark may fix its length
     out = user_path(cfg["out"]) if cfg.get("out") else default_out(cfg.get("draft"), cfg["bench"].get("name", "bench"),
                                                               config.method)
-    check_out_dir(out)  # now, not after the decoding
+    # now, not after the decoding: a file, a run, or a folder eval.py did not make is refused
+    overwrite = bool(cfg.get("overwrite", False))
+    outputs.check_output(out, "eval.py", overwrite, [cfg.get("draft")], recognise=_eval_folder)
     items = _checked_items(cfg, config)  # before the target: a wrong path fails in seconds
-    target, draft = _load_models(cfg, config, device)
-    workspace = Workspace()  # caches and captured steps, kept across the benchmark's prompts
-    report_of = functools.partial(_report, cfg, draft, config, device, target, world, command, workspace)
+    # The report is written beside out= and renamed into place (a Ctrl-C's partial report too);
+    # rank 0 holds the folder's lock, the other ranks write their samples into the same staging folder.
+    claim = (outputs.output_dir(out, "eval.py", overwrite, [cfg.get("draft")], keep_partial=True,
+                                recognise=_eval_folder) if rank == 0
+             else contextlib.nullcontext(outputs.staging_path(out)))
+    with claim as tmp:
+        group.barrier()  # rank 0 made the staging folder
+        target, draft = _load_models(cfg, config, device)
+        workspace = Workspace()  # caches and captured steps, kept across the benchmark's prompts
+        report_of = functools.partial(_report, cfg, draft, config, device, target, world, command, workspace)
 
-    shard = items[rank::world]
-    progress = bool(cfg.get("progress", True)) and rank == 0
-    records = _evaluate_shard(cfg, target, draft, shard, config, out, group, progress, report_of, workspace)
-    if world > 1:
-        group.barrier()  # every rank's samples file is complete
-        if rank != 0:
-            return None
-        records = _merge_rank_records(out, world)
+        shard = items[rank::world]
+        progress = bool(cfg.get("progress", True)) and rank == 0
+        records = _evaluate_shard(cfg, target, draft, shard, config, tmp, group, progress, report_of, workspace)
+        if world > 1:
+            group.barrier()  # every rank's samples file is complete
+            if rank != 0:
+                return None
+            records = _merge_rank_records(tmp, world)
 
-    report = report_of(records)
-    if config.ensemble is not None and config.method != "ar":  # ensemble drafting: each variant alone too
-        from msd_train.evaluation.ensemble import ensemble_report
+        report = report_of(records)
+        if config.ensemble is not None and config.method != "ar":  # ensemble drafting: each variant alone too
+            from msd_train.evaluation.ensemble import ensemble_report
 
-        report["ensemble"] = ensemble_report(target, draft, items if world > 1 else shard, config,
-                                             warmup=int(cfg["warmup"]), progress=progress)
-    paths = write_report(out, report, records)
+            report["ensemble"] = ensemble_report(target, draft, items if world > 1 else shard, config,
+                                                 warmup=int(cfg["warmup"]), progress=progress)
+        paths = write_report(tmp, report, records)
+    paths = outputs.relocate(paths, tmp, out)
     log.info("wrote %s", ", ".join(str(p) for p in paths.values()))
     _log_wandb(cfg.get("wandb") or {}, report, paths)
     return report
+
+
+#: what eval.py writes into its out= folder (a folder of only these is one it made)
+_EVAL_FILES = ("report.json", "report.md", "report.png", "samples.jsonl")
+
+
+def _eval_folder(folder: Path) -> bool:
+    """An eval.py output folder from before output records existed."""
+    names = [p.name for p in folder.iterdir()]
+    return bool(names) and all(n in _EVAL_FILES or n.startswith(("samples.rank", ".write-test-")) for n in names)
 
 
 def _checked_items(cfg: dict, config: DecodeConfig) -> list:

@@ -21,12 +21,11 @@ import logging
 import os
 import shutil
 import signal
-import socket
-import sys
 import threading
 import time
 from pathlib import Path
 
+from msd_train.outputs import OwnerLock
 from msd_train.runtime import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -42,125 +41,26 @@ class RunDirBusy(RunDirError):
     """Another live launch owns the run_dir."""
 
 
-def _process_start(pid: int) -> float | None:
-    """Start time of ``pid`` (None when no such process): a pid reused by another
-    process after the owner died has another start time."""
-    if pid <= 0:  # os.kill(-1, 0) would ask about every process
-        return None
-    try:
-        import psutil
-
-        return psutil.Process(pid).create_time()
-    except Exception:  # psutil.NoSuchProcess, AccessDenied, or psutil missing
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            return -1.0
-        return -1.0
-
-
-def _owner_alive(owner: dict) -> bool:
-    start = _process_start(owner["pid"])
-    if start is None:
-        return False
-    recorded = owner.get("start_time")
-    return start < 0 or not isinstance(recorded, (int, float)) or abs(start - float(recorded)) < 1.0
-
-
-def _owner(text: str) -> dict | None:
-    """The owner a lock file names (a positive pid and a host), or None when it names none:
-    empty (a launch killed between creating and writing it), ``{}``, or not JSON."""
-    try:
-        owner = json.loads(text)
-    except ValueError:
-        return None
-    ok = (isinstance(owner, dict) and isinstance(owner.get("pid"), int) and owner["pid"] > 0
-          and isinstance(owner.get("host"), str) and owner["host"])
-    return owner if ok else None
-
-
-class RunDirLock:
-    """``with RunDirLock(run_dir):`` for the whole launch (rank 0 only).
-
-    A lock that does not name a live owner on this host is stale and taken over with a
-    warning: its pid is gone (or reused), or it names no owner at all. One naming another
-    host is respected, since its process cannot be checked from here."""
+class RunDirLock(OwnerLock):
+    """``with RunDirLock(run_dir):`` for the whole launch (rank 0 only): ``run_dir/.lock``,
+    the same owner lock every command's output folder takes (``msd_train.outputs``)."""
 
     def __init__(self, run_dir: str | Path):
-        self.path = Path(run_dir) / LOCK_FILE
-        self.held = False
+        super().__init__(Path(run_dir) / LOCK_FILE, f"run_dir {run_dir}")
 
-    def acquire(self) -> None:
-        try:
-            self._acquire()
-        except OSError as e:  # read-only or full file system, no permission
-            raise RunDirError(
-                f"cannot write the run_dir lock {self.path} ({type(e).__name__}: {e.strerror or e}); training "
-                f"writes its checkpoints, exports and metrics into run_dir={self.path.parent}, so it must be "
-                f"writable: fix its permissions or free space, or choose another run_dir") from e
+    def busy(self, owner: dict) -> Exception:
+        return RunDirBusy(
+            f"run_dir {self.path.parent} is in use by another launch: pid {owner['pid']} on "
+            f"{owner['host']}, started {owner.get('started')} ({owner.get('command')}). Two "
+            f"launches into one run_dir would overwrite each other's checkpoints and metrics; wait "
+            f"for it to end, stop it, or choose another run_dir. If that launch is gone (its machine "
+            f"died), delete {self.path}.")
 
-    def _acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "start_time": _process_start(os.getpid()),
-              "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
-        for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                owner = self._read_owner()
-                if owner is False:
-                    continue  # the owner just released it: try again
-                if owner is not None and (owner["host"] != me["host"] or _owner_alive(owner)):
-                    raise RunDirBusy(
-                        f"run_dir {self.path.parent} is in use by another launch: pid {owner['pid']} on "
-                        f"{owner['host']}, started {owner.get('started')} ({owner.get('command')}). Two "
-                        f"launches into one run_dir would overwrite each other's checkpoints and metrics; wait "
-                        f"for it to end, stop it, or choose another run_dir. If that launch is gone (its machine "
-                        f"died), delete {self.path}.") from None
-                if owner is None:
-                    log.warning("run_dir lock %s names no owner (left half-written by a killed launch); "
-                                "taking it over", self.path)
-                else:
-                    log.warning("run_dir lock %s was left by pid %s on %s, which is gone; taking it over",
-                                self.path, owner["pid"], owner["host"])
-                self.path.unlink(missing_ok=True)
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            self.held = True
-            return
-        raise RunDirBusy(f"could not take the run_dir lock {self.path}; another launch keeps creating it")
-
-    def _read_owner(self) -> dict | None | bool:
-        """The owner the lock names; None when it names none; False when it is gone."""
-        for attempt in range(2):
-            try:
-                owner = _owner(self.path.read_text(errors="replace"))
-            except FileNotFoundError:
-                return False
-            if owner is not None or attempt:
-                return owner
-            time.sleep(0.2)  # a launch may be between creating the file and writing it: look again
-        return None
-
-    def release(self) -> None:
-        if self.held:
-            self.held = False
-            try:
-                owner = self._read_owner()
-                if owner and owner["pid"] == os.getpid():
-                    self.path.unlink()
-            except OSError as e:  # the run_dir went away or read-only under us: the next launch takes it over
-                log.warning("could not remove the run_dir lock %s (%s)", self.path, e)
-
-    def __enter__(self) -> RunDirLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
+    def unwritable(self, e: OSError) -> Exception:
+        return RunDirError(
+            f"cannot write the run_dir lock {self.path} ({type(e).__name__}: {e.strerror or e}); training "
+            f"writes its checkpoints, exports and metrics into run_dir={self.path.parent}, so it must be "
+            f"writable: fix its permissions or free space, or choose another run_dir")
 
 
 def set_aside(stage_dir: Path) -> Path | None:

@@ -1,0 +1,379 @@
+"""Output folders of the commands: never destroyed by surprise, one writer at a time.
+
+Every command that writes a folder (``scripts/export.py``, ``scripts/import_reference.py``,
+``eval.py``, push staging) goes through :func:`output_dir`:
+
+- the folder is written under a new temporary name beside ``out`` and renamed into place
+  when it is whole, so a crash, Ctrl-C or full disk leaves ``out`` as it was;
+- an existing ``out`` is replaced only when it is empty or this kind of command made it
+  (:func:`made_by` reads the record written beside it, ``.NAME.msd-output``); any other
+  non-empty folder is refused, naming it, unless the user says ``overwrite=true``;
+- a folder that holds a run (a ``run_dir``, a stage folder, checkpoints) or the command's
+  own input is never replaced, ``overwrite=true`` or not (:func:`holds_run`);
+- two writers of one ``out`` are refused like two training launches into one ``run_dir``:
+  :class:`OwnerLock` (``.NAME.lock`` beside it, the owner's pid and host; a lock whose
+  owner is gone is taken over with a warning).
+
+Light (no torch): the hub scripts and the evaluation import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from msd_train.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: beside an output folder NAME: who made it (``.NAME.msd-output``) and who writes it now (``.NAME.lock``)
+RECORD_SUFFIX = ".msd-output"
+LOCK_SUFFIX = ".lock"
+
+
+class OutputError(ConfigError):
+    """An output folder this command may not write (the message names it and the way out)."""
+
+
+class OutputBusy(OutputError):
+    """Another live command is writing the same output folder."""
+
+
+# ----------------------------------------------------------------------------- owner locks
+def process_start(pid: int) -> float | None:
+    """Start time of ``pid`` (None when no such process; -1.0 when it cannot be read): a pid
+    reused by another process after the owner died has another start time."""
+    if pid <= 0:  # os.kill(-1, 0) would ask about every process
+        return None
+    try:
+        import psutil
+
+        return psutil.Process(pid).create_time()
+    except Exception:  # psutil.NoSuchProcess, AccessDenied, or psutil missing
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            return -1.0
+        return -1.0
+
+
+def owner_alive(owner: dict) -> bool:
+    start = process_start(owner["pid"])
+    if start is None:
+        return False
+    recorded = owner.get("start_time")
+    return start < 0 or not isinstance(recorded, (int, float)) or abs(start - float(recorded)) < 1.0
+
+
+def read_owner(text: str) -> dict | None:
+    """The owner a lock file names (a positive pid and a host), or None when it names none:
+    empty (a process killed between creating and writing it), ``{}``, or not JSON."""
+    try:
+        owner = json.loads(text)
+    except ValueError:
+        return None
+    ok = (isinstance(owner, dict) and isinstance(owner.get("pid"), int) and owner["pid"] > 0
+          and isinstance(owner.get("host"), str) and owner["host"])
+    return owner if ok else None
+
+
+class OwnerLock:
+    """A lock file naming its owner (pid, host, start time, command), made with O_EXCL.
+
+    A lock that does not name a live owner on this host is stale and taken over with a
+    warning: its pid is gone (or reused), or it names no owner at all. One naming another
+    host is respected, since its process cannot be checked from here. Subclasses word the
+    refusals (:meth:`busy`, :meth:`unwritable`)."""
+
+    def __init__(self, path: str | Path, what: str = "output"):
+        self.path = Path(path)
+        self.what = what
+        self.held = False
+
+    # the messages
+    def busy(self, owner: dict) -> Exception:
+        return OutputBusy(
+            f"{self.what} is being written by another command: pid {owner['pid']} on {owner['host']}, started "
+            f"{owner.get('started')} ({owner.get('command')}). Two writers of one folder would mix their files; "
+            f"wait for it to end, stop it, or choose another out=. If that command is gone (its machine died), "
+            f"delete {self.path}.")
+
+    def unwritable(self, err: OSError) -> Exception:
+        return OutputError(f"cannot write the lock {self.path} ({type(err).__name__}: {err.strerror or err}); "
+                           f"{self.what} must be on a writable disk with free space: fix its permissions or "
+                           f"free space, or choose another out=")
+
+    def acquire(self) -> None:
+        try:
+            self._acquire()
+        except OSError as e:  # read-only or full file system, no permission
+            raise self.unwritable(e) from e
+
+    def _acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "start_time": process_start(os.getpid()),
+              "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                owner = self._read_owner()
+                if owner is False:
+                    continue  # the owner just released it: try again
+                if owner is not None and (owner["host"] != me["host"] or owner_alive(owner)):
+                    raise self.busy(owner) from None
+                if owner is None:
+                    log.warning("lock %s names no owner (left half-written by a killed process); taking it over",
+                                self.path)
+                else:
+                    log.warning("lock %s was left by pid %s on %s, which is gone; taking it over",
+                                self.path, owner["pid"], owner["host"])
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return
+        raise self.busy({"pid": "?", "host": "?", "command": "another process keeps creating it"})
+
+    def _read_owner(self) -> dict | None | bool:
+        """The owner the lock names; None when it names none; False when it is gone."""
+        for attempt in range(2):
+            try:
+                owner = read_owner(self.path.read_text(errors="replace"))
+            except FileNotFoundError:
+                return False
+            if owner is not None or attempt:
+                return owner
+            time.sleep(0.2)  # a process may be between creating the file and writing it: look again
+        return None
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            try:
+                owner = self._read_owner()
+                if owner and owner["pid"] == os.getpid():
+                    self.path.unlink()
+            except OSError as e:  # the folder went away or read-only under us: the next one takes it over
+                log.warning("could not remove the lock %s (%s)", self.path, e)
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+# ----------------------------------------------------------------------------- what a folder holds
+def holds_run(path: str | Path) -> str | None:
+    """Why ``path`` holds a training run (so no command may replace it), or None.
+
+    A run is a ``run_dir`` (its ``.lock`` or ``stageN/`` folders), a stage folder (its
+    ``checkpoints/``, ``metrics.jsonl``, ``replaced-*/``) or a checkpoints folder
+    (``step-NNNNNN/``), at ``path`` or one level below it."""
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    checks = (
+        (lambda p: (p / "checkpoints").is_dir(), "a stage folder (it holds checkpoints/)"),
+        (lambda p: (p / "metrics.jsonl").is_file(), "a stage folder (it holds metrics.jsonl)"),
+        (lambda p: any(c.name.startswith("step-") and c.is_dir() for c in p.iterdir()),
+         "a checkpoints folder (it holds step-* checkpoints)"),
+        (lambda p: (p / "recipe_state.json").is_file(), "a training checkpoint"),
+        (lambda p: any(c.name.startswith("replaced-") and c.is_dir() for c in p.iterdir()),
+         "a stage folder (it holds replaced-* runs)"),
+        (lambda p: (p / ".lock").is_file() and any(c.name.startswith("stage") for c in p.iterdir()),
+         "a run_dir"),
+    )
+    try:
+        for check, what in checks:
+            if check(path):
+                return what
+        for child in path.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                for check, what in checks:
+                    if check(child):
+                        return f"a run ({child.name}/ is {what})"
+    except OSError:
+        return None
+    return None
+
+
+def record_path(out: Path) -> Path:
+    return out.parent / f".{out.name}{RECORD_SUFFIX}"
+
+
+def lock_path(out: Path) -> Path:
+    return out.parent / f".{out.name}{LOCK_SUFFIX}"
+
+
+def made_by(out: Path) -> str | None:
+    """The kind of command that made ``out`` (from the record beside it), or None."""
+    try:
+        record = json.loads(record_path(out).read_text())
+        return record.get("kind") if isinstance(record, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _inside(a: Path, b: Path) -> bool:
+    """Whether ``a`` is ``b`` or inside it."""
+    try:
+        a.resolve().relative_to(b.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def check_output(out: str | Path, kind: str, overwrite: bool = False, sources: Iterable = (),
+                 recognise=None) -> Path:
+    """Refuse an ``out`` this ``kind`` of command may not write; returns it as a Path.
+
+    ``sources``: what the command reads (never replaced, nor a folder holding them).
+    ``recognise(folder) -> bool``: a folder of this kind made before records existed."""
+    out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"out={out} is a file; give a folder to write into (a new or empty one)")
+    if out.exists() and out.resolve() == Path.cwd().resolve():
+        raise OutputError(f"out={out} is the current folder; give a folder of its own, e.g. out=./{kind}-out")
+    for src in sources:
+        if src is None or str(src) == "":
+            continue
+        src = Path(str(src)).expanduser()
+        if src.exists() and _inside(src, out):
+            raise OutputError(f"out={out} holds this command's input {src}: writing it would replace what is "
+                              f"being read; choose another out= (never this folder, not even with overwrite=true)")
+    run = holds_run(out)
+    if run:
+        raise OutputError(f"out={out} is {run}: a command never replaces a training run, not even with "
+                          f"overwrite=true; choose another out= (e.g. a new folder beside it)")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        if made_by(out) == kind or (made_by(out) is None and recognise is not None and recognise(out)):
+            return out  # this kind of command made it: the same command again replaces it
+        maker = made_by(out)
+        why = f"it was made by {maker}" if maker else "this command did not make it"
+        raise OutputError(f"out={out} is a folder that is not empty and {why}; {kind} writes a folder of its "
+                          f"own, so choose a new out= folder, or replace it with overwrite=true "
+                          f"(what is in it is then deleted)")
+    return out
+
+
+def _disk_full(err: BaseException) -> bool:
+    e: BaseException | None = err
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def staging_path(out: Path) -> Path:
+    """Where ``out`` is written before it is renamed into place (the same name on every
+    rank of a launch; the lock keeps other commands out)."""
+    return out.parent / f".tmp-{out.name}"
+
+
+@contextlib.contextmanager
+def output_dir(out: str | Path, kind: str, overwrite: bool = False, sources: Iterable = (),
+               keep_partial: bool = False, recognise=None, lock: bool = True) -> Iterator[Path]:
+    """Write a command's output folder whole or not at all.
+
+    Yields an empty staging folder beside ``out``; when the body returns it is renamed to
+    ``out`` (over an older one this command may replace, see :func:`check_output`). When
+    the body fails the staging folder is removed and ``out`` left as it was, except with
+    ``keep_partial`` (eval's report of the turns measured before a Ctrl-C), where what was
+    written is moved into place when there is any. A full disk is an :class:`OutputError`
+    saying so. ``lock=False``: the caller holds the lock (ranks of one launch)."""
+    out = check_output(out, kind, overwrite, sources, recognise)
+    owner = OwnerLock(lock_path(out), f"out={out}") if lock else None
+    if owner is not None:
+        owner.acquire()
+    tmp = staging_path(out)
+    try:
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)  # a killed writer's (the lock says no live one is writing)
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            raise OutputError(f"out={out} cannot be written ({e.strerror or e}); choose a folder you can "
+                              f"write to") from e
+        try:
+            yield tmp
+        except BaseException as err:
+            if keep_partial and tmp.is_dir() and any(tmp.iterdir()) and not _disk_full(err):
+                _into_place(tmp, out, kind)
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if _disk_full(err):
+                raise OutputError(f"the disk is full: writing {out} failed ({_free(out)} free); the partial "
+                                  f"folder was removed and out= left as it was. Free space on that disk (or "
+                                  f"choose out= on another one) and run the same command again") from err
+            raise
+        if not tmp.is_dir():
+            raise OutputError(f"{kind} wrote nothing into {out}")
+        try:
+            _into_place(tmp, out, kind)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if _disk_full(e):
+                raise OutputError(f"the disk is full: finishing {out} failed ({_free(out)} free); out= was left as "
+                                  f"it was. Free space and run the same command again") from e
+            raise
+    finally:
+        if owner is not None:
+            owner.release()
+
+
+def _free(where: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(where if where.exists() else where.parent).free / 2**20:.0f} MiB"
+    except OSError:
+        return "unknown space"
+
+
+def _into_place(tmp: Path, out: Path, kind: str) -> None:
+    """Rename ``tmp`` to ``out``; an older ``out`` is moved aside first and removed after."""
+    from msd_train.runtime import make_readable  # torch: only once there is something to place
+
+    make_readable(tmp)
+    old = None
+    if out.exists():
+        old = out.parent / f".old-{out.name}-{os.getpid()}"
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(out, old)
+    os.replace(tmp, out)
+    record = {"kind": kind, "command": " ".join(sys.argv), "made": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "pid": os.getpid(), "host": socket.gethostname()}
+    try:
+        record_path(out).write_text(json.dumps(record) + "\n")
+    except OSError as e:  # the folder is whole; without the record a rerun needs overwrite=true
+        log.warning("could not record who made %s (%s)", out, e)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def relocate(value, tmp: Path, out: Path):
+    """``value`` (a writer's summary: strings, lists, dicts) with the staging path replaced by ``out``."""
+    if isinstance(value, str):
+        return value.replace(str(tmp), str(out))
+    if isinstance(value, Path):
+        return Path(str(value).replace(str(tmp), str(out)))
+    if isinstance(value, dict):
+        return {k: relocate(v, tmp, out) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(relocate(v, tmp, out) for v in value)
+    return value
