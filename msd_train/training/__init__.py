@@ -29,7 +29,7 @@ def run(cfg) -> None:
     from msd_train.draft import NonFiniteWeightsError  # stage.init_from names a head with NaN weights
     from msd_train.features.store import FeatureStoreError
     from msd_train.training import checkpoint as ckpt
-    from msd_train.training import rundir
+    from msd_train.training import resume, rundir
     from msd_train.training.build_locks import clear_stale_build_locks
     from msd_train.training.recipe import TrainingError, TrainRecipe
 
@@ -40,7 +40,9 @@ def run(cfg) -> None:
     lock = None
     recipe = None
     with user_errors(TrainingError, FeatureStoreError, BadSampleError, rundir.RunDirError,
-                     ckpt.CheckpointWriteError, NonFiniteWeightsError):
+                     ckpt.CheckpointWriteError, NonFiniteWeightsError, resume.ResumeRefused,
+                     kept=f"stopped before training began; the checkpoints and exports in {Path(cfg.run_dir)} are "
+                          f"as they were (launch the same command to resume)"):
         try:
             rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
             stage_dir = Path(cfg.run_dir).resolve() / f"stage{int(cfg.stage.id)}"
@@ -54,11 +56,15 @@ def run(cfg) -> None:
                     if moved is not None:
                         log.warning("resume=false: the previous outputs of stage %s were moved to %s",
                                     cfg.stage.id, moved)
-            if not ckpt.resume_disabled(cfg):
-                newest = ckpt.loadable_checkpoints(stage_dir / "checkpoints", log_skipped=False)[:1]
-                refusal = newest and rundir.world_size_refusal(newest[0], ckpt.read_state(newest[0]), world)
-                if refusal:
-                    raise TrainingError(refusal)
+            newest = [] if ckpt.resume_disabled(cfg) else \
+                ckpt.loadable_checkpoints(stage_dir / "checkpoints", log_skipped=False)[:1]
+            state = ckpt.read_state(newest[0]) if newest else {}
+            refusal = newest and rundir.world_size_refusal(newest[0], state, world)
+            if refusal:
+                raise TrainingError(refusal)
+            # what the checkpoint was trained with vs this launch: a change it cannot take is refused
+            # (naming each key), one it can is applied and recorded (stageN/settings.json)
+            resume.check_resume(cfg, stage_dir, newest[0] if newest else None, state.get("step"), write=rank == 0)
             rundir.exit_with_launcher()
             # DeepSpeed compiles its communication op when the engine starts, waiting silently on
             # a build lock that a killed launch may have left.
