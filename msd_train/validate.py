@@ -115,7 +115,7 @@ def check_train(cfg) -> None:
         _number(cfg, key, int, lo=1)
     # 0 would silently mean "all" to the readers' limit
     _number(cfg, "data.max_heldout", int, lo=1, hint=" (held-out conversations per modality for validation)")
-    _number(cfg, "seed", int)
+    _number(cfg, "seed", int, lo=0, hint=" (it seeds numpy and the data order, which take no negative seed)")
     _number(cfg, "train.lr", float, lo=0, lo_open=True)
     for key in ("train.weight_decay", "train.grad_clip", "train.w_feat", "train.w_tok", "train.noise_scale"):
         _number(cfg, key, float, lo=0)
@@ -147,6 +147,7 @@ def check_train(cfg) -> None:
         if g in SPLITS:
             _sources(cfg, g, need_images=g.endswith("multimodal"))
     _wandb(cfg, "logging.wandb")
+    check_target(_get(cfg, "target"))
 
 
 #: The decoding settings' choices, stated here (torch-free) and read by msd_train/decoding.
@@ -241,7 +242,7 @@ def check_eval(cfg, method: str) -> None:
             f"speculative outputs would not match the target's own; evaluate with target.attn_implementation=sdpa "
             f"(the default) or eager")
     _number(cfg, "warmup", int, lo=0)
-    _number(cfg, "seed", int)
+    _number(cfg, "seed", int, lo=0, hint=" (it seeds the sampling generators, which take no negative seed)")
     _number(cfg, "dist.timeout_minutes", float, lo=0, lo_open=True)
     _number(cfg, "threads", int, lo=1, allow_none=True)
     for key in ("bench.max_samples", "bench.max_turns", "bench.max_per_category"):
@@ -251,7 +252,9 @@ def check_eval(cfg, method: str) -> None:
     decoding = {} if decoding is _MISSING or decoding is None else decoding
     check_decoding(decoding)  # in a blink; then once more with the vocabulary (transformers' import)
     target = _get(cfg, "target.name_or_path")
-    if method == "tree" and target is not _MISSING:
+    draft_vocab = decoding.get("draft_vocab") if hasattr(decoding, "get") else None
+    # a tree's top_k and any method's draft_vocab are bounded by the target's vocabulary
+    if (method == "tree" or (draft_vocab is not None and method != "ar")) and target is not _MISSING:
         check_decoding(decoding, target_vocab_size(target, _get(cfg, "target.trust_remote_code") is True))
     if str(_get(cfg, "decoding.cuda_graphs")).lower() in ("true", "on"):
         device = _get(cfg, "target.device")
@@ -260,8 +263,90 @@ def check_eval(cfg, method: str) -> None:
             raise ConfigError("decoding.cuda_graphs=true needs a CUDA target, this one runs on the CPU; use "
                               "decoding.cuda_graphs=auto (on for CUDA targets, off on CPU)")
     _wandb(cfg, "wandb")
+    check_target(_get(cfg, "target"))
     if method != "ar":
         check_head(_get(cfg, "draft"))
+
+
+#: how to make the folders of the named targets that are built, not downloaded
+BUILDERS = {"smollm2-llava": "python scripts/make_smollm2_llava.py (data/README.md, \"SmolLM2-LLaVA\")",
+            "tiny-llava": "python scripts/make_tiny_target.py"}
+
+
+def _looks_like_path(name: str) -> bool:
+    from msd_train.hub.folders import is_repo_id
+
+    return name.startswith((".", "/", "~")) or not is_repo_id(name)
+
+
+def check_target(target) -> None:
+    """``target.*`` before anything loads: a local folder exists and is whole (config.json
+    that parses, its weight files and index shards), its family is the named target's
+    (``target.model_type``), and a LoRA adapter exists. A Hub id is checked when downloaded."""
+    if target is _MISSING or not hasattr(target, "get"):
+        return
+    name = target.get("name_or_path")
+    if name is None or str(name) == "":
+        raise ConfigError("target.name_or_path is empty; give a target folder or Hub id (conf/target/*.yaml)")
+    if "${" in str(name):
+        return  # not resolved (a check of the YAML as written)
+    path = user_path(str(name))
+    if not path.exists():
+        if _looks_like_path(str(name)):
+            build = BUILDERS.get(path.name)
+            fix = (f"build it first: {build}" if build else
+                   "give an existing folder (config.json + weights) or a Hub id OWNER/NAME")
+            raise ConfigError(f"target.name_or_path={name}: no such folder; {fix}")
+    else:
+        _check_target_folder(path, target.get("model_type"))
+    adapter = target.get("adapter")
+    if adapter:
+        a = user_path(str(adapter))
+        if not a.exists() and _looks_like_path(str(adapter)):
+            raise ConfigError(f"target.adapter={adapter}: no such folder (a peft LoRA folder with "
+                              f"adapter_config.json); give its path, or target.adapter=null")
+        if a.is_dir() and not (a / "adapter_config.json").is_file():
+            raise ConfigError(f"target.adapter={adapter}: no adapter_config.json in it; a LoRA adapter is a peft "
+                              f"folder (adapter_config.json + adapter_model.safetensors)")
+
+
+def _check_target_folder(path: Path, model_type) -> None:
+    import json
+
+    where = f"target.name_or_path={path}"
+    if not path.is_dir():
+        raise ConfigError(f"{where} is a file; a target is a model folder (config.json + weights)")
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        build = BUILDERS.get(path.name)
+        raise ConfigError(f"{where}: no config.json, so not a model folder (or one half-written); "
+                          + (f"build it again: {build}" if build else "point at the folder holding config.json "
+                             "and the weights, or download it again"))
+    try:
+        config = json.loads(config_path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{config_path}: not valid JSON ({e}); the folder is damaged or half-written: "
+                          f"download or build it again") from e
+    index = next((path / n for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+                  if (path / n).is_file()), None)
+    if index is not None:
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{index}: unreadable ({e}); the folder is half-written: download it again") from e
+        missing = [sh for sh in shards if not (path / sh).is_file()]
+        if missing:
+            raise ConfigError(f"{where}: {index.name} lists weight files that are missing ({', '.join(missing[:4])}"
+                              f"{' ...' if len(missing) > 4 else ''}); the download or build was cut short: "
+                              f"download or build it again")
+    elif not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise ConfigError(f"{where}: no weights (model.safetensors or pytorch_model.bin); the folder is half-written: "
+                          f"download or build it again")
+    if model_type and isinstance(config, dict) and config.get("model_type") != model_type:
+        raise ConfigError(
+            f"{where} holds a {config.get('model_type')!r} model, but the named target expects {model_type!r} "
+            f"(target.model_type; its chat template and settings are for that family); choose the target that "
+            f"matches the folder (conf/target/*.yaml), or set target.model_type=null to use the folder as it is")
 
 
 def _cuda_available() -> bool:

@@ -105,7 +105,8 @@ def evaluate(target, draft, items: list[BenchItem], config: DecodeConfig, warmup
     from tqdm.auto import tqdm
 
     workspace = workspace if workspace is not None else Workspace()
-    ar_config = dataclasses.replace(config, method="ar")
+    # the plain baseline: a chain's drafting options (draft_min_prob) mean nothing to it, and its checks refuse them
+    ar_config = dataclasses.replace(config, method="ar", draft_min_prob=0.0)
     config = dataclasses.replace(config, timing=True)  # the records carry per-phase seconds
     greedy = config.sampling.greedy
 

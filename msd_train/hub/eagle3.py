@@ -213,7 +213,10 @@ def import_eagle3(folder: str | Path, target_num_layers: int | None = None) -> M
         target_hidden_size=config["hidden_size"], decouple_visual=False,
     )
     fields.update({k: v for k, v in msd.items() if k in _MSD_FIELDS and v is not None})
-    head = MSD3DraftModel(MSD3DraftConfig(**fields))
+    try:
+        head = MSD3DraftModel(MSD3DraftConfig(**fields))
+    except (TypeError, ValueError) as e:  # a size of the wrong type, heads that do not divide the width
+        raise IncompleteHeadError(f"{path}: its sizes do not make a draft layer ({type(e).__name__}: {e})") from e
     dtype = state["lm_head.weight"].dtype
     head = head.to(dtype)
     own = head.state_dict()
