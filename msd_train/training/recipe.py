@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from msd_train import runtime
 from msd_train.config import stage_splits
 from msd_train.data.collate import StepBatches, collate, step_loader
-from msd_train.data.curriculum import Curriculum, mm_share
+from msd_train.data.curriculum import Curriculum, mm_share, sample_lengths
 from msd_train.data.dataset import build_split, write_skipped
 from msd_train.draft import DraftHead, MSDDraftModel, head_class
 from msd_train.draft.vocabulary import draft_vocabulary, load_counts, most_frequent, token_counts
@@ -137,9 +137,11 @@ class TrainRecipe:
 
         self.global_batch = tc.micro_batch_size * tc.grad_accum * self.world
         cur = cfg.stage.curriculum
+        window = int(tc.get("bucket_window") or 0)
         self.curriculum = Curriculum(
             len(self.text), len(self.mm), self.global_batch, cfg.seed,
-            cur.start, cur.end, cur.ramp_steps, cur.schedule)
+            cur.start, cur.end, cur.ramp_steps, cur.schedule,
+            *([sample_lengths(self.text), sample_lengths(self.mm)] if window else [None, None]), window)
         if resume_from is not None:
             self._load_checkpoint(resume_from)
         self._setup_logging()
