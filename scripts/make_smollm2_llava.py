@@ -37,9 +37,16 @@ CHECK_PROMPT = "The capital of France is"
 
 
 def pip_download(package: str, dest: Path) -> Path:
-    """The wheel of ``package`` (no dependencies) in ``dest``, downloaded unless already there."""
+    """The wheel of ``package`` (no dependencies) in ``dest``, downloaded unless already there
+    and whole (a wheel cut by a killed download is removed, said, and downloaded again)."""
     dest.mkdir(parents=True, exist_ok=True)
     stem = package.replace("-", "_")
+    have = sorted(dest.glob(f"{stem}-*.whl"))
+    for wheel in have:
+        why = wheel_damage(wheel)
+        if why:
+            print(f"the cached wheel {wheel} is damaged ({why}); downloading it again", flush=True)
+            wheel.unlink()
     have = sorted(dest.glob(f"{stem}-*.whl"))
     if not have:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", package, "-d", str(dest)],
@@ -50,11 +57,54 @@ def pip_download(package: str, dest: Path) -> Path:
     return have[-1]
 
 
-def unpack(wheel: Path, dest: Path) -> Path:
-    out = dest / wheel.stem
-    if not out.exists():
+def wheel_damage(wheel: Path) -> str | None:
+    """Why ``wheel`` cannot be used (not a whole zip), or None."""
+    try:
         with zipfile.ZipFile(wheel) as z:
-            z.extractall(out)
+            z.infolist()
+    except (OSError, zipfile.BadZipFile) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def unpack_damage(wheel: Path, out: Path) -> str | None:
+    """Why the unpacked folder ``out`` is not what ``wheel`` holds (a file missing, or of
+    another size than the wheel records: an unpack killed half-way), or None when it is."""
+    if not out.is_dir():
+        return "not unpacked"
+    with zipfile.ZipFile(wheel) as z:
+        for info in z.infolist():
+            if info.is_dir():
+                continue
+            f = out / info.filename
+            if not f.is_file():
+                return f"{info.filename} is missing"
+            if f.stat().st_size != info.file_size:
+                return f"{info.filename} is {f.stat().st_size:,} bytes, the wheel holds {info.file_size:,}"
+    return None
+
+
+def unpack(wheel: Path, dest: Path) -> Path:
+    """``wheel`` unpacked into ``dest/<its name>``, checked against the sizes the wheel records:
+    a damaged unpack (killed half-way: a cut GGUF every later build failed on) is unpacked again,
+    saying so. Written into a temporary folder and renamed, so a kill leaves no half folder."""
+    import shutil
+
+    out = dest / wheel.stem
+    why = unpack_damage(wheel, out)
+    if why is None:
+        return out
+    if out.exists():
+        print(f"the unpacked cache {out} is damaged ({why}); unpacking {wheel.name} again", flush=True)
+        shutil.rmtree(out)
+    tmp = dest / f".tmp-{wheel.stem}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(tmp)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -228,4 +278,7 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main()
+    from msd_train.errors import run_main
+
+    run_main(main, kept="the downloaded wheels are kept; a cut download or unpack is noticed and redone by the "
+                        "next run")  # a known failure (a missing path, a full disk, Ctrl-C): one line, exit non-zero
