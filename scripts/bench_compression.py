@@ -256,4 +256,6 @@ def markdown(r: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    from msd_train.errors import run_main
+
+    run_main(main)  # a known failure (a missing path, a full disk, Ctrl-C): one line, exit non-zero

@@ -331,4 +331,6 @@ def count_host_reads(target, draft, items, configs, args, draft_path, device) ->
 
 
 if __name__ == "__main__":
-    main()
+    from msd_train.errors import run_main
+
+    run_main(main)  # a known failure (a missing path, a full disk, Ctrl-C): one line, exit non-zero

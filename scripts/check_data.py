@@ -172,7 +172,13 @@ def check(cfg: DictConfig) -> int:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="check_data", version_base=None)
 def main(cfg: DictConfig) -> None:
-    rc = check(cfg)
+    from omegaconf import OmegaConf
+
+    from msd_train.validate import check_target, user_errors
+
+    with user_errors(ValueError):  # a missing target or data path, a damaged file: one line, exit 1
+        check_target(OmegaConf.to_container(cfg.target, resolve=True))
+        rc = check(cfg)
     if rc:
         sys.exit(rc)
 

@@ -190,4 +190,6 @@ def main(argv=None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    from msd_train.errors import run_main
+
+    run_main(main)  # a known failure (a missing path, a full disk, Ctrl-C): one line, exit non-zero

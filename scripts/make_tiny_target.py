@@ -83,4 +83,6 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main()
+    from msd_train.errors import run_main
+
+    run_main(main)  # a known failure (a missing path, a full disk, Ctrl-C): one line, exit non-zero

