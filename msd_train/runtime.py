@@ -76,10 +76,14 @@ def local_device(device: str = "auto") -> torch.device:
 
 
 # ----------------------------------------------------------------------------- groups
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port nothing listens on now (for a launch the project starts itself)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_free_port = free_port
 
 
 def backend_for(device: torch.device) -> str:

@@ -41,7 +41,9 @@ def test_ctrl_c_under_deepspeed_with_wandb_offline_saves_a_checkpoint_and_releas
     args += [*FAST, f"run_dir={run}", "stage=1", "train.max_steps=100000", "checkpoint.every=100000",
              "logging.wandb.mode=offline"]
     env = {k: v for k, v in ENV.items() if k != "WANDB_MODE"}
-    cmd = ["deepspeed", "--num_gpus", "1", "--master_port", "29640", str(ROOT / "train.py"), *args]
+    from msd_train.runtime import free_port
+
+    cmd = ["deepspeed", "--num_gpus", "1", "--master_port", str(free_port()), str(ROOT / "train.py"), *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:

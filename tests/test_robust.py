@@ -546,7 +546,9 @@ def test_stop_signals_under_launchers_save_a_checkpoint(mini_run, tmp_path, laun
     import psutil
 
     run = tmp_path / "run"
-    port = 29600 + ["ctrl-c", "sigterm-group", "sigterm-launcher-only"].index(how) + 10 * (launcher == "torchrun")
+    from msd_train.runtime import free_port
+
+    port = free_port()  # a fixed one fails whenever another job holds it
     proc = _launch(launcher, run, mini_run, port)
     try:
         _wait_for_steps(run, proc)

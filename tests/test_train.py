@@ -13,6 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from msd_train.runtime import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -205,7 +207,7 @@ def test_two_ranks_equal_one_rank_with_double_accumulation(mini_run, tmp_path):
     common = [*mini_run, "train.max_steps=3", "eval.every=100", "checkpoint.every=100",
               "train.micro_batch_size=2", "train.noise=none"]
     train(["stage=1", *common, "train.grad_accum=2", f"run_dir={tmp_path / 'one'}"])
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     train(["stage=1", *common, "train.grad_accum=1", f"run_dir={tmp_path / 'two'}"], launcher=torchrun)
     a, b = weights(tmp_path / "one"), weights(tmp_path / "two")
     for k in a:
@@ -257,7 +259,7 @@ def test_deepspeed_launcher_two_stages_on_the_embedded_default(tmp_path):
     from msd_train.data.curriculum import mm_share
     from msd_train.draft import MSDDraftModel
 
-    ds = ["deepspeed", "--num_gpus", "1", "--master_port", "29541"]
+    ds = ["deepspeed", "--num_gpus", "1", "--master_port", str(free_port())]
     common = [f"run_dir={tmp_path}", "logging.wandb.mode=disabled", "logging.progress=false",
               f"data.cache_dir={tmp_path / 'cache'}", "data.max_heldout=16", "eval.every=1000"]
     train(["stage=1", *common, "train.max_steps=30"], launcher=ds)
