@@ -185,3 +185,16 @@ def test_engine_vllm_without_vllm_says_how_to_build_it(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "scripts/vllm_env.sh" in r.stderr and "Traceback" not in r.stderr
     assert not any(tmp_path.iterdir())  # refused before anything is written
+
+
+def test_an_image_that_cannot_be_decoded_is_named_before_answering(target, tmp_path):
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not a png")
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "x", "images": [str(bad)], "messages": [
+        {"role": "user", "content": "<image>\nWhat is this?"}, {"role": "assistant", "content": "A cat."}]}) + "\n")
+    answered = []
+    with pytest.raises(RegenerateError, match=r"conversation 'x': image .*bad.png cannot be decoded"):
+        regenerate(target, settings(tmp_path / "out", inputs=[{"path": str(src), "format": "auto"}], limit=None),
+                   on_record=answered.append)
+    assert answered == []

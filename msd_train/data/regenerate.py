@@ -89,6 +89,19 @@ def conversation_key(conv: dict) -> str:
     return h.hexdigest()[:24]
 
 
+def check_images(conv: dict) -> None:
+    """Every image of ``conv`` decodes (checked before any answering starts)."""
+    from PIL import Image, UnidentifiedImageError
+
+    for p in conv.get("images") or []:
+        try:
+            with Image.open(p) as im:
+                im.verify()
+        except (OSError, UnidentifiedImageError, SyntaxError) as e:
+            raise RegenerateError(f"{conv.get('source')}: conversation {conv.get('id')!r}: image {p} cannot be decoded "
+                                  f"({e}); replace the file or remove the conversation") from None
+
+
 def _record_key(rec: dict) -> str:
     """The key of a written record (records written before keys existed get theirs from
     the original messages and images they keep)."""
@@ -262,6 +275,8 @@ def regenerate(target, settings: dict, group=None, on_record=None, engine=None) 
     todo = [n for n in mine if keys[n] not in done]
     seen: set[str] = set()  # a conversation given twice has one key: answered once
     todo = [n for n in todo if not (keys[n] in seen or seen.add(keys[n]))]
+    for n in todo:  # an image the engine could not read fails here, not hours into the run
+        check_images(convs[n])
     t0, tokens = time.time(), 0
     bar = tqdm(total=len(mine), initial=len(mine) - len(todo), desc=f"regenerate (rank {rank}, {engine.name})",
                disable=rank != 0 or not settings.get("progress", True), mininterval=2.0, unit="conv")

@@ -340,6 +340,7 @@ def generate(cfg, dist=None, target=None) -> dict | None:
     done, todo = _finished_and_todo(out, mine, group.rank)
     progress = out / "progress" / f"rank-{group.rank}.jsonl"
     bar = _progress_bar(cfg, group, todo)
+    t0, tokens = time.perf_counter(), 0
     for p in todo:
         rows = [datasets[p.split][i] for i in p.rows]
         feats = _features_of(rows, target, int(cfg.batch_size), layers)
@@ -347,9 +348,11 @@ def generate(cfg, dist=None, target=None) -> dict | None:
         rec.update(split=p.split, index=p.index, rank=group.rank, keys_sha1=p.keys_sha1())
         _append_record(progress, rec)
         done.append(rec)
+        tokens += rec["n_tokens"]
         if bar is not None:
             bar.update(len(p.rows))
-            bar.set_postfix(shards=f"{len(done)}/{len(mine)}")
+            bar.set_postfix(shards=f"{len(done)}/{len(mine)}",
+                            tok_s=f"{tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
     if bar is not None:
         bar.close()
 

@@ -233,7 +233,8 @@ class TrainRecipe:
             if not hasattr(draft, "set_train_vocabulary"):
                 raise TrainingError(f"draft.train_vocab={train_vocab}: an {draft.architecture} head trains over its own "
                                     "draft vocabulary (draft.draft_vocab_size); drop draft.train_vocab")
-            if not 0 < int(train_vocab) <= self.target.vocab_size:
+            if isinstance(train_vocab, bool) or not isinstance(train_vocab, int) or \
+                    not 0 < train_vocab <= self.target.vocab_size:
                 raise TrainingError(f"draft.train_vocab={train_vocab} must be between 1 and the target's vocabulary "
                                     f"({self.target.vocab_size}); drop it to train over the whole vocabulary")
             draft.set_train_vocabulary(self.target, most_frequent(self.token_counts, int(train_vocab)))
