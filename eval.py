@@ -45,6 +45,8 @@ def main(cfg: DictConfig) -> None:
         print(f"tau {o['tau']:.3f}  speedup {o['speedup']:.2f}x  tokens/s {o['tokens_per_s']:.1f} "
               f"(AR {o['ar_tokens_per_s']:.1f})  outputs_match_ar {o['outputs_match_ar']}"
               if o["tau"] is not None else f"AR only: {o['ar_tokens_per_s']:.1f} tokens/s")
+        # the generation length, as scripts/serve_check.py states it (evaluation.bench.generation_length)
+        print(f"bench={report['bench']}: up to {report['decoding']['max_new_tokens']} new tokens a turn")
 
 
 if __name__ == "__main__":

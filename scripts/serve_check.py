@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Serve an exported head in vLLM and set its figures beside this project's decoder.
 
-    python scripts/serve_check.py draft=heads/tiny-vllm k=5            # tiny target, bench=tiny
+    python scripts/serve_check.py draft=heads/tiny-vllm original=runs/tiny/stage2/final k=5   # tiny target, bench=tiny
     python scripts/serve_check.py draft=heads/tiny-vllm modes=[ar,plugin]
 
 Run with the vLLM environment's python (``scripts/vllm_env.sh``). Decodes every benchmark
@@ -9,7 +9,11 @@ turn with this project's plain and chain-k decoders (the prompts every engine is
 then runs vLLM without speculation, with the head and this project's plugin, and with the
 head on stock vLLM; prints and writes ``report.json``: vLLM's mean acceptance length,
 per-position acceptance and tokens/s, whether its speculative outputs equal its plain
-outputs and the project's. Arguments: conf/serve_check.yaml; docs/serving.md.
+outputs and the project's. ``original=`` names the head as it was before export (what eval.py
+measures): the project's chain figures are then that head's, and what its export does
+not carry is listed. The generation length follows eval.py's rule: the benchmark's own
+``max_new_tokens`` (bench=mmspec: 1024) over ``max_new_tokens``; the report states it.
+Arguments: conf/serve_check.yaml; docs/serving.md.
 """
 
 import json
@@ -46,9 +50,20 @@ def main(cfg: DictConfig) -> None:
         if bad:
             raise ConfigError(f"modes={plain['modes']}: {bad} are not runs; use any of {list(check.MODES)}")
         out = user_path(plain["out"]) if plain.get("out") else draft.parent / f"serve-check-{draft.name}-{plain['bench']['name']}"
-        k, n_new = int(plain["k"]), int(plain["max_new_tokens"])
+        from msd_train.evaluation.bench import generation_length
 
-        prompts = check.project_prompts(plain["target"], plain["bench"], str(draft), k, n_new)
+        for key, value in (("max_new_tokens", plain["max_new_tokens"]),
+                           ("bench.max_new_tokens", plain["bench"].get("max_new_tokens"))):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{key}={value!r}: give a whole number of new tokens, at least 1")
+        k = int(plain["k"])
+        n_new = generation_length(plain["bench"], plain["max_new_tokens"])  # eval.py's rule
+        original = plain.get("original")
+        if original is not None and not user_path(original).exists() and "/" not in str(original):
+            raise ConfigError(f"original={original}: no such folder (the head before export, a folder or a Hub id)")
+        original = str(user_path(original)) if original is not None and user_path(original).exists() else original
+
+        prompts = check.project_prompts(plain["target"], plain["bench"], str(draft), k, n_new, original)
         target = vllm_target(plain["target"]["name_or_path"], user_path(plain["cache"]))
         spec = {"target": str(target), "k": k, "max_new_tokens": n_new, "dtype": plain["dtype"],
                 "max_model_len": int(plain["max_model_len"]), "turns": prompts["turns"],
@@ -59,8 +74,9 @@ def main(cfg: DictConfig) -> None:
             logging.info("vLLM: %s", mode)
             runs[mode] = check.vllm_process({**spec, "draft": None if mode == "ar" else str(draft)}, mode, out)
         report = check.compare(prompts, runs)
-        report["settings"] = {"draft": str(draft), "target": plain["target"]["name_or_path"], "vllm_target": str(target),
-                              "bench": plain["bench"]["name"], "k": k, "max_new_tokens": n_new, "dtype": plain["dtype"]}
+        report["settings"] = {"draft": str(draft), "original": original, "target": plain["target"]["name_or_path"],
+                              "vllm_target": str(target), "bench": plain["bench"]["name"], "k": k,
+                              "max_new_tokens": n_new, "dtype": plain["dtype"]}
         out.mkdir(parents=True, exist_ok=True)
         (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     for line in check.summary_lines(report, k):

@@ -251,17 +251,26 @@ def grouped_by(cfg: dict) -> str:
     return cfg.get("group_by") or "category"
 
 
+def generation_length(cfg: dict, default: int) -> int:
+    """New tokens a turn on the benchmark ``cfg`` describes: its own ``max_new_tokens``
+    when it fixes one (MMSpec's harness generates up to 1024), else ``default``
+    (``decoding.max_new_tokens`` of eval.py, ``max_new_tokens`` of scripts/serve_check.py).
+    One rule for both, so that their reports on one benchmark measure the same length."""
+    n = cfg.get("max_new_tokens")  # checked with the other settings (validate.check_eval)
+    if n is None or int(n) == int(default):
+        return int(default)
+    log.info("bench=%s generates up to %d new tokens a turn (bench.max_new_tokens; the default %d is not used)",
+             cfg.get("name", "?"), int(n), int(default))
+    return int(n)
+
+
 def bench_decoding(cfg: dict, config):
-    """The decoding settings with what the benchmark fixes: ``max_new_tokens`` (MMSpec's
-    harness generates up to 1024 tokens a turn). A benchmark's own setting wins over
+    """The decoding settings with what the benchmark fixes: ``max_new_tokens``
+    (``generation_length``). A benchmark's own setting wins over
     ``decoding.max_new_tokens``, so that its numbers compare with published ones; change it
     with ``bench.max_new_tokens=N``."""
-    n = cfg.get("max_new_tokens")  # checked with the other settings (validate.check_eval)
-    if n is None or int(n) == config.max_new_tokens:
-        return config
-    log.info("bench=%s generates up to %d new tokens a turn (bench.max_new_tokens; decoding.max_new_tokens=%d "
-             "is not used)", cfg.get("name", "?"), int(n), config.max_new_tokens)
-    return dataclasses.replace(config, max_new_tokens=int(n))
+    n = generation_length(cfg, config.max_new_tokens)
+    return config if n == config.max_new_tokens else dataclasses.replace(config, max_new_tokens=n)
 
 
 def select(items: list[BenchItem], max_per_category: int | None = None, max_samples: int | None = None,

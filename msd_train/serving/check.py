@@ -2,7 +2,8 @@
 
     project   plain and chain-k decoding of every benchmark turn (``evaluation.runner``):
               the prompts (token ids + images) every engine below is given, the plain
-              outputs, and the chain's tau
+              outputs, and the chain's tau, with the head as it was before export when
+              the check is given it (what eval.py measures), else the re-imported export
     vllm-ar   vLLM, no speculation: outputs and tokens/s
     plugin    vLLM with the head (this project's plugin loaded): outputs, tokens/s and
               vLLM's own counters (``LLM.get_metrics()``)
@@ -39,22 +40,62 @@ MODES = ("ar", "plugin", "stock")
 
 # ----- the project's side --------------------------------------------------------------
 
-def project_prompts(target_cfg: dict, bench_cfg: dict, draft: str, k: int, max_new_tokens: int) -> dict:
+#: head settings that change what a head drafts, compared between the original head and its export
+DRAFTING_FIELDS = ("num_hidden_layers", "layer_family", "fc_bias", "first_layer_input_norm", "decouple_visual",
+                   "visual_offset", "draft_positions", "visual_compression", "visual_compression_tokens",
+                   "mrope_section", "feature_layers", "draft_vocab_size")
+
+
+def export_differences(original, exported) -> list[str]:
+    """What differs between a head and the head re-imported from its vLLM export: drafting
+    settings (``DRAFTING_FIELDS``), then tensors (names, then values in the export's dtype)."""
+    out = []
+    for k in DRAFTING_FIELDS:
+        a, b = getattr(original.config, k, None), getattr(exported.config, k, None)
+        if a != b:
+            out.append(f"{k}: {a!r} in the original head, {b!r} in the export")
+    if type(original) is not type(exported):
+        out.append(f"architecture: {original.architecture} in the original head, {exported.architecture} in the export")
+        return out
+    a = {k: v for k, v in original.state_dict().items() if "rotary_emb" not in k}
+    b = {k: v for k, v in exported.state_dict().items() if "rotary_emb" not in k}
+    if a.keys() != b.keys():
+        out.append(f"tensors: {sorted(a.keys() ^ b.keys())[:6]} are in one head only")
+    else:
+        differ = [k for k in a if not a[k].to(b[k].dtype).equal(b[k])]
+        if differ:
+            out.append(f"tensors: {len(differ)} differ (e.g. {differ[0]}; an export cast to another dtype differs)")
+    return out
+
+
+def project_prompts(target_cfg: dict, bench_cfg: dict, draft: str, k: int, max_new_tokens: int,
+                    head: str | None = None) -> dict:
     """Every benchmark turn's prompt, plain output and chain-k figures from this project's
-    decoder (the head loaded from the exported folder, ``msd_train.hub.vllm.import_vllm``)."""
+    decoder. ``head``: the head as it was before export (a folder or Hub id ``load_head``
+    opens; what eval.py measures), whose chain figures the plugin's counters are compared
+    with; None: the head re-imported from the exported folder ``draft``
+    (``msd_train.hub.vllm.import_vllm``). The compatible mode is always the export's."""
     import torch
 
     from msd_train.decoding import DecodeConfig
     from msd_train.evaluation.bench import load_bench
     from msd_train.evaluation.runner import answer_turns
+    from msd_train.hub.load import load_head
     from msd_train.hub.vllm import import_vllm
     from msd_train.targets import load_target
 
     target = load_target(target_cfg["name_or_path"], target_cfg.get("dtype", "auto"), torch.device("cpu"),
                          target_cfg.get("adapter"), target_cfg.get("chat_template"),
                          bool(target_cfg.get("trust_remote_code", False)), "sdpa")
-    head = import_vllm(draft).to(target.dtype)
-    compatible = compatible_head(import_vllm(draft).to(target.dtype), target)
+    exported = import_vllm(draft)
+    differs = []
+    if head is not None:
+        original = load_head(str(head), target)
+        differs = export_differences(original, exported)
+        spec_head = original.to(target.dtype)
+    else:
+        spec_head = import_vllm(draft).to(target.dtype)
+    compatible = compatible_head(exported.to(target.dtype), target)
     chain = DecodeConfig(method="chain", k=k, max_new_tokens=max_new_tokens)
     ar = dataclasses.replace(chain, method="ar")
     turns, t_chain, t_ar = [], 0.0, 0.0
@@ -63,7 +104,7 @@ def project_prompts(target_cfg: dict, bench_cfg: dict, draft: str, k: int, max_n
         t0 = time.perf_counter()
         plain = answer_turns(target, None, item, ar, images)
         t1 = time.perf_counter()
-        spec = answer_turns(target, head, item, chain, images)
+        spec = answer_turns(target, spec_head, item, chain, images)
         t_ar, t_chain = t_ar + t1 - t0, t_chain + time.perf_counter() - t1
         compat = answer_turns(target, compatible, item, chain, images)
         for n, ((prompt, a), (_, s), (_, c)) in enumerate(zip(plain, spec, compat)):
@@ -76,6 +117,8 @@ def project_prompts(target_cfg: dict, bench_cfg: dict, draft: str, k: int, max_n
                           "compatible_accepted": [x.accepted for x in c.cycles]})
     return {"turns": turns, "image_token_id": target.image_token_id,
             "project": {**_chain_figures([t["accepted"] for t in turns], k),
+                        "head": "original" if head is not None else "re-imported export",
+                        "export_differs": differs,
                         "chain_equals_ar": sum(t["ar_tokens"] == t["chain_tokens"] for t in turns),
                         "new_tokens": sum(len(t["ar_tokens"]) for t in turns),
                         "tokens_per_s": sum(len(t["chain_tokens"]) for t in turns) / max(t_chain, 1e-9),
@@ -266,9 +309,13 @@ def _by_category(turns: list[dict], per_turn: list[dict]) -> dict:
 def summary_lines(report: dict, k: int) -> list[str]:
     p = report["project"]
     n = report["turns"]
-    lines = [f"{n} turns, chain k={k}, greedy",
-             f"project chain   tau {p['tau']:.3f}  per-position {_fmt(p['per_position'])}  "
-             f"outputs = project plain {p['chain_equals_ar']}/{n}",
+    settings = report.get("settings") or {}
+    length = (f", bench={settings['bench']}: up to {settings['max_new_tokens']} new tokens a turn"
+              if "max_new_tokens" in settings else "")
+    lines = [f"{n} turns, chain k={k}, greedy{length}",
+             f"project chain ({p.get('head', 're-imported export')})   tau {p['tau']:.3f}  per-position "
+             f"{_fmt(p['per_position'])}  outputs = project plain {p['chain_equals_ar']}/{n}",
+             *[f"  the export differs from the original head: {d}" for d in p.get("export_differs") or []],
              f"project chain, compatible mode (no fc bias, placeholder embeddings)   tau "
              f"{report['project_compatible']['tau']:.3f}  per-position {_fmt(report['project_compatible']['per_position'])}"]
     for mode, r in report["vllm"].items():
