@@ -200,9 +200,17 @@ def test_the_model_card_says_how_to_serve_the_head_in_vllm():
     target = AutoConfig.from_pretrained(str(Path(__file__).resolve().parent.parent / "data" / "tiny-llava"))
     msd = model_card(MSDDraftConfig.from_target_config(target, "llava-hf/llava-1.5-7b-hf"), "me/head", [])
     serve = msd[msd.index("## Serve with vLLM"):msd.index("## Head")]
-    assert "checkpoint=me/head format=vllm out=head-vllm" in serve
+    assert 'export_vllm("me/head", "head-vllm")' in serve and "checkpoint=me/head format=vllm out=head-vllm" in serve
     assert 'LLM(model="llava-hf/llava-1.5-7b-hf", speculative_config={"model": "head-vllm", "method": "eagle"' in serve
-    assert "plugin" in serve and "fc bias" in serve
+    assert "plugin" in serve and "fc bias" in serve and "vllm_target" not in serve
     msd3 = model_card(MSD3DraftConfig.from_target_config(target, "llava-hf/llava-1.5-7b-hf"), "me/head3", [])
     serve3 = msd3[msd3.index("## Serve with vLLM"):msd3.index("## Head")]
     assert '"method": "eagle3"' in serve3 and "fc bias" not in serve3
+    # a local target: the snippet converts the folder vLLM cannot load (tests/test_vllm_export.py runs it)
+    local = model_card(MSDDraftConfig.from_target_config(target, "/somewhere/tiny-llava"), "me/head", [])
+    serve = local[local.index("## Serve with vLLM"):local.index("## Head")]
+    assert 'target = vllm_target("path/to/tiny-llava", "vllm-target")' in serve and "LLM(model=str(target)" in serve
+    # a head the vLLM export refuses: no snippet, the reason and what serves it
+    pooled = model_card(MSDDraftConfig.from_target_config(target, "x", visual_compression="pool"), "me/head", [])
+    serve = pooled[pooled.index("## Serve with vLLM"):pooled.index("## Head")]
+    assert "```" not in serve and "visual_compression=pool" in serve and "own decoder" in serve

@@ -282,6 +282,52 @@ def _target_lines(config: MSDDraftConfig, target_id: str | None) -> tuple[str, l
             "path/or/hub-id/of/the-target")
 
 
+def _serving_section(config: MSDDraftConfig, repo_id: str, target_id: str | None, load_arg: str,
+                     msd3: bool) -> list[str]:
+    """"Serve with vLLM": a snippet that runs as written in vLLM's environment (msd-train's
+    scripts/vllm_env.sh; tests/test_vllm_export.py runs it), or, for a head the vLLM export
+    refuses (``hub.vllm.vllm_refusals``), why not and what serves it."""
+    from msd_train.hub.vllm import vllm_refusals
+
+    lines = ["## Serve with vLLM", ""]
+    refused = vllm_refusals(config)
+    if refused:
+        return lines + [
+            "vLLM cannot serve this head as it was trained, so msd-train's vLLM export (`format=vllm`) refuses it: "
+            + "; ".join(refused) + ". Serve it with msd-train's own decoder (Use above; `eval.py` measures it).", ""]
+    method = "eagle3" if msd3 else "eagle"
+    lines += ["```python", "from msd_train.hub.vllm import export_vllm", "from vllm import LLM, SamplingParams"]
+    if target_id:
+        model = json.dumps(target_id)
+    else:
+        lines.append("from msd_train.serving.target import vllm_target")
+        model = "str(target)"
+    lines += ["", f"export_vllm({json.dumps(repo_id)}, \"head-vllm\")   # the folder vLLM serves (it logs what stock "
+              "vLLM would lose)"]
+    if not target_id:
+        lines += [
+            "# the target is a local folder (see Target below). A LLaVA folder saved by transformers 5 names its",
+            "# vision tower in a way vLLM 0.32 cannot load: vllm_target writes a renamed copy under vllm-target/",
+            "# (any other folder comes back as it is)",
+            f"target = vllm_target({json.dumps(load_arg)}, \"vllm-target\")",
+        ]
+    lines += [
+        f"llm = LLM(model={model}, speculative_config={{\"model\": \"head-vllm\", \"method\": \"{method}\", "
+        "\"num_speculative_tokens\": 5})",
+        "print(llm.generate([\"Say hello.\"], SamplingParams(max_tokens=32))[0].outputs[0].text)",
+        "```",
+        "",
+        "Run it in vLLM's environment with msd-train installed (msd-train's `bash scripts/vllm_env.sh` builds one; "
+        f"`python scripts/export.py checkpoint={repo_id} format=vllm out=head-vllm` writes the same folder). There "
+        "msd-train's plugin serves the head as trained (the target's visual embeddings at image positions"
+        + ("" if msd3 else ", the fc bias") + "); stock vLLM, without msd-train, serves the same folder in a "
+        "compatible mode that drafts from the image placeholder's embedding. Outputs are the target's either way. "
+        "See msd-train's docs/serving.md.",
+        "",
+    ]
+    return lines
+
+
 def model_card(
     config: MSDDraftConfig,
     repo_id: str,
@@ -371,26 +417,8 @@ def model_card(
             "from msd_train.hub.eagle3 import export_eagle3",
             "export_eagle3(head, \"eagle3-head\")",
         ]
+    lines += ["```", ""] + _serving_section(config, repo_id, target_id, load_arg, msd3)
     lines += [
-        "```",
-        "",
-        "## Serve with vLLM",
-        "",
-        "```bash",
-        f"python scripts/export.py checkpoint={repo_id} format=vllm out=head-vllm   # from an msd-train checkout",
-        "```",
-        "",
-        "```python",
-        "from vllm import LLM",
-        f"llm = LLM(model={json.dumps(target_id or 'TARGET')}, speculative_config={{\"model\": \"head-vllm\", "
-        + f"\"method\": \"{'eagle3' if msd3 else 'eagle'}\", \"num_speculative_tokens\": 5}})",
-        "```",
-        "",
-        "With msd-train installed in vLLM's environment, its plugin serves the head as trained (the target's "
-        "visual embeddings at image positions" + ("" if msd3 else ", the fc bias") + "); without it, stock vLLM "
-        "serves the same folder in a compatible mode that drafts from the image placeholder's embedding. "
-        "Outputs are the target's either way. See msd-train's docs/serving.md.",
-        "",
         "## Head",
         "",
         "| field | value |",
