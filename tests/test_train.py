@@ -176,10 +176,19 @@ def test_a_skipped_non_finite_micro_batch_keeps_deepspeed_on_the_recipes_step(in
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("head", ["msd", "msd3"])
+@pytest.mark.parametrize("head", ["msd", "msd3", "msd-offline-pruned"])
 def test_resume_after_kill_is_exact(mini_run, tmp_path, head):
+    extra = [f"head={head}"]
+    if head == "msd-offline-pruned":  # training from a feature store, over a draft vocabulary, length-bucketed
+        from test_features import gen_cfg
+
+        from msd_train.features.generate import generate
+
+        generate(gen_cfg(mini_run, tmp_path / "store", "splits=[text,heldout_text]"))
+        extra = ["head=msd", "features=offline", f"features.path={tmp_path / 'store'}", "draft.train_vocab=32",
+                 "train.bucket_window=8"]
     common = [*mini_run, "train.max_steps=8", "checkpoint.every=2", "eval.every=100",
-              "train.micro_batch_size=2", "train.grad_accum=2", f"head={head}"]
+              "train.micro_batch_size=2", "train.grad_accum=2", *extra]
     train(["stage=1", *common, f"run_dir={tmp_path / 'straight'}"])
     run = tmp_path / "resumed"
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "stage=1", *common, f"run_dir={run}"],
