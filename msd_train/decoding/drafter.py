@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from msd_train.decoding.cache import PositionCache, key_mask
+from msd_train.decoding.cache import PositionCache, attention_width, key_mask
 from msd_train.decoding.graphs import StepGraphs
 from msd_train.decoding.sampling import SamplingParams, log_probs, logits_to_probs, sample
 from msd_train.decoding.tree import Tree, chain
@@ -136,10 +136,11 @@ class HeadDrafter:
             embeds = embeds.expand(rows, -1, -1)
             pos = pos.expand(*pos.shape[:-2], rows, pos.shape[-1])
         past, (t, a) = self.cache.length, queries.shape
-        mask = key_mask(past, self.cache.capacity, queries, self.draft.dtype)
+        width = attention_width(self.graphs.enabled, self.cache.capacity, past + a)
+        mask = key_mask(past, width, queries, self.draft.dtype)
         pad = self.key_bias()
         if pad is not None:
-            mask = mask + pad
+            mask = mask + pad[..., :width]
         write_index = torch.arange(past + a - t, past + a, device=embeds.device)
         return self.graphs.run("head", self._step, embeds=embeds, hidden=hidden, pos=pos, mask=mask,
                                write_index=write_index)[0]
@@ -147,7 +148,7 @@ class HeadDrafter:
     def _step(self, embeds, hidden, pos, mask, write_index):
         """The head forward as a function of tensors only (what a captured graph replays)."""
         return (self.draft.step(embeds, hidden, position_ids=pos, attention_mask=mask,
-                                past_key_values=self.cache.at(write_index), use_cache=True),)
+                                past_key_values=self.cache.at(write_index, mask.shape[-1]), use_cache=True),)
 
     def distribution(self, target, out: torch.Tensor, sampling: SamplingParams, log: bool = False) -> torch.Tensor:
         """The draft distribution (T, V) after the head's outputs ``out`` (R, T, H):

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from msd_train.decoding.cache import PositionCache, key_mask
+from msd_train.decoding.cache import PositionCache, attention_width, key_mask
 from msd_train.decoding.config import METHODS, DecodeConfig, build_drafter, use_draft_vocabulary
 from msd_train.decoding.drafter import HeadDrafter, Pending, PromptPass, draft_chain, draft_tree
 from msd_train.decoding.graphs import StepGraphs
@@ -273,7 +273,8 @@ def verify(target, state: DecodeState, tree: Tree) -> tuple[torch.Tensor, torch.
     pos = target.continue_positions(m, 1, state.rope_deltas) + tree.depths
     seen = (torch.ones(n, n, dtype=torch.bool, device=target.device).tril() if tree.is_chain
             else tree.ancestor_mask())
-    mask = key_mask(m, cache.capacity, seen, target.dtype)
+    width = attention_width(state.workspace.graphs.enabled, cache.capacity, m + n)
+    mask = key_mask(m, width, seen, target.dtype)
     return state.workspace.graphs.run("verify", _target_step(target, cache, state.feature_layers), embeds=embeds, pos=pos, mask=mask,
                                       write_index=torch.arange(m, m + n, device=target.device))
 
@@ -282,7 +283,8 @@ def _target_step(target, cache: PositionCache, feature_layers: list[int] | None 
     """The target forward as a function of tensors only (what a captured graph replays):
     logits (T, V) and the head's features (T, H or k*H) of T tokens written at ``write_index``."""
     def step(embeds, pos, mask, write_index):
-        hidden, _, feats = _run_target(target, embeds, pos, mask, cache.at(write_index), feature_layers)
+        hidden, _, feats = _run_target(target, embeds, pos, mask, cache.at(write_index, mask.shape[-1]),
+                                       feature_layers)
         return target.lm_head(hidden[0]), feats[0]
 
     return step
@@ -435,7 +437,8 @@ def decode_plain(target, state: DecodeState, config: DecodeConfig, generator: to
         cache, m = state.target_cache, state.cache_len
         logits, _ = graphs.run(
             "plain", _target_step(target, cache), embeds=target.embed_tokens(state.pending_tokens)[None],
-            pos=target.continue_positions(m, 1, state.rope_deltas), mask=key_mask(m, cache.capacity, one, target.dtype),
+            pos=target.continue_positions(m, 1, state.rope_deltas),
+            mask=key_mask(m, attention_width(graphs.enabled, cache.capacity, m + 1), one, target.dtype),
             write_index=torch.arange(m, m + 1, device=target.device))
         cache.length = m + 1
         state.pending_tokens = _next_token(logits[-1], sampling, generator)
