@@ -37,6 +37,7 @@ RECORD = "settings.json"
 #: would change under steps already taken. (group or key, why)
 REFUSED = (
     ("seed", "the data order and the noise follow it"),
+    ("train.bucket_window", "the data order follows it"),
     ("train.lr", "the optimizer state in the checkpoint restores its learning rate"),
     ("train.betas", "the optimizer state in the checkpoint restores them"),
     ("train.weight_decay", "the optimizer state in the checkpoint restores it"),
