@@ -10,7 +10,6 @@ from the store with ``train.py features=offline features.path=DIR`` and the same
 and data overrides. See docs/features.md.
 """
 
-import sys
 
 from msd_train.config import CONF_DIR, strip_launcher_args
 
@@ -39,11 +38,11 @@ def main(cfg: DictConfig) -> None:
         check_generate(OmegaConf.to_container(cfg, resolve=True))
     # Joins the launcher's group (torchrun / deepspeed set WORLD_SIZE), NCCL on CUDA, gloo on CPU.
     group = runtime.setup_group(runtime.local_device(cfg.target.device), timeout_minutes=cfg.dist.timeout_minutes)
+    kept = (f"every finished shard in {cfg.features.path} is kept (progress/rank-*.jsonl lists them); relaunch the "
+            "same command to resume")
     try:
-        generate(cfg, group)
-    except FeatureStoreError as e:
-        logging.getLogger("msd_train.features").error("%s", e)
-        sys.exit(1)
+        with user_errors(FeatureStoreError, kept=kept):  # a full disk, Ctrl-C, a bad store: one message
+            generate(cfg, group)
     finally:
         group.destroy(barrier=False)
 

@@ -36,7 +36,9 @@ def main(cfg: DictConfig) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     settings = OmegaConf.to_container(cfg, resolve=True)
-    with user_errors(RegenerateError, EngineError, FileNotFoundError):
+    kept = (f"every conversation answered so far is in {settings.get('out')}/rank-*.jsonl; relaunch the same command "
+            "to answer the rest")
+    with user_errors(RegenerateError, EngineError, FileNotFoundError, kept=kept):
         if OmegaConf.is_missing(cfg, "out"):
             raise ConfigError("out is not set; give out=DIR, the folder for the regenerated conversations")
         for key in ("max_new_tokens", "max_prompt_tokens"):
