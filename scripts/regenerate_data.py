@@ -29,8 +29,9 @@ def main(cfg: DictConfig) -> None:
     from omegaconf import OmegaConf
 
     from msd_train import runtime
-    from msd_train.data.engines import EngineError, HFEngine, Sampling, VLLMEngine, vllm_version
+    from msd_train.data.engines import EngineError, HFEngine, Sampling
     from msd_train.data.regenerate import RegenerateError, regenerate
+    from msd_train.serving.regenerate import VLLMEngine, vllm_version
     from msd_train.targets import load_target
     from msd_train.validate import ConfigError, _number, user_errors
 

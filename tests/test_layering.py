@@ -16,6 +16,8 @@ TRAINING_ONLY = {"deepspeed", "hydra", "wandb", "datasets", "omegaconf"}
 
 
 def _module_file(name: str) -> Path | None:
+    if name == "msd_train":  # ``from msd_train import module``
+        return PKG / "__init__.py"
     rel = Path(*name.split(".")[1:])
     for cand in (PKG / rel.with_suffix(".py"), PKG / rel / "__init__.py"):
         if cand.is_file():

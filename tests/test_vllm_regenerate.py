@@ -15,8 +15,9 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here; build its environment with scripts/vllm_env.sh "
                                    "and run this file with that environment's python")
 
-from msd_train.data.engines import HFEngine, Sampling, VLLMEngine  # noqa: E402
+from msd_train.data.engines import HFEngine, Sampling  # noqa: E402
 from msd_train.data.regenerate import MERGED, regenerate  # noqa: E402
+from msd_train.serving.regenerate import VLLMEngine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = ROOT / "data" / "tiny-llava"
