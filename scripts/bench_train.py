@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 GOAL_TOKENS_PER_S, FIRST_BAR = 20000, 15000  # issue 12, one H100, 7B shape, seq 2048, one image
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
-PHASES = ("data", "target_forward", "head_fwd_bwd", "optimizer")
+PHASES = ("data", "target_forward", "head_fwd_bwd", "loss", "optimizer")
 
 
 # ----------------------------------------------------------------------------- synthetic data
@@ -192,6 +192,15 @@ def run_one(args, overrides: list[str]) -> dict:
         device = recipe.device
         timer, shape = PhaseTimer(device), StepShape()
         recipe.features = timer.wrap("target_forward", recipe.features)
+        # the token loss's lm_head products (their gradient is taken in the forward): the msd
+        # loss function, and msd3's target distribution and per-step logits
+        import msd_train.draft.model as msd_model
+        import msd_train.draft.msd3 as msd3_model
+
+        saved = (msd_model.msd_loss, msd3_model.MSD3DraftModel._targets, msd3_model.MSD3DraftModel.draft_logits)
+        msd_model.msd_loss = timer.wrap("loss", msd_model.msd_loss)
+        msd3_model.MSD3DraftModel._targets = timer.wrap("loss", saved[1])
+        msd3_model.MSD3DraftModel.draft_logits = timer.wrap("loss", saved[2])
         next_batches = timer.wrap("data", recipe._next_batches)
         to_device = timer.wrap("data", recipe._to_device)
 
@@ -237,7 +246,10 @@ def run_one(args, overrides: list[str]) -> dict:
         peak = (torch.cuda.max_memory_allocated(device) if cuda
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         t = timer.t
-        t["head_fwd_bwd"] = max(split_total - t["data"] - t["target_forward"] - t["optimizer"], 0.0)
+        msd_model.msd_loss, msd3_model.MSD3DraftModel._targets, msd3_model.MSD3DraftModel.draft_logits = saved
+        # the head's forward and backward, the loss's forward part left out (msd3's logits'
+        # backward, run by autograd, stays in head_fwd_bwd)
+        t["head_fwd_bwd"] = max(split_total - t["data"] - t["target_forward"] - t["loss"] - t["optimizer"], 0.0)
         pf = peak_flops(device)
         row = {
             "micro_batch_size": int(cfg.train.micro_batch_size), "grad_accum": int(cfg.train.grad_accum),
@@ -291,17 +303,17 @@ def markdown(r: dict) -> str:
              f"- {r['sample']}", ""]
     if r.get("note"):
         lines += [r["note"], ""]
-    lines += ["| micro-batch | s/step | target tokens/s | MFU | peak GiB | data | target fwd | head fwd+bwd | optimizer |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| micro-batch | s/step | target tokens/s | MFU | peak GiB | data | target fwd | head fwd+bwd | loss | optimizer |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
         if row.get("oom"):
-            lines.append(f"| {row['micro_batch_size']} | OOM | | | | | | | |")
+            lines.append(f"| {row['micro_batch_size']} | OOM | | | | | | | | |")
             continue
         sp = row["split_share"]
         mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "-"
         lines.append(f"| {row['micro_batch_size']} | {row['s_per_step']:.3f} | {row['target_tokens_per_s']:.0f} | "
                      f"{mfu} | {row['peak_memory_gib']:.2f} | "
-                     + " | ".join(f"{100 * sp[k]:.0f}%" for k in PHASES) + " |")
+                     + " | ".join(f"{100 * sp[k]:.0f}%" if sp.get(k) is not None else "-" for k in PHASES) + " |")
     best = r["best_target_tokens_per_s"]
     lines += ["", f"best {best:.0f} target tokens/s (goal >= {GOAL_TOKENS_PER_S}, first bar {FIRST_BAR}, "
                   "on one H100 at the 7B shape)", ""]

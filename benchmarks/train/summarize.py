@@ -84,7 +84,7 @@ def _train_row(path: Path) -> dict | None:
     r = _load(path)
     if r is None:
         return None
-    row = r["results"][0] if "results" in r else r
+    row = r["rows"][0]
     return {"target_tokens_per_s": row["target_tokens_per_s"], "s_per_step": row["s_per_step"],
             "split_ms_per_step": row["split_ms_per_step"], "split_share": row["split_share"],
             "features": row.get("features"), "peak_memory_gib": row.get("peak_memory_gib")}
