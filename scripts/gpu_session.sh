@@ -535,7 +535,7 @@ print()' >"$OUT/summary.json"
 }
 
 unpack() {  # unpack DIR: what came back (files_at) -> benchmarks/gpu/
-  local src=${1:?unpack DIR (the folder where the device call files came back)} gpu dest=benchmarks/gpu t
+  local src=${1:?unpack DIR (the folder where the device call files came back)} gpu dest=${DEST:-benchmarks/gpu} t
   gpu=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['gpu'])" "$src/summary.json" 2>/dev/null || echo gpu)
   mkdir -p "$dest"
   for t in "$src"/*.tar.gz; do

@@ -253,3 +253,26 @@ def test_a_real_run_stops_a_part_at_its_share_and_goes_on(tmp_path):
     assert all(p["seconds"] <= 5 for p in s["parts"]) and s["budget_s"] == 480
     assert "TIMEOUT: part setup" in (out / "session.log").read_text()
     assert len(list(out.iterdir())) <= 8
+
+
+def test_unpack_puts_what_came_back_under_benchmarks_gpu_by_gpu_name(tmp_path):
+    import tarfile
+
+    back, work = tmp_path / "back", tmp_path / "w"
+    back.mkdir()
+    for part, names in (("decode", ["decode-llava15_7b-h100.json", "decode-llava15_7b-h100.md", "log.txt"]),
+                        ("readme", ["resume.json", "report.json", "log.txt"])):
+        (work / part).mkdir(parents=True)
+        for n in names:
+            (work / part / n).write_text("{}")
+        with tarfile.open(back / f"{part}.tar.gz", "w:gz") as t:
+            t.add(work / part, arcname=part)
+    (back / "summary.json").write_text(json.dumps({"gpu": "h100", "parts": []}))
+    (back / "env.txt").write_text("NVIDIA H100 80GB HBM3\n")
+    dest = tmp_path / "bench"
+    r = _session("unpack", str(back), tmp_path=tmp_path, env={"DEST": str(dest)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
+    assert got == ["decode-llava15_7b-h100.json", "decode-llava15_7b-h100.md", "readme-h100/log.txt",
+                   "readme-h100/report.json", "readme-h100/resume.json", "session-h100-env.txt",
+                   "session-h100-summary.json"]
