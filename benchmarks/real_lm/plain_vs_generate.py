@@ -45,7 +45,8 @@ def main() -> None:
     line = open(a.bench, encoding="utf-8").read().splitlines()[a.item]
     q = json.loads(line)["turns"][0]
     prompt = target.encode_prompt([{"role": "user", "content": q}], [])
-    args = SimpleNamespace(repeats=a.repeats, warmup=a.warmup, new_tokens=a.new_tokens, threads=a.threads)
+    args = SimpleNamespace(repeats=a.repeats, warmup=a.warmup, new_tokens=a.new_tokens, threads=a.threads,
+                           hf_caches=["dynamic", "static"])
     t0 = time.time()
     bandwidth = bench_gpu.bench_bandwidth(device, args)
     plain = bench_gpu.bench_plain(target, prompt, args, device, bandwidth)

@@ -49,11 +49,11 @@ if [ ! -f "$OUT/features.json" ]; then
 fi
 
 # 3. a training step, stage 1, micro-batch 4 (the real-LM recipe's), 2 threads
-bench() {  # NAME [overrides]
+bench() {  # NAME [overrides]   (STEPS: timed optimizer steps, default 4)
   local name=$1; shift
   [ -f "$OUT/train-$name.json" ] && return
   python scripts/bench_train.py "${ONLY_TEXT[@]}" train.micro_batch_size=4 train.loader_workers=0 "$@" \
-      --steps 4 --warmup 1 --split-steps 3 --micro-batches 4 --note "$name" --out "$OUT/train-$name.json" \
+      --steps "${STEPS:-4}" --warmup 1 --split-steps 3 --micro-batches 4 --note "$name" --out "$OUT/train-$name.json" \
       > "$W/train-$name.log" 2>&1
 }
 OFF=(features=offline features.path="$W/store")
@@ -61,7 +61,9 @@ bench msd-online-full
 bench msd-offline-full "${OFF[@]}"
 bench msd-online-8192 draft.train_vocab=8192
 bench msd-offline-8192 "${OFF[@]}" draft.train_vocab=8192
-bench msd-offline-8192-bucket64 "${OFF[@]}" draft.train_vocab=8192 train.bucket_window=64
+# length buckets need more steps to show: 40 (160 conversations, about one epoch of the 163) each
+STEPS=40 bench msd-offline-8192-40steps "${OFF[@]}" draft.train_vocab=8192
+STEPS=40 bench msd-offline-8192-bucket64-40steps "${OFF[@]}" draft.train_vocab=8192 train.bucket_window=64
 M3=(head=msd3 "draft.feature_layers=[2,15,27]")
 bench msd3-online-full "${M3[@]}" draft.draft_vocab_size=49153
 bench msd3-offline-full "${M3[@]}" draft.draft_vocab_size=49153 "${OFF[@]}"

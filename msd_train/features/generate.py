@@ -499,6 +499,6 @@ def _print_estimate(est: dict, target, out: Path) -> None:
     text = est["tokens"] - est["visual_tokens"]
     print(f"total: {est['samples']} samples, {est['tokens']} tokens, {est['shards']} shards, "
           f"estimated {human_bytes(est['bytes'])} on disk ({human_bytes(est['bytes'] / max(est['samples'], 1))} per "
-          f"sample, {est['bytes'] / max(est['tokens'], 1):.0f} bytes per token; the budget of 2H bytes per text token "
-          f"and 4H per visual token is {human_bytes(est['budget_bytes'])} for {text} text and "
+          f"sample, {est['bytes'] / max(est['tokens'], 1):.0f} bytes per token; the budget of 2H + 4 bytes per text token "
+          f"and 4H + 4 per visual token is {human_bytes(est['budget_bytes'])} for {text} text and "
           f"{est['visual_tokens']} visual tokens)")
