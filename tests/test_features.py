@@ -87,13 +87,17 @@ def test_store_layout_and_budget(store, target):
     assert sum(s["n_hidden_rows"] for s in manifest["shards"]) < manifest["totals"]["n_tokens"]
 
 
-def test_offline_features_equal_online_features(store, mini_run, target):
-    path, _ = store
-    source = OfflineFeatures(train_cfg(mini_run, path), target)
-    rows = split_rows(mini_run, target, "multimodal")[:3] + split_rows(mini_run, target, "text")[:2]
+def online_and_offline(store, mini_run, target, n_mm: int, n_text: int):
+    """The same batch's features from the frozen target and from the store, and its rows."""
+    source = OfflineFeatures(train_cfg(mini_run, store[0]), target)
+    rows = split_rows(mini_run, target, "multimodal")[:n_mm] + split_rows(mini_run, target, "text")[:n_text]
     batch = batch_of(target, rows)
     on = target.features(batch["input_ids"], batch["attention_mask"], batch["pixel"])
-    off = source({**batch, "pixel": {}})
+    return on, source({**batch, "pixel": {}}), rows
+
+
+def test_offline_features_equal_online_features(store, mini_run, target):
+    on, off, rows = online_and_offline(store, mini_run, target, 3, 2)
     assert torch.equal(off.visual_mask, on.visual_mask) and off.visual_mask.any()
     text = ~off.visual_mask
     assert torch.equal(off.inputs_embeds[text], on.inputs_embeds[text])  # the frozen table, exactly
@@ -110,12 +114,7 @@ def test_the_store_holds_the_targets_top1_for_a_pruned_loss(store, mini_run, tar
     reads instead of a full-vocabulary product every step); -1 where no row is stored."""
     from msd_train.draft.loss import lm_head_argmax
 
-    path, _ = store
-    source = OfflineFeatures(train_cfg(mini_run, path), target)
-    rows = split_rows(mini_run, target, "multimodal")[:2] + split_rows(mini_run, target, "text")[:3]
-    batch = batch_of(target, rows)
-    on = target.features(batch["input_ids"], batch["attention_mask"], batch["pixel"])
-    off = source({**batch, "pixel": {}})
+    on, off, rows = online_and_offline(store, mini_run, target, 2, 3)
     want = lm_head_argmax(target.lm_head, on.hidden_states)
     top2 = target.lm_head(on.hidden_states).topk(2, -1).values
     clear = (top2[..., 0] - top2[..., 1]) > 1e-3  # a random model has near-ties another batch's numerics may flip

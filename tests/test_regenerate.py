@@ -198,3 +198,25 @@ def test_an_image_that_cannot_be_decoded_is_named_before_answering(target, tmp_p
         regenerate(target, settings(tmp_path / "out", inputs=[{"path": str(src), "format": "auto"}], limit=None),
                    on_record=answered.append)
     assert answered == []
+
+
+def test_engine_vllm_of_another_release_or_past_the_window_is_refused(monkeypatch):
+    """vLLM of a release this project was not checked against, or a prompt budget beyond the
+    target's context window: refused with the fix, before an engine starts."""
+    import importlib.metadata
+
+    from msd_train.data.engines import EngineError, Sampling
+    from msd_train.serving import regenerate as served
+
+    def version(dist):
+        if dist == "vllm":
+            return "0.99.1"
+        raise importlib.metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    with pytest.raises(EngineError, match=r"vLLM 0.99.1 is installed.*scripts/vllm_env.sh"):
+        served.vllm_version()
+    monkeypatch.setattr(served, "vllm_version", lambda: "0.32.0")
+    target = SimpleNamespace(adapter=None, dtype=None, text_config=SimpleNamespace(max_position_embeddings=2048))
+    with pytest.raises(EngineError, match="2304 is longer than the target's context window \\(2048"):
+        served.VLLMEngine(target, "unused", Sampling(256), max_model_len=2304)

@@ -30,6 +30,10 @@ class VLLMEngine:
         if getattr(target, "adapter", None):
             raise EngineError(f"engine=vllm does not merge LoRA adapters (target.adapter={target.adapter}); "
                               "merge the adapter into the weights and save the folder first, or use engine=hf")
+        window = getattr(target.text_config, "max_position_embeddings", None)
+        if window and int(max_model_len) > int(window):
+            raise EngineError(f"engine=vllm: max_prompt_tokens + max_new_tokens = {max_model_len} is longer than the "
+                              f"target's context window ({window} tokens); lower max_prompt_tokens or max_new_tokens")
         on_cpu = _is_cpu_build()
         if on_cpu:
             for key, value in VLLM_CPU_ENV.items():
@@ -43,10 +47,6 @@ class VLLMEngine:
         self.target, self.sampling, self.batch_size = target, sampling, max(int(batch_size), 1)
         self.image_token_id = target.image_token_id
         dtype = dtype or str(target.dtype).removeprefix("torch.")
-        window = getattr(target.text_config, "max_position_embeddings", None)
-        if window and int(max_model_len) > int(window):
-            raise EngineError(f"engine=vllm: max_prompt_tokens + max_new_tokens = {max_model_len} is longer than the "
-                              f"target's context window ({window} tokens); lower max_prompt_tokens or max_new_tokens")
         folder = vllm_target(target_path, os.path.expanduser(cache or "~/.cache/msd-train/vllm-targets"))
         self.max_model_len = int(max_model_len)
         self.llm = LLM(model=str(folder), dtype=dtype, max_model_len=self.max_model_len, seed=0,
