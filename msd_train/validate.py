@@ -136,6 +136,10 @@ def check_train(cfg) -> None:
     _choice(cfg, "features.mode", ("online", "offline"))
     _choice(cfg, "draft.visual_compression", ("none", "kmeans", "pool"))
     _number(cfg, "draft.visual_compression_tokens", int, lo=1, hint=" (visual slots an image keeps in the draft)")
+    _number(cfg, "draft.train_vocab", int, lo=1, allow_none=True,
+            hint=" (target tokens the token loss covers), or drop it for the whole vocabulary")
+    _number(cfg, "draft.draft_vocab_size", int, lo=1, allow_none=True, hint=" (an msd3 head's draft vocabulary)")
+    _number(cfg, "train.bucket_window", int, lo=0, allow_none=True, hint=" (samples sorted by length together; 0: off)")
     _bool(cfg, "train.gradient_checkpointing")
     resume = _get(cfg, "resume")
     if resume is not _MISSING and str(resume).lower() not in ("auto", "true", "false", "0", "1", "yes", "no"):

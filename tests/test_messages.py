@@ -72,6 +72,15 @@ def test_non_finite_training_settings_are_refused(key, value):
         check_train(cfg)
 
 
+@pytest.mark.parametrize("key,value,phrase", [
+    ("draft.train_vocab", "abc", "is not an integer"), ("draft.train_vocab", 0, "must be at least 1"),
+    ("draft.draft_vocab_size", 0, "must be at least 1"), ("train.bucket_window", -1, "must be at least 0"),
+])
+def test_vocabulary_and_bucket_settings_are_checked_before_loading(key, value, phrase):
+    with pytest.raises(ConfigError, match=rf"^{key}=\S+ {phrase}"):
+        check_train(nested(key, value))
+
+
 def _float_leaves(node, prefix=""):
     if isinstance(node, dict):
         for k, v in node.items():

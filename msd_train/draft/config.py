@@ -258,6 +258,10 @@ class MSD3DraftConfig(MSDDraftConfig):
                                  f"(0 .. {self.target_num_layers - 1})")
         if self.ttt_steps < 1:
             raise ValueError(f"ttt_steps must be at least 1, got {self.ttt_steps}")
+        if self.draft_vocab_size is not None and not (
+                0 < self.draft_vocab_size <= (self.target_vocab_size or self.draft_vocab_size)):
+            raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be between 1 and the target's vocabulary "
+                             f"({self.target_vocab_size})")
 
     @classmethod
     def from_target_config(cls, text_config, target_name_or_path: str | None, **overrides) -> "MSD3DraftConfig":
