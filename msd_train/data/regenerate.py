@@ -76,30 +76,30 @@ def read_inputs(inputs: list[dict], limit: int | None) -> tuple[list[dict], list
 
 def conversation_key(conv: dict) -> str:
     """A digest of what a conversation asks: its messages as read and its images' bytes.
-    Records are matched to the inputs by this key, so an edited input is noticed."""
+    Records are matched to the inputs by this key, so an edited input is noticed. Each image
+    is decoded from the bytes read here, so one that the engine could not read fails before
+    any answering starts."""
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
     h = hashlib.sha256(json.dumps(conv["messages"], ensure_ascii=False, sort_keys=True).encode())
     for p in conv.get("images") or []:
         h.update(b"\0image\0")
         try:
-            h.update(Path(p).read_bytes())
+            data = Path(p).read_bytes()
         except OSError as e:
             raise RegenerateError(f"{conv.get('source')}: conversation {conv.get('id')!r} names image {p}, which "
                                   f"cannot be read ({e.strerror}); fix the path or image_root, or remove the "
                                   "conversation") from None
-    return h.hexdigest()[:24]
-
-
-def check_images(conv: dict) -> None:
-    """Every image of ``conv`` decodes (checked before any answering starts)."""
-    from PIL import Image, UnidentifiedImageError
-
-    for p in conv.get("images") or []:
         try:
-            with Image.open(p) as im:
+            with Image.open(io.BytesIO(data)) as im:
                 im.verify()
         except (OSError, UnidentifiedImageError, SyntaxError) as e:
             raise RegenerateError(f"{conv.get('source')}: conversation {conv.get('id')!r}: image {p} cannot be decoded "
                                   f"({e}); replace the file or remove the conversation") from None
+        h.update(data)
+    return h.hexdigest()[:24]
 
 
 def _record_key(rec: dict) -> str:
@@ -275,8 +275,6 @@ def regenerate(target, settings: dict, group=None, on_record=None, engine=None) 
     todo = [n for n in mine if keys[n] not in done]
     seen: set[str] = set()  # a conversation given twice has one key: answered once
     todo = [n for n in todo if not (keys[n] in seen or seen.add(keys[n]))]
-    for n in todo:  # an image the engine could not read fails here, not hours into the run
-        check_images(convs[n])
     t0, tokens = time.time(), 0
     bar = tqdm(total=len(mine), initial=len(mine) - len(todo), desc=f"regenerate (rank {rank}, {engine.name})",
                disable=rank != 0 or not settings.get("progress", True), mininterval=2.0, unit="conv")
