@@ -115,6 +115,8 @@ def check_train(cfg) -> None:
         _number(cfg, key, int, lo=1)
     # 0 would silently mean "all" to the readers' limit
     _number(cfg, "data.max_heldout", int, lo=1, hint=" (held-out conversations per modality for validation)")
+    _number(cfg, "data.max_train", int, lo=1, allow_none=True,
+            hint=" (training conversations per modality, the first in file order; null: all)")
     _number(cfg, "seed", int, lo=0, hint=" (it seeds numpy and the data order, which take no negative seed)")
     _number(cfg, "train.lr", float, lo=0, lo_open=True)
     for key in ("train.weight_decay", "train.grad_clip", "train.w_feat", "train.w_tok", "train.noise_scale"):
@@ -402,6 +404,7 @@ def check_generate(cfg) -> None:
     _number(cfg, "dist.timeout_minutes", float, lo=0, lo_open=True)
     _number(cfg, "data.max_length", int, lo=1)
     _number(cfg, "data.max_heldout", int, lo=1)
+    _number(cfg, "data.max_train", int, lo=1, allow_none=True)
     _choice(cfg, "data.on_bad_sample", ("skip", "error"))
     if not _get(cfg, "features.path") or _get(cfg, "features.path") is _MISSING:
         raise ConfigError("features.path is not set; give the folder to write the store into: features.path=DIR")

@@ -138,13 +138,14 @@ def extrapolate() -> dict:
 def time_loader(train_cfg, target, micro: int, steps: int) -> dict:
     from msd_train.data.collate import collate
     from msd_train.data.dataset import build_split
-    from msd_train.features.generate import split_limit, split_sources
+    from msd_train.data.dataset import split_limit
+    from msd_train.features.generate import split_sources
     from msd_train.features.offline import OfflineFeatures
 
     source = OfflineFeatures(train_cfg, target)
     d = train_cfg.data
     pools = {n: build_split(split_sources(train_cfg, n), target, d.max_length, d.on_bad_sample, d.cache_dir,
-                            d.num_proc, split_limit(train_cfg, n)).dataset for n in ("text", "multimodal")}
+                            d.num_proc, split_limit(train_cfg.data, n)).dataset for n in ("text", "multimodal")}
     rng = random.Random(0)
 
     def batch_rows():

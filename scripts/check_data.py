@@ -70,11 +70,11 @@ def check_split(cfg, target, name: str) -> dict:
     """Tokenise one split at full length and account for every record."""
     from omegaconf import OmegaConf
 
-    from msd_train.data.dataset import build_split
+    from msd_train.data.dataset import build_split, split_limit
 
     d = cfg.data
     sources = [OmegaConf.to_container(s, resolve=True) for s in d[name]]
-    limit = int(d.max_heldout) if name.startswith("heldout") else None
+    limit = split_limit(d, name)
     report = {"files": [s["path"] for s in sources], "limit": limit}
     try:
         split = build_split(sources, target, NO_LIMIT, "skip", d.cache_dir, d.num_proc, limit)
@@ -110,7 +110,7 @@ def check_split(cfg, target, name: str) -> dict:
 
 
 def print_report(name: str, r: dict, show: int) -> None:
-    print(f"data.{name}: {', '.join(r['files'])}" + (f" (first {r['limit']} usable, data.max_heldout)" if r["limit"] else ""))
+    print(f"data.{name}: {', '.join(r['files'])}" + (f" (first {r['limit']} usable, data.{'max_heldout' if name.startswith('heldout') else 'max_train'})" if r["limit"] else ""))
     if "error" in r:
         print(f"  cannot be read: {r['error']}")
         return

@@ -161,6 +161,21 @@ def test_manifest_mismatch_is_refused_with_the_difference(store, mini_run, targe
         OfflineFeatures(train_cfg(mini_run, path), tiny_llava_target(seed=5))
 
 
+def test_a_store_over_all_the_data_serves_a_run_on_its_first_conversations(store, mini_run, target, tmp_path):
+    """data.max_train=N: the first N conversations per training split, read from a store made over all
+    of them (a data-size sweep needs one store); a store made over fewer is refused for more."""
+    from msd_train.data.dataset import split_limit
+
+    path, _ = store
+    assert split_limit(train_cfg(mini_run, path, "data.max_train=3").data, "text") == 3
+    assert split_limit(train_cfg(mini_run, path).data, "text") is None
+    OfflineFeatures(train_cfg(mini_run, path, "data.max_train=3"), target)  # accepted
+    small = generate(gen_cfg(mini_run, tmp_path / "small", "data.max_train=2", "splits=[text]"), target=target)
+    assert small["totals"]["n_samples"] == 2
+    with pytest.raises(FeatureStoreError, match=r"first 2 samples, the config asks for all \(data.max_train\)"):
+        OfflineFeatures(train_cfg(mini_run, tmp_path / "small", "stage='1'", "stage.splits=[text]"), target)
+
+
 def test_stored_ids_must_equal_batch_ids(store, mini_run, target):
     path, _ = store
     source = OfflineFeatures(train_cfg(mini_run, path), target)

@@ -47,6 +47,13 @@ def test_a_store_with_layers_gives_the_online_layer_inputs(mini_run, target, tmp
     torch.testing.assert_close(with_top, without)
     assert parts["valid_0"] > 0
 
+    # an msd head (no layers) trains from the same store: each row's last output, as a plain store gives
+    msd_off = OfflineFeatures(cfg, target)({**batch, "pixel": {}})
+    plain_off = OfflineFeatures(train_cfg(mini_run, tmp_path / "plain", "stage.splits=[multimodal]"), target)(
+        {**batch, "pixel": {}})
+    assert msd_off.layer_states is None
+    torch.testing.assert_close(msd_off.hidden_states, plain_off.hidden_states, rtol=0, atol=0)
+
     with pytest.raises(FeatureStoreError, match=r"features.layers=\[1\]"):
         OfflineFeatures(cfg, target, [1])
     with pytest.raises(FeatureStoreError, match="holds the inputs of target layers none"):

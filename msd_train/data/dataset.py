@@ -114,6 +114,16 @@ def _encode_row(row: dict, target, max_length: int, image_root_hint: str) -> dic
             "bad": "", "fix": ""}
 
 
+def split_limit(data_cfg, name: str) -> int | None:
+    """How many usable conversations split ``name`` contributes, the first in file order:
+    ``data.max_heldout`` for a held-out split, ``data.max_train`` (null: all) for a training one.
+    The one rule the recipe, the feature store and ``check_data.py`` share."""
+    if name.startswith("heldout"):
+        return int(data_cfg.max_heldout)
+    n = data_cfg.get("max_train")
+    return None if n is None else int(n)
+
+
 def build_split(
     sources: list[dict],
     target,

@@ -25,7 +25,7 @@ import torch
 from omegaconf import OmegaConf
 
 from msd_train.config import SPLITS as _SPLITS
-from msd_train.data.dataset import file_digest
+from msd_train.data.dataset import file_digest, split_limit
 from msd_train.draft.loss import lm_head_argmax
 from msd_train.features.store import (
     DTYPES,
@@ -80,10 +80,6 @@ def split_sources(cfg, name: str) -> list[dict]:
     return [OmegaConf.to_container(s, resolve=True) for s in (cfg.data.get(name) or [])]
 
 
-def split_limit(cfg, name: str) -> int | None:
-    return int(cfg.data.max_heldout) if name.startswith("heldout") else None  # as the recipe does
-
-
 def data_fingerprint(cfg, names) -> dict:
     """The data a store was made from: per split its files' names and SHA-1, and limits."""
     splits = {}
@@ -94,7 +90,7 @@ def data_fingerprint(cfg, names) -> dict:
         splits[name] = {
             "files": [{"name": Path(s["path"]).name, "path": str(s["path"]), "sha1": file_digest(s["path"]),
                        "format": s.get("format", "auto"), "image_root": str(s.get("image_root"))} for s in sources],
-            "limit": split_limit(cfg, name),
+            "limit": split_limit(cfg.data, name),
         }
     return {"max_length": int(cfg.data.max_length), "splits": splits}
 
@@ -130,7 +126,7 @@ def manifest_differences(manifest: dict, identity: dict, data: dict) -> list[str
                          f"config {[f['path'] + ' sha1 ' + f['sha1'][:10] for f in want['files']]}")
         if have["limit"] is not None and (want["limit"] is None or want["limit"] > have["limit"]):
             diffs.append(f"data.{name}: the store holds the first {have['limit']} samples, the config asks for "
-                         f"{want['limit'] or 'all'} (data.max_heldout)")
+                         f"{want['limit'] or 'all'} (data.{'max_heldout' if name.startswith('heldout') else 'max_train'})")
     return diffs
 
 
@@ -242,7 +238,7 @@ def _build_splits(cfg, target, names, group: Group) -> dict:
     with group.rank0_first():  # rank 0 tokenises and fills the datasets cache, then the others read it
         for name in names:
             split = build_split(split_sources(cfg, name), target, d.max_length, d.on_bad_sample, d.cache_dir,
-                                d.num_proc, split_limit(cfg, name))
+                                d.num_proc, split_limit(d, name))
             if split.skipped and group.rank == 0:
                 log.warning("data.%s: %d samples skipped (scripts/check_data.py lists them with reasons)",
                             name, len(split.skipped))

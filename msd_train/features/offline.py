@@ -33,10 +33,16 @@ class OfflineFeatures:
         self.target = target
         self.store = FeatureStore(fc.path, verify=fc.get("verify", "quick"))
         #: the layer inputs stored before each row's last output (what an msd3 head reads)
-        self.layers = self.store.manifest.get("layers")
-        if layers is not None and self.layers != list(layers):
+        stored = self.store.manifest.get("layers")
+        #: what this head reads of them: an msd head (``layers`` None) takes each row's last output
+        #: only, so one store made for msd3 trains both heads (one target pass, not two)
+        self.layers = None if layers is None else stored
+        if layers is None and stored:
+            log.info("feature store %s also holds target layers %s: this head reads the last output only",
+                     fc.path, stored)
+        if layers is not None and stored != list(layers):
             raise FeatureStoreError(
-                f"the feature store {fc.path} holds the inputs of target layers {self.layers or 'none'}, and the head "
+                f"the feature store {fc.path} holds the inputs of target layers {stored or 'none'}, and the head "
                 f"reads layers {list(layers)}; generate a store with features.layers={list(layers)} "
                 f"(python scripts/generate_features.py features.path=NEW_DIR features.layers={list(layers)})")
         names = stage_splits(cfg)  # the splits this stage reads must match the store's
@@ -74,8 +80,8 @@ class OfflineFeatures:
             if "loss_mask" in batch and not torch.equal(s.loss_mask, batch["loss_mask"][i, :n].cpu().long()):
                 raise FeatureStoreError(f"sample {key}: the stored loss mask differs from this run's; regenerate the store")
             P = len(s.prefix)
-            hidden[i, :P] = s.prefix
-            hidden[i, P:P + len(s.rows)] = s.rows
+            hidden[i, :P] = s.prefix[..., -width:]
+            hidden[i, P:P + len(s.rows)] = s.rows[..., -width:]
             if s.top is not None:
                 top[i, :len(s.top)] = s.top
             visual.append(s.visual)

@@ -37,7 +37,7 @@ from msd_train import runtime
 from msd_train.config import stage_splits
 from msd_train.data.collate import StepBatches, collate, step_loader
 from msd_train.data.curriculum import Curriculum, mm_share, sample_lengths
-from msd_train.data.dataset import build_split, write_skipped
+from msd_train.data.dataset import build_split, split_limit, write_skipped
 from msd_train.draft import DraftHead, MSDDraftModel, head_class
 from msd_train.draft.vocabulary import draft_vocabulary, load_counts, most_frequent, token_counts
 from msd_train.features import make_feature_source
@@ -156,7 +156,7 @@ class TrainRecipe:
         # Rank 0 tokenises and fills the datasets cache; the others wait, then read it.
         with self.group.rank0_first():
             for key, name in parts.items():
-                limit = d.max_heldout if name.startswith("heldout") else None
+                limit = split_limit(d, name)
                 sources = [OmegaConf.to_container(s, resolve=True) for s in (d.get(key) or [])] if key in names else []
                 splits[name] = build_split(sources, self.target, d.max_length, d.on_bad_sample, d.cache_dir,
                                            d.num_proc, limit)
