@@ -137,8 +137,7 @@ def extrapolate() -> dict:
 
 def time_loader(train_cfg, target, micro: int, steps: int) -> dict:
     from msd_train.data.collate import collate
-    from msd_train.data.dataset import build_split
-    from msd_train.data.dataset import split_limit
+    from msd_train.data.dataset import build_split, split_limit
     from msd_train.features.generate import split_sources
     from msd_train.features.offline import OfflineFeatures
 
