@@ -36,7 +36,7 @@ from msd_train.decoding import (
 from msd_train.decoding.graphs import StepGraphs, TracedCapture
 from msd_train.decoding.stopping import StopCriteria, find_stop
 from msd_train.decoding.transfers import HostReads
-from msd_train.draft import MSDDraftConfig, MSDDraftModel
+from msd_train.draft import MSDDraftConfig, MSDDraftModel, draft_rope_deltas
 from msd_train.errors import ConfigError
 from msd_train.targets import Encoded, Features
 
@@ -235,6 +235,7 @@ def _head_logits_after(target, head, prompt, first: int, path: list[int]) -> tor
     embeds = target.embed(ids, prompt.pixel)
     pos, deltas = target.position_ids(ids, None, prompt.pixel)
     hidden, _ = target.run_language_model(embeds, pos)
+    deltas = draft_rope_deltas(head.config, deltas)  # the head's ids after the prompt (zeros for a 1d head)
     x, _ = head.read_pass(Features(embeds, hidden, ids == target.image_token_id, pos))  # images as the head reads them
     e, h, replace, raw, p = (x[k] for k in ("input_embeds", "hidden_states", "replace_mask", "raw_embeds",
                                             "position_ids"))

@@ -89,6 +89,22 @@ def test_a_head_drafts_alike_before_the_image_and_apart_after_it(qwen_target, im
     assert (a[:, first_image + 1:] - b[:, first_image + 1:]).abs().amax(-1).min() > 1e-3
 
 
+def test_a_new_head_built_through_the_library_is_1d(qwen_target):
+    """New heads draft at 1-D positions whichever way they are built: the library's builder
+    (what scripts and training call) and the training config agree; only a saved head without
+    the field reads as "mrope" (test_saved_with_the_head)."""
+    from omegaconf import OmegaConf
+
+    from msd_train.config import CONF_DIR
+    from msd_train.draft import MSD3DraftConfig
+
+    for config_class, head in ((MSDDraftConfig, "msd"), (MSD3DraftConfig, "msd3")):
+        config = config_class.from_target_config(qwen_target.config, qwen_target.name)
+        assert config.uses_mrope and config.draft_positions == "1d", head
+        assert OmegaConf.load(CONF_DIR / "head" / f"{head}.yaml").draft_positions == "1d", head
+    assert MSDDraftConfig.from_target_config(qwen_target.config, "x", draft_positions="mrope").draft_positions == "mrope"
+
+
 def test_saved_with_the_head(qwen_target, tmp_path):
     head = MSDDraftModel(qwen_config(qwen_target, "1d"))
     head.save_pretrained(tmp_path / "a")

@@ -5,7 +5,7 @@
   packages at module level (imports inside functions are fine: they run only when that
   feature is used).
 * No import circles: neither between modules nor between the packages of msd_train
-  (dependencies point one way, as the README's architecture section draws them).
+  (dependencies point one way, as docs/architecture.md draws them).
 """
 
 import ast

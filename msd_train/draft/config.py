@@ -45,9 +45,11 @@ class MSDDraftConfig(PreTrainedConfig):
             M-RoPE ids (image blocks on a 2-D grid, text after an image offset by the
             grid). "1d": the token index `arange(L)` in all three M-RoPE rows, tree nodes
             at the root's index plus depth: how the released Qwen2-VL heads were trained
-            and are run. Heads of 1-D RoPE targets (LLaVA) read 1-D ids either way. A
-            saved head without the field was trained by this project before it existed,
-            with "mrope".
+            and are run. Heads of 1-D RoPE targets (LLaVA) read 1-D ids either way. New
+            heads are "1d": `from_target_config` (the library's way to build a head for a
+            target, training's included) and `conf/head/*.yaml` say so. The field's own
+            default, "mrope", is how a saved head without the field is read: this project
+            trained such heads before the field existed, with "mrope".
         visual_compression: "none", "kmeans" or "pool": keep at most
             `visual_compression_tokens` (K) slots per image in the head's own context
             (centroids of KMeans over the visual embeddings, or means of K contiguous
@@ -196,6 +198,7 @@ class MSDDraftConfig(PreTrainedConfig):
             target_vocab_size=text_config.vocab_size,
             target_hidden_size=hidden,
             target_model_type=adapter.model_types[0],
+            draft_positions="1d",  # new heads: as the released Qwen heads (the field's default reads old saves)
         )
         fields.update(overrides)
         return cls(**fields)
