@@ -73,16 +73,22 @@ def use_draft_vocabulary(draft, target, size: int | None) -> None:
         size = getattr(getattr(draft, "config", None), "train_vocab", None)
     if size is not None and size >= target.vocab_size:
         size = None
+    restrict = getattr(draft, "restrict_vocabulary", None)  # a capability of msd heads only
     if size is None:
-        draft.restrict_vocabulary(target, None)
+        if restrict is not None:
+            restrict(target, None)
         return
+    if restrict is None:
+        own = getattr(getattr(draft, "config", None), "draft_vocab_size", None)
+        raise ValueError(f"an {getattr(draft, 'architecture', '')} head drafts over the {own}-token vocabulary it was "
+                         f"trained with (draft.draft_vocab_size at training); decoding.draft_vocab is for msd heads")
     counts = getattr(draft, "token_counts", None)
     if counts is None:
         raise ConfigError(
             f"decoding.draft_vocab={size} needs the head's token counts ({COUNTS_FILE} in its folder, which "
             f"training writes beside every export); this head has none: write them with "
             f"python scripts/count_tokens.py draft=HEAD_DIR data=... (its training data), or drop decoding.draft_vocab")
-    draft.restrict_vocabulary(target, most_frequent(counts, size))
+    restrict(target, most_frequent(counts, size))
 
 
 def build_drafter(draft, config: DecodeConfig, captions: list[str] | None = None) -> HeadDrafter | None:
