@@ -36,6 +36,7 @@ import torch
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from msd_train.draft.compression import SlotMap, slot_map
+from msd_train.draft.families import LAYER_FAMILIES
 
 #: architecture name (``draft.architecture`` in conf/head/*.yaml) -> head class
 HEADS: dict[str, type] = {}
@@ -84,7 +85,7 @@ class DraftHead(PreTrainedModel, metaclass=ABCMeta):
     architecture: str = ""
     main_input_name = "input_embeds"
     # heads are built from these transformers layers and need attention that takes 4-D masks
-    _no_split_modules = ["LlamaDecoderLayer", "Qwen2VLDecoderLayer"]
+    _no_split_modules = [f.decoder_layer.__name__ for f in LAYER_FAMILIES.values()]
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False

@@ -16,11 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLDecoderLayer, Qwen2VLRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding
 from transformers.utils import ModelOutput
 
 from msd_train.draft.config import MSDDraftConfig
+from msd_train.draft.families import layer_family
 from msd_train.draft.head import DraftHead, head_class_of_config, pair, register_head, saved_model_type
 from msd_train.draft.positions import draft_position_ids
 from msd_train.hf_compat import cache_kwargs
@@ -28,8 +29,6 @@ from msd_train.hf_compat import cache_kwargs
 # Attention implementations that honour an arbitrary 4-D additive mask exactly (tree
 # drafting needs it); flash-attention variants only take padding masks.
 _SUPPORTED_ATTENTION = ("sdpa", "eager")
-
-_DECODER_LAYER = {"llama": LlamaDecoderLayer, "qwen2": Qwen2VLDecoderLayer}
 
 
 @dataclass
@@ -180,7 +179,7 @@ class MSDDraftModel(DraftHead):
         super().__init__(config)
         hidden = config.hidden_size
         self.fc = nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
-        layer_class = _DECODER_LAYER[config.layer_family]
+        layer_class = layer_family(config.layer_family).decoder_layer
         self.layers = nn.ModuleList(layer_class(config, layer_idx=i) for i in range(config.num_hidden_layers))
         if not config.first_layer_input_norm:
             # EAGLE convention: the fused vector enters the first attention un-normalised.

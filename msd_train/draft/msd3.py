@@ -25,9 +25,9 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding
 
 from msd_train.draft.config import MSD3DraftConfig
+from msd_train.draft.families import layer_family
 from msd_train.draft.head import DraftHead, pair, register_head
 from msd_train.draft.model import (
-    _DECODER_LAYER,
     _SUPPORTED_ATTENTION,
     MSDDraftOutput,
     attention_bias,
@@ -67,7 +67,7 @@ class MSD3DraftModel(DraftHead):
         self.gradient_checkpointing = False
         hidden = config.hidden_size
         self.fc = nn.Linear(len(config.feature_layers) * hidden, hidden, bias=False)
-        layer = _DECODER_LAYER[config.layer_family](config, layer_idx=0)
+        layer = layer_family(config.layer_family).decoder_layer(config, layer_idx=0)
         attn = layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj"):  # the attention reads [embedding, hidden]: 2H wide
             old = getattr(attn, name)
