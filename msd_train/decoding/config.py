@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from msd_train.checks import METHODS, check_decoding  # noqa: F401  (METHODS: msd_train.decoding's)
 from msd_train.decoding.drafter import HeadDrafter
 from msd_train.decoding.ensemble import EnsembleDrafter
 from msd_train.decoding.sampling import SamplingParams
 from msd_train.draft.vocabulary import COUNTS_FILE, most_frequent
 from msd_train.errors import ConfigError
-from msd_train.validate import METHODS, check_decoding  # noqa: F401  (METHODS: msd_train.decoding's)
 
 
 @dataclass
@@ -51,7 +51,7 @@ class DecodeConfig:
     def __post_init__(self):
         self.stop_strings = tuple(self.stop_strings or ())
         self.variants = tuple(self.variants or ("M",))
-        # the bounds live in msd_train/validate.py, which eval.py runs before any model loads
+        # the bounds live in msd_train/checks.py (torch-free), which eval.py runs before any model loads
         check_decoding({f.name: getattr(self, f.name) for f in fields(self) if f.name != "sampling"})
 
     @property

@@ -49,11 +49,11 @@ import itertools
 
 import torch
 
+from msd_train.checks import VARIANTS  # the settings' choices live with their checks (checks.check_decoding)
 from msd_train.decoding.drafter import HeadDrafter, PromptPass
 from msd_train.decoding.sampling import SamplingParams, logits_to_probs
 from msd_train.draft import attention_bias, draft_position_ids, draft_rope_deltas
 from msd_train.targets import Features
-from msd_train.validate import VARIANTS  # the settings' choices live with their checks (validate.check_decoding)
 
 
 class EnsembleDrafter(HeadDrafter):
