@@ -16,7 +16,7 @@ Measured (medians over ``--repeats`` after ``--warmup`` runs, device synchronise
    (its per-token time is (T(N tokens) - T(1 token)) / (N - 1), which removes the prefill);
 2. one verification forward over trees of 1, 8, 16, 32, 48, 64, 96 nodes on that context;
 3. building the EAGLE-2 draft tree (depth 5, top_k 10, 60 tokens) with the head;
-4. bookkeeping per cycle: ``accept_greedy`` and ``commit`` (as accepted by the random
+4. bookkeeping per cycle: ``accept`` (greedy) and ``commit`` (as accepted by the random
    head, and for a forced 4-node path, which exercises the KV-cache gather);
 5. cycle / step ratio at the default tree and the implied speedup tau * step / cycle
    for tau = 2, 3, 4; the cycle is also timed inside ``decode(method="tree")``;
@@ -362,17 +362,15 @@ def bench_plain(target, prompt, args, device, bandwidth: dict) -> dict:
 def bench_cycle(target, draft, prompt, args, device, step_s: float) -> dict:
     """2-5. Verification by tree size, drafting, bookkeeping, cycle/step ratio."""
     from msd_train.decoding import (
-        Acceptance,
         DecodeConfig,
         HeadDrafter,
         SamplingParams,
-        accept_greedy,
+        accept,
         chain,
         commit,
         decode,
         draft_chain,
         draft_tree,
-        read_acceptance,
         verify,
     )
     greedy = SamplingParams()
@@ -416,20 +414,25 @@ def bench_cycle(target, draft, prompt, args, device, step_s: float) -> dict:
     accept_box = {}
 
     def accept_once():
-        accept_box["acc"] = read_acceptance(tree, accept_greedy(tree, logits))
+        accept_box["acc"] = accept(tree, logits, greedy)
 
     accept_ms = ms(timed(accept_once, device, args.repeats, args.warmup))
     acc = accept_box["acc"]
     depths, parents = tree.depths.tolist(), tree.parents.tolist()
-    node = max((i for i, dd in enumerate(depths) if dd <= 3), key=lambda i: (depths[i], -i))
+    valid = tree.valid.tolist() if tree.valid is not None else [True] * len(depths)  # padding is never accepted
+    node = max((i for i, dd in enumerate(depths) if dd <= 3 and valid[i]), key=lambda i: (depths[i], -i))
     forced = [node]
     while forced[-1] != 0:
         forced.append(parents[forced[-1]])
     forced = forced[::-1]
-    pad = [-1] * (tree.depth_bound + 1 - len(forced))
-    forced_tokens = tree.tokens[forced[1:]].tolist() + [0]
-    forced_acc = Acceptance(forced, forced_tokens, len(forced), torch.as_tensor(forced + pad, device=device),
-                            torch.as_tensor(forced_tokens, device=device))
+    # the same accept() over logits that agree with the forced path: after each of its nodes the
+    # target's argmax is the next node's token, after its last none of that node's children
+    forced_logits = logits.clone()
+    path = torch.as_tensor(forced, device=device)
+    forced_logits[path[:-1], tree.tokens[path[1:]]] = float("inf")
+    forced_logits[forced[-1], tree.tokens[tree.parents == forced[-1]]] = float("-inf")
+    forced_acc = accept(tree, forced_logits, greedy)
+    assert forced_acc.path == forced, (forced_acc.path, forced)
 
     def commit_with(a):
         return lambda: commit(state, a, hidden)

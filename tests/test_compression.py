@@ -17,6 +17,7 @@ from msd_train.decoding.sampling import SamplingParams, logits_to_probs
 from msd_train.draft import MSD3DraftConfig, MSD3DraftModel, MSDDraftConfig, MSDDraftModel
 from msd_train.draft.compression import SlotMap, kmeans, slot_map
 from msd_train.targets import Features
+from msd_train.training.objective import objective_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -133,7 +134,7 @@ def test_k_at_least_the_visual_tokens_is_no_compression(llava_setup, method):  #
         assert plan is None
         for key, value in head.target_inputs(feats).items():
             assert torch.equal(inputs[key], value), key
-        assert torch.equal(same.eval_loss(target, feats, mask), head.eval_loss(target, feats, mask))
+        assert torch.equal(objective_for(same).eval_loss(target, feats, mask), objective_for(head).eval_loss(target, feats, mask))
         for config in (TREE, CHAIN):
             a = run(target, head, prompts["two_images"], eos_token_ids=(), **config)
             b = run(target, same, prompts["two_images"], eos_token_ids=(), **config)

@@ -372,3 +372,22 @@ def test_qwen2_draft_layer_matches_target_layer_under_mrope():
     want = target(inputs_embeds=e, position_ids=pos, output_hidden_states=True).hidden_states[1]
     got = draft(e, torch.randn(1, 10, H), position_ids=pos).last_hidden_state
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_the_layer_family_table_is_what_configs_and_heads_use():
+    """One table (msd_train.draft.families) names each layer family's decoder layer and
+    conventions; every family a config may name is in it, and a head is built from it."""
+    import typing
+
+    from msd_train.draft.families import LAYER_FAMILIES, family_with_qkv_bias, layer_family
+
+    assert set(typing.get_args(MSDDraftConfig.__annotations__["layer_family"])) == set(LAYER_FAMILIES)
+    for name, family in LAYER_FAMILIES.items():
+        config = MSDDraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, layer_family=name)
+        assert config.first_layer_input_norm == family.first_layer_input_norm
+        head = MSDDraftModel(config)
+        assert all(type(layer) is family.decoder_layer for layer in head.layers)
+        assert (head.layers[0].self_attn.q_proj.bias is not None) == family.qkv_bias
+        assert family_with_qkv_bias(family.qkv_bias) is family
+    with pytest.raises(ValueError, match="layer_family='gpt2' is not a draft layer family"):
+        layer_family("gpt2")

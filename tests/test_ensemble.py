@@ -114,9 +114,9 @@ def test_batched_rows_match_each_variant_alone(llava):
         n_img = int(p.visual.sum())
         n_cap = sum(len(target.tokenizer(c, add_special_tokens=False)["input_ids"]) for c in captions)
         length = prompt.input_ids.shape[0] - 1
-        assert variant_inputs(target, draft, "P", p)[0].shape[1] == length - n_img + n_img // 4
-        assert variant_inputs(target, draft, "T", p)[0].shape[1] == length - n_img
-        assert variant_inputs(target, draft, "C", p, captions)[0].shape[1] == length - n_img + n_cap
+        assert variant_inputs(target, draft, "P", p)["input_embeds"].shape[1] == length - n_img + n_img // 4
+        assert variant_inputs(target, draft, "T", p)["input_embeds"].shape[1] == length - n_img
+        assert variant_inputs(target, draft, "C", p, captions)["input_embeds"].shape[1] == length - n_img + n_cap
 
 
 @torch.inference_mode()
@@ -130,10 +130,10 @@ def test_caption_row_reads_the_captioned_prompt(llava):
     c = variant_inputs(target, draft, "C", _target_pass(target, with_image), ["a red circle on white"])
     plain = _target_pass(target, captioned)
     e, h, _, _ = align_inputs(draft.config, plain.embeds, plain.hidden, plain.visual)
-    torch.testing.assert_close(c[0], e)
-    torch.testing.assert_close(c[1], h)
+    torch.testing.assert_close(c["input_embeds"], e)
+    torch.testing.assert_close(c["hidden_states"], h)
     shift = with_image.input_ids.shape[0] - captioned.input_ids.shape[0]
-    assert torch.equal(c[4], plain.pos[..., :-1] + shift)
+    assert torch.equal(c["position_ids"], plain.pos[..., :-1] + shift)
 
 
 def test_caption_variant_needs_captions(llava):
@@ -159,8 +159,8 @@ def test_pooled_variant_on_qwen2vl(qwen_target):
     assert sum(h * w for h, w in grids) == int(p.visual.sum())
     pooled = variant_inputs(target, draft, "P", p)
     kept = sum(-(-h // 2) * -(-w // 2) for h, w in grids)
-    assert pooled[0].shape[1] == prompt.input_ids.shape[0] - 1 - int(p.visual.sum()) + kept
-    assert pooled[4].shape[0] == 3  # M-RoPE ids
+    assert pooled["input_embeds"].shape[1] == prompt.input_ids.shape[0] - 1 - int(p.visual.sum()) + kept
+    assert pooled["position_ids"].shape[0] == 3  # M-RoPE ids
     ar = generate(target, None, prompt, DecodeConfig(method="ar", max_new_tokens=12, eos_token_ids=()))
     for method in ("chain", "tree"):
         config = DecodeConfig(max_new_tokens=12, eos_token_ids=(), ensemble="tabed", variants=("M", "T", "P", "C"),

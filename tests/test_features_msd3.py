@@ -8,6 +8,7 @@ from test_peft import base_and_adapter  # noqa: F401 (a fixture)
 from msd_train.features.generate import generate
 from msd_train.features.offline import OfflineFeatures
 from msd_train.features.store import FeatureStoreError
+from msd_train.training.objective import objective_for
 
 
 def test_a_store_with_layers_gives_the_online_layer_inputs(mini_run, target, tmp_path):  # noqa: F811
@@ -42,8 +43,8 @@ def test_a_store_with_layers_gives_the_online_layer_inputs(mini_run, target, tmp
     index = loss_index(draft_loss_mask(batch["loss_mask"]))
     train = type("T", (), {"w_feat": 1.0, "w_tok": 0.1})()
     assert off.target_top is not None
-    with_top, parts = head.training_loss(target, off, index, 10.0, train)
-    without, _ = head.training_loss(target, dataclasses.replace(off, target_top=None), index, 10.0, train)
+    with_top, parts = objective_for(head).training_loss(target, off, index, 10.0, train)
+    without, _ = objective_for(head).training_loss(target, dataclasses.replace(off, target_top=None), index, 10.0, train)
     torch.testing.assert_close(with_top, without)
     assert parts["valid_0"] > 0
 

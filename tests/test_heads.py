@@ -18,6 +18,7 @@ from msd_train.draft import HEADS, MSD3DraftConfig, MSD3DraftModel, MSDDraftConf
 from msd_train.draft.loss import loss_index
 from msd_train.draft.vocabulary import draft_vocabulary, token_counts
 from msd_train.targets import Features
+from msd_train.training.objective import objective_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -93,11 +94,11 @@ def test_contract(architecture, target):
 
     head.train()
     mask = torch.ones(1, T, dtype=torch.bool)
-    loss, sums = head.training_loss(target, feats, loss_index(mask), float(T), TRAIN)
+    loss, sums = objective_for(head).training_loss(target, feats, loss_index(mask), float(T), TRAIN)
     assert torch.isfinite(loss) and loss > 0 and sums["n"] == T
     loss.backward()
     assert all(p.grad is not None for p in head.parameters() if p.requires_grad)
-    metrics = head.training_metrics({k: float(v) for k, v in sums.items()}, TRAIN)
+    metrics = objective_for(head).training_metrics({k: float(v) for k, v in sums.items()}, TRAIN)
     assert 0 <= metrics["top1"] <= 1 and metrics["loss"] > 0
 
 
@@ -232,7 +233,7 @@ def test_ttt_loss_weights_steps_and_masks_tokens_outside_the_draft_vocabulary(ll
     T = feats.hidden_states.shape[1] - 1
     mask = torch.ones(1, T, dtype=torch.bool)
     with torch.no_grad():
-        loss, sums = head.training_loss(target, feats, loss_index(mask), 1.0, TRAIN)
+        loss, sums = objective_for(head).training_loss(target, feats, loss_index(mask), 1.0, TRAIN)
         outs = head.unroll(head.target_inputs(feats, target), 2)
         tl = target.lm_head(feats.hidden_states[:, 1:]).float()
         ok = head.t2d[tl.argmax(-1)]
@@ -263,8 +264,8 @@ def fit_msd3(target, prompts, steps: int = 80):
         loss = 0
         for feats in data:
             T = feats.hidden_states.shape[1] - 1
-            loss = loss + head.training_loss(target, feats, loss_index(torch.ones(1, T, dtype=torch.bool)),
-                                             float(T), TRAIN)[0]
+            loss = loss + objective_for(head).training_loss(target, feats, loss_index(torch.ones(1, T, dtype=torch.bool)),
+                                                            float(T), TRAIN)[0]
         opt.zero_grad()
         loss.backward()
         opt.step()

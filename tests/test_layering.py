@@ -171,3 +171,37 @@ def test_circle_finder_sees_function_level_imports(tmp_path, monkeypatch):
     graph = _import_graph()
     assert graph["msd_train.b"] == {"msd_train.a"}
     assert _circles(graph) == [["msd_train.a.x", "msd_train.a.y"]]
+
+
+# --- layers -------------------------------------------------------------------------------
+
+#: the packages (and top-level modules) of msd_train, lowest first; a module imports (at
+#: module level or inside a function) only from lower layers, never sideways or up. The
+#: decoder sits below the hub and the entry points' checks (``validate``): the bounds it
+#: needs are in ``checks``, at the bottom.
+LAYERS = [
+    {"msd_train.errors", "msd_train.paths", "msd_train.hf_compat", "msd_train.formatting", "msd_train.runtime"},
+    {"msd_train.config", "msd_train.outputs", "msd_train.checks"},
+    {"msd_train.targets"},
+    {"msd_train.draft", "msd_train.tiny"},
+    {"msd_train.decoding"},
+    {"msd_train.data"},
+    {"msd_train.features", "msd_train.hub"},
+    {"msd_train.validate"},
+    {"msd_train.training", "msd_train.evaluation"},
+    {"msd_train.serving"},
+]
+
+
+def test_every_package_imports_only_from_lower_layers():
+    def package(mod):
+        return ".".join(mod.split(".")[:2])
+
+    layer = {name: i for i, names in enumerate(LAYERS) for name in names}
+    graph = _import_graph()
+    unplaced = sorted({package(m) for m in graph} - set(layer) - {"msd_train"})
+    assert not unplaced, f"packages with no layer in test_layering.LAYERS: {unplaced}; place them"
+    upward = sorted(f"{mod} -> {dep}" for mod, deps in graph.items() for dep in deps
+                    if package(mod) in layer and package(dep) in layer and package(mod) != package(dep)
+                    and layer[package(dep)] >= layer[package(mod)])
+    assert not upward, f"imports that do not point down the layers: {upward}"

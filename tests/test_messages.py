@@ -337,3 +337,19 @@ def test_train_py_runs_with_tilde_paths(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (tmp_path / "run" / "stage1" / "final" / "model.safetensors").is_file()
     assert not (tmp_path / "~").exists()
+
+
+def test_draft_vocab_size_is_bounded_by_the_targets_vocabulary():
+    """An msd3 head's draft vocabulary is a subset of the target's: a larger one is refused up
+    front (the target's config.json read, nothing loaded), naming the key and the range."""
+    import json
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parent.parent / "data" / "tiny-llava"
+    vocab = json.loads((folder / "config.json").read_text())["text_config"]["vocab_size"]
+    cfg = {"target": {"name_or_path": str(folder)}, "draft": {"draft_vocab_size": vocab + 1}}
+    with pytest.raises(ConfigError, match=rf"^draft\.draft_vocab_size={vocab + 1} must be at most {vocab} "
+                                          rf"\(an msd3 head's draft vocabulary: between 1 and the target's {vocab} tokens\)"):
+        check_train(cfg)
+    cfg["draft"]["draft_vocab_size"] = vocab  # the whole vocabulary: allowed
+    check_train(cfg)

@@ -117,11 +117,12 @@ class TinyHead:
 
     feature_layers = None
 
-    def target_inputs(self, features, target=None):
+    def target_inputs(self, features, target=None, position_ids=None):
         e = features.inputs_embeds[:, 1:]
+        pos = features.position_ids if position_ids is None else position_ids
         return {"input_embeds": e, "hidden_states": features.hidden_states[:, :-1],
                 "replace_mask": torch.zeros(e.shape[:2], dtype=torch.bool), "raw_embeds": e,
-                "position_ids": features.position_ids[..., :-1]}
+                "position_ids": pos[..., :-1]}
 
     def read_pass(self, features, target=None):
         return self.target_inputs(features, target), None  # no visual compression

@@ -18,6 +18,7 @@ from msd_train.decoding import DecodeConfig, generate
 from msd_train.draft import MSD3DraftConfig, MSDDraftConfig, MSDDraftModel
 from msd_train.hf_compat import cache_kwargs
 from msd_train.targets import ADAPTERS, FAMILIES, adapter_class, target_shapes, transformers_at_least, wrap_target
+from msd_train.targets.protocol import PROTOCOL_MEMBERS, TargetProtocol
 from msd_train.targets.random import FAMILY_NAMES, random_target, save_random_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -300,3 +301,48 @@ def test_a_family_newer_than_the_installed_transformers_is_refused_naming_the_up
     monkeypatch.setattr(FAMILIES["llava"], "min_transformers", "99.0")
     with pytest.raises(ValueError, match=r"LLaVA targets need transformers >= 99.0 \(installed: .*pip install -U"):
         wrap_target(model, proc, "tiny")
+
+
+# ----- the declared protocol (msd_train/targets/protocol.py) -------------------------------
+
+
+def test_every_adapter_satisfies_the_target_protocol(target):
+    """Each family's loaded adapter has every member of ``TargetProtocol``, and each method
+    takes the protocol's parameters (by name, in order)."""
+    import inspect
+
+    assert isinstance(target, TargetProtocol)
+    for name in PROTOCOL_MEMBERS:
+        assert hasattr(target, name), f"{type(target).__name__} lacks {name}"
+        declared = inspect.getattr_static(TargetProtocol, name, None)
+        if inspect.isfunction(declared) or isinstance(declared, classmethod):
+            want = list(inspect.signature(getattr(TargetProtocol, name)).parameters)
+            have = list(inspect.signature(getattr(target, name)).parameters)
+            want = [p for p in want if p != "self"]
+            assert have[: len(want)] == want, f"{type(target).__name__}.{name}{have} does not take {want}"
+
+
+def test_every_adapter_class_declares_the_family_facts():
+    facts = [n for n, t in TargetProtocol.__annotations__.items() if "ClassVar" in str(t)]
+    assert facts
+    for cls in ADAPTERS:
+        for name in facts:
+            assert hasattr(cls, name), f"{cls.__name__} lacks the class-level fact {name}"
+
+
+def test_the_protocol_declares_what_the_project_uses():
+    """Every member of the adapters that code outside msd_train/targets reads from a target
+    (``target.X`` / ``self.target.X``) is declared in the protocol."""
+    import re
+    from pathlib import Path
+
+    pkg = Path(__file__).resolve().parent.parent / "msd_train"
+    members = {n for cls in ADAPTERS for n in dir(cls) if not n.startswith("_")} | {"name", "tokenizer",
+                                                                                    "chat_template", "model"}
+    used = set()
+    for path in pkg.rglob("*.py"):
+        if "targets" in path.relative_to(pkg).parts:
+            continue
+        used |= set(re.findall(r"(?<![\w.])(?:self\.)?target\.([a-z_]\w*)", path.read_text())) & members
+    assert {"lm_head", "continue_positions", "features"} <= used  # the scan sees the decoder and trainer
+    assert used <= set(PROTOCOL_MEMBERS), f"used but not declared in TargetProtocol: {sorted(used - set(PROTOCOL_MEMBERS))}"

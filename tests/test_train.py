@@ -348,8 +348,8 @@ def test_a_head_trained_over_a_draft_vocabulary_decodes_exactly_over_it(in_proce
 
     common = ["stage='1'", *mini_run, "train.micro_batch_size=2", f"run_dir={tmp_path}"]
     r = recipe([*common, "train.max_steps=2", "draft.train_vocab=24"])
-    assert r.draft._train_vocab.size == 24
-    assert torch.equal(r.draft._train_vocab.ids.cpu(), most_frequent(r.token_counts, 24))
+    assert r.objective.train_vocab.size == 24
+    assert torch.equal(r.objective.train_vocab.ids.cpu(), most_frequent(r.token_counts, 24))
     run_steps(r)
     r.export("final")
     head = load_head(str(tmp_path / "stage1" / "final"), r.target)
