@@ -12,7 +12,7 @@ Each head is then decoded (greedy, tree 5/10/60 and chain 5, in this process) on
 turns of the tiny held-out image benchmark; the uncompressed head is also decoded with
 the setting applied at decode time only, which shows what training with it buys.
 
-``--target qwen``: the tiny Qwen2-VL of ``msd_train/targets/tiny_qwen.py`` (the embedded
+``--target qwen``: the tiny Qwen2-VL of ``lab/targets/tiny_qwen.py`` (the embedded
 LLaVA's trained language model in a Qwen2-VL with M-RoPE and a random vision tower), its
 image processor set to resize every image to ``--qwen-pixels`` squared pixels: 96 gives a
 12 x 12 grid of 144 visual tokens for each 48 x 48 benchmark image.
@@ -51,7 +51,7 @@ def run(cmd: list[str], log: Path) -> float:
 
 def qwen_target(folder: Path, pixels: int) -> Path:
     """The tiny Qwen2-VL, every image resized to ``pixels`` squared (min = max pixels)."""
-    from msd_train.targets.tiny_qwen import save_tiny_qwen2vl
+    from lab.targets.tiny_qwen import save_tiny_qwen2vl
 
     if not (folder / "config.json").is_file():
         save_tiny_qwen2vl(folder, ROOT / "data" / "tiny-llava", image_pixels=pixels)

@@ -7,7 +7,7 @@
     python scripts/bench_decode.py --host-reads --out benchmarks/decode/host-reads-after.json
 
 ``--host-reads`` counts, instead of timing, the device-to-host reads one ``decode`` makes
-per cycle (``msd_train.decoding.transfers.HostReads``: ``.item()``, ``.tolist()``,
+per cycle (``lab.transfers.HostReads``: ``.item()``, ``.tolist()``,
 ``bool()``/``int()`` of tensors, ``nonzero``, masked indexing), for the same settings,
 on the first prompt of each category. It uses only ``prefill``/``decode``/``DecodeConfig``,
 so the same command counts an older checkout (copy ``transfers.py`` into it).
@@ -34,7 +34,9 @@ from pathlib import Path
 
 import torch
 import transformers
+from omegaconf import OmegaConf
 
+from msd_train.config import CONF_DIR
 from msd_train.decoding import DecodeConfig
 from msd_train.evaluation import evaluate, load_bench, summarize
 from msd_train.evaluation.run import describe_device
@@ -59,76 +61,35 @@ SHAPES = {
 
 
 def target_name_or_path(name: str) -> str:
-    conf = ROOT / "conf" / "target" / f"{name}.yaml"
-    if conf.is_file():
-        import yaml
-
-        value = yaml.safe_load(conf.read_text())["name_or_path"]
-        return value.replace("${msd_root:}", str(ROOT))
-    return name
+    """A conf/target name's ``name_or_path`` (``${msd_root:}`` resolved as the recipe does), else ``name``."""
+    conf = CONF_DIR / "target" / f"{name}.yaml"
+    return str(OmegaConf.load(conf).name_or_path) if conf.is_file() else name
 
 
 def random_target(name: str, num_layers: int | None, device, dtype):
     """A randomly initialised target of a published shape, with a small offline tokenizer
     (ids beyond it decode to nothing; timings do not depend on the text)."""
+    from lab.targets import random as lab_random
     from msd_train.targets import wrap_target
-    from msd_train.targets.chat import CHATML_QWEN, QWEN_SPECIALS, VICUNA_V1
-    from msd_train.targets.random import char_tokenizer  # offline, exact round trip
 
     s = dict(SHAPES[name])
     layers = num_layers or s["layers"]
-    torch.manual_seed(0)
+    text = dict(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"], num_hidden_layers=layers,
+                num_attention_heads=s["heads"], num_key_value_heads=s["kv"])
     if s["family"] == "llava":
-        from transformers import (
-            CLIPImageProcessor,
-            CLIPVisionConfig,
-            LlamaConfig,
-            LlavaConfig,
-            LlavaForConditionalGeneration,
-            LlavaProcessor,
-        )
-
-        tok = char_tokenizer(["<unk>", "<s>", "</s>", "<image>"], "<s>", "</s>", VICUNA_V1)
-        text = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"],
-                           num_hidden_layers=layers, num_attention_heads=s["heads"], num_key_value_heads=s["kv"],
-                           max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
-        vc = dict(s["vision"])
+        text.update(max_position_embeddings=4096, rms_norm_eps=1e-5)
+        vision = dict(s["vision"])
         if num_layers:  # keep the vision tower in proportion when the language model is cut
-            vc["num_hidden_layers"] = min(vc["num_hidden_layers"], 4 * num_layers)
-        vision = CLIPVisionConfig(**vc)
-        cfg = LlavaConfig(text_config=text, vision_config=vision, image_token_id=tok.convert_tokens_to_ids("<image>"),
-                          vision_feature_layer=-2, vision_feature_select_strategy="default")
-        with torch.device(device):
-            model = LlavaForConditionalGeneration(cfg).to(dtype).eval()
-        side = vc["image_size"]
-        improc = CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
-        proc = LlavaProcessor(image_processor=improc, tokenizer=tok, patch_size=vc["patch_size"],
-                              vision_feature_select_strategy="default", num_additional_image_tokens=1,
-                              chat_template=VICUNA_V1)
+            vision["num_hidden_layers"] = min(vision["num_hidden_layers"], 4 * num_layers)
+        pixels = None
     else:
-        from types import SimpleNamespace
-
-        from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-        specials = ["<unk>", *QWEN_SPECIALS]
-        tok = char_tokenizer(specials, None, "<|im_end|>", CHATML_QWEN)
-        ids = {x: tok.convert_tokens_to_ids(x) for x in specials}
-        text = dict(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"],
-                    num_hidden_layers=layers, num_attention_heads=s["heads"], num_key_value_heads=s["kv"],
-                    max_position_embeddings=32768, rms_norm_eps=1e-6,
-                    rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
-                    eos_token_id=ids["<|im_end|>"], bos_token_id=None)
+        text.update(max_position_embeddings=32768, rms_norm_eps=1e-6,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]})
         vision = dict(depth=min(32, 4 * layers), embed_dim=1280, hidden_size=s["hidden"], num_heads=16, patch_size=14,
                       spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
-        cfg = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                            video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                            vision_end_token_id=ids["<|vision_end|>"])
-        with torch.device(device):
-            model = Qwen2VLForConditionalGeneration(cfg).to(dtype).eval()
-        improc = Qwen2VLImageProcessorPil(min_pixels=336 * 336, max_pixels=336 * 336, patch_size=14,
-                                          temporal_patch_size=2, merge_size=2)
-        proc = SimpleNamespace(image_processor=improc, tokenizer=tok, image_token="<|image_pad|>")
+        pixels = 336
+    model, proc = lab_random.random_target(s["family"], 0, text, vision, device=device, dtype=dtype,
+                                           image_pixels=pixels)
     return wrap_target(model, proc, f"random-{name}" + (f"-{layers}L" if num_layers else ""))
 
 
@@ -285,8 +246,8 @@ def count_host_reads(target, draft, items, configs, args, draft_path, device) ->
     import dataclasses
     from collections import Counter
 
+    from lab.transfers import HostReads
     from msd_train.decoding import decode, prefill
-    from msd_train.decoding.transfers import HostReads
 
     firsts = {}
     for item in items:  # the first prompt of each category
@@ -320,7 +281,7 @@ def count_host_reads(target, draft, items, configs, args, draft_path, device) ->
         "torch": torch.__version__, "transformers": transformers.__version__,
         "max_new_tokens": args.max_new_tokens,
         "notes": "reads_per_cycle = (reads during decode() - one per prompt for the first token) / cycles; "
-                 "counted with msd_train.decoding.transfers.HostReads (a TorchFunctionMode), EOS off",
+                 "counted with lab.transfers.HostReads (a TorchFunctionMode), EOS off",
         "runs": runs,
     }
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "decode" / "host-reads.json"

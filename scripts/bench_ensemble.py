@@ -20,8 +20,9 @@ import sys
 from pathlib import Path
 
 import torch
-import yaml
+from omegaconf import OmegaConf
 
+from msd_train.config import CONF_DIR
 from msd_train.decoding import DecodeConfig
 from msd_train.evaluation import load_bench
 from msd_train.evaluation.ensemble import (
@@ -36,8 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _conf(name: str) -> dict:
-    text = (ROOT / "conf" / name).read_text().replace("${msd_root:}", str(ROOT))
-    return yaml.safe_load(text)
+    """A conf/ file as a dict, ``${msd_root:}`` resolved as the recipe does."""
+    return OmegaConf.to_container(OmegaConf.load(CONF_DIR / name), resolve=True)
 
 
 def main() -> None:

@@ -103,43 +103,24 @@ CONFIGS = {
 
 
 def build_target(name: str, device: torch.device, dtype: torch.dtype):
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
-
+    """A random model of ``CONFIGS[name]``, made on ``device`` in ``dtype`` (no fp32 copy of 7B
+    weights), wrapped with a stand-in processor: the adapter reads only these attributes of
+    it, and timings need no tokenizer."""
+    from lab.targets.random import random_config, random_model
     from msd_train.targets import wrap_target
 
-    c = CONFIGS[name]
-    if c.get("family") == "qwen2_vl":
-        return build_qwen_target(name, device, dtype)
-    text = LlamaConfig(**c["text"])
-    vision = CLIPVisionConfig(**c["vision"])
-    cfg = LlavaConfig(text_config=text, vision_config=vision, image_token_id=c["image_token_id"],
-                      projector_hidden_act=c["projector_hidden_act"], vision_feature_layer=-2,
-                      vision_feature_select_strategy="default", image_seq_length=N_IMAGE)
-    torch.manual_seed(0)
-    with torch.device(device):  # initialise in place and in dtype: no fp32 copy of 7B weights
-        model = LlavaForConditionalGeneration._from_config(cfg, dtype=dtype, attn_implementation="sdpa").eval()
-    # The adapter reads only these attributes of the processor; timings need no tokenizer.
-    tok = SimpleNamespace(chat_template="{{ messages }}", eos_token_id=2, eos_token="</s>", bos_token="<s>",
-                          decode=lambda ids, **kw: "")
-    proc = SimpleNamespace(tokenizer=tok, image_token="<image>", image_processor=None)
-    return wrap_target(model, proc, f"random-{name}")
-
-
-def build_qwen_target(name: str, device: torch.device, dtype: torch.dtype):
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-    from msd_train.targets import wrap_target
-
-    c = CONFIGS[name]
-    cfg = Qwen2VLConfig(text_config=c["text"], vision_config=c["vision"], image_token_id=c["image_token_id"],
-                        video_token_id=c["video_token_id"], vision_start_token_id=c["vision_start_token_id"],
-                        vision_end_token_id=c["vision_end_token_id"])
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen2VLForConditionalGeneration._from_config(cfg, dtype=dtype, attn_implementation="sdpa").eval()
-    tok = SimpleNamespace(chat_template="{{ messages }}", eos_token_id=c["text"]["eos_token_id"],
-                          eos_token="<|im_end|>", bos_token=None, decode=lambda ids, **kw: "")
-    proc = SimpleNamespace(tokenizer=tok, image_token="<|image_pad|>", image_processor=None)
+    c = dict(CONFIGS[name])
+    text, vision = c.pop("text"), c.pop("vision")
+    c.pop("image_side", None)
+    family = c.pop("family", "llava")
+    if family == "llava":
+        c["image_seq_length"] = N_IMAGE
+    model = random_model(random_config(family, text, vision, **c), seed=0, device=device, dtype=dtype)
+    eos, bos = ("</s>", "<s>") if family == "llava" else ("<|im_end|>", None)
+    tok = SimpleNamespace(chat_template="{{ messages }}", eos_token_id=text["eos_token_id"], eos_token=eos,
+                          bos_token=bos, decode=lambda ids, **kw: "")
+    proc = SimpleNamespace(tokenizer=tok, image_token="<image>" if family == "llava" else "<|image_pad|>",
+                           image_processor=None)
     return wrap_target(model, proc, f"random-{name}")
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Which draft-position convention gives the better Qwen2-VL head: ``draft_positions=1d`` or ``mrope``.
 
-Builds a tiny Qwen2-VL target folder (``msd_train.targets.tiny_qwen``: the embedded tiny
+Builds a tiny Qwen2-VL target folder (``lab.targets.tiny_qwen``: the embedded tiny
 LLaVA's trained language model in a Qwen2-VL with M-RoPE and a random vision tower), then
 for each convention trains a head with the project's own commands, same seed and steps::
 
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from msd_train.targets.tiny_qwen import save_tiny_qwen2vl
+from lab.targets.tiny_qwen import save_tiny_qwen2vl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -128,7 +128,7 @@ def main() -> None:
     results["mean_over_seeds"] = summary
     results["meta"] = {
         "command": "python scripts/compare_draft_positions.py " + shlex.join(sys.argv[1:]),
-        "target": "tiny Qwen2-VL (msd_train/targets/tiny_qwen.py): data/tiny-llava's trained Llama LM (4 layers, "
+        "target": "tiny Qwen2-VL (lab/targets/tiny_qwen.py): data/tiny-llava's trained Llama LM (4 layers, "
                   "hidden 256) moved into Qwen2VLForConditionalGeneration with M-RoPE (section "
                   "[16, 8, 8]), random 2-layer vision tower; a 48x48 image is a 6x6 grid of 36 tokens",
         "steps": {"stage1": args.steps1, "stage2": args.steps2}, "seeds": args.seeds,

@@ -105,22 +105,19 @@ def padded_tokenizer(vocab_size: int, specials: list[str] = ()):
 
 
 def build_config(s: dict, tok):
+    from lab.targets.random import random_config
+
     if s["family"] == "llava":
-        from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
-
-        text = LlamaConfig(**s["text"], bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                           pad_token_id=tok.pad_token_id)
+        text = dict(s["text"], bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                    pad_token_id=tok.pad_token_id)
         n_vis = (s["vision"]["image_size"] // s["vision"]["patch_size"]) ** 2
-        return LlavaConfig(vision_config=CLIPVisionConfig(**s["vision"]), text_config=text,
-                           image_token_index=tok.convert_tokens_to_ids("<image>"), projector_hidden_act="gelu",
-                           vision_feature_layer=-2, vision_feature_select_strategy="default",
-                           image_seq_length=n_vis, pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
-    from transformers import Qwen2VLConfig
-
+        return random_config("llava", text, s["vision"], image_token_id=tok.convert_tokens_to_ids("<image>"),
+                             projector_hidden_act="gelu", image_seq_length=n_vis, pad_token_id=tok.pad_token_id,
+                             tie_word_embeddings=False)
     ids = {name: tok.convert_tokens_to_ids(name) for name in QWEN_SPECIALS}
     text = dict(s["text"], model_type="qwen2_vl_text", bos_token_id=ids["<|endoftext|>"],
                 eos_token_id=ids["<|im_end|>"], tie_word_embeddings=False)
-    return Qwen2VLConfig(text_config=text, vision_config=s["vision"], image_token_id=ids["<|image_pad|>"],
+    return random_config("qwen2_vl", text, s["vision"], image_token_id=ids["<|image_pad|>"],
                          video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                          vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
 
@@ -158,8 +155,7 @@ def main(argv=None) -> Path:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    from transformers import AutoModelForImageTextToText
-
+    from lab.targets.random import random_model
     from msd_train.runtime import pick_device, resolve_dtype
 
     out = Path(args.out)
@@ -170,11 +166,9 @@ def main(argv=None) -> Path:
     t0 = time.time()
     tok = padded_tokenizer(s["text"]["vocab_size"], QWEN_SPECIALS if s["family"] == "qwen2_vl" else ())
     config = build_config(s, tok)
-    torch.manual_seed(args.seed)
     # Made on the device in the target dtype: a 7B model never exists in fp32 or on the host
     # before save_pretrained streams it out tensor by tensor.
-    with torch.device(device):
-        model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
+    model = random_model(config, args.seed, device=device, dtype=dtype)
     n = sum(p.numel() for p in model.parameters())
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

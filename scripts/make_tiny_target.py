@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Build the embedded default target: a tiny, *trained* LLaVA, and the small datasets it
-was trained on. The builder is ``msd_train.tiny`` (the data recipe: ``msd_train/tiny/data.py``).
+was trained on. The builder is ``lab.tiny`` (the data recipe: ``lab/tiny/data.py``).
 
 Usage::
 
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
+from lab.tiny.data import N_IMAGE, N_TEXT, make_data, write_captions
+from lab.tiny.model import TrainSettings, train
+from lab.tiny.quality import evaluate
 from msd_train.config import REPO_ROOT
-from msd_train.tiny.data import N_IMAGE, N_TEXT, make_data, write_captions
-from msd_train.tiny.model import TrainSettings, train
-from msd_train.tiny.quality import evaluate
 
 
 def main(argv=None) -> None:

@@ -1,7 +1,7 @@
 """Random tiny targets built in-process for tests (no Hub access on test machines).
 
 The trained tiny LLaVA under data/tiny-llava is the embedded default; these random
-models (``msd_train.targets.random.random_target``, the one builder of every family)
+models (``lab.targets.random.random_target``, the one builder of every family)
 exercise code paths it cannot (Qwen2-VL's M-RoPE, arbitrary shapes).
 """
 
@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from lab.targets.random import random_target
 from msd_train.targets import wrap_target
-from msd_train.targets.random import random_target
 
 
 def random_image(seed: int, size: int = 32) -> Image.Image:
@@ -112,7 +112,7 @@ def write_mini_data(root, n: int, n_heldout: int, image, words: tuple[int, int, 
     import json
     import random
 
-    from msd_train.targets.random import WORDS
+    from lab.targets.random import WORDS
 
     rng = random.Random(0)
     img = root / "img"

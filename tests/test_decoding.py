@@ -17,6 +17,8 @@ import torch
 from builders import fit_head, random_image
 from transformers import DynamicCache
 
+from lab.capture import TracedCapture
+from lab.transfers import HostReads
 from msd_train.decoding import (
     DecodeConfig,
     PositionCache,
@@ -33,9 +35,8 @@ from msd_train.decoding import (
     tree_attention_bias,
     verify,
 )
-from msd_train.decoding.graphs import StepGraphs, TracedCapture
+from msd_train.decoding.graphs import StepGraphs
 from msd_train.decoding.stopping import StopCriteria, find_stop
-from msd_train.decoding.transfers import HostReads
 from msd_train.draft import MSDDraftConfig, MSDDraftModel
 from msd_train.errors import ConfigError
 from msd_train.targets import Encoded, Features

@@ -1,5 +1,5 @@
 """target=smollm2_llava's builder on a scaled-down LM (no download, no gguf package): the
-same code (msd_train/targets/from_lm.py) wraps a tiny random ChatML LlamaForCausalLM."""
+same code (lab/targets/from_lm.py) wraps a tiny random ChatML LlamaForCausalLM."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import hashlib
 import pytest
 import torch
 
+from lab.targets.random import char_tokenizer
 from msd_train.config import CONF_DIR
-from msd_train.targets.random import char_tokenizer
 
 # SmolLM2-Instruct's template shape (ChatML with a default system prompt), shortened
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -31,7 +31,7 @@ def small_lm(seed: int = 0):
 
 
 def build(out, seed: int = 0):
-    from msd_train.targets.from_lm import chatml_llava, save_folder
+    from lab.targets.from_lm import chatml_llava, save_folder
 
     lm, tok = small_lm()
     model, processor = chatml_llava(lm, tok, seed=seed)
@@ -107,8 +107,8 @@ def test_projector_training_moves_only_the_projector_and_lowers_the_loss(tmp_pat
 
     from builders import random_image
 
+    from lab.targets.from_lm import chatml_llava
     from msd_train.config import REPO_ROOT
-    from msd_train.targets.from_lm import chatml_llava
 
     spec = importlib.util.spec_from_file_location("make_smollm2_llava", REPO_ROOT / "scripts" / "make_smollm2_llava.py")
     script = importlib.util.module_from_spec(spec)

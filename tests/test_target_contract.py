@@ -1,6 +1,6 @@
 """The target adapter contract, run over every family on tiny random models.
 
-One builder (``msd_train.targets.random.random_target``) makes a random model of each family
+One builder (``lab.targets.random.random_target``) makes a random model of each family
 (LLaVA-1.5, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL) with the processor its adapter
 reads; every test below runs on each. Images of different sizes and aspect ratios give
 different token counts (LLaVA-NeXT's anyres tiles, the Qwen grids) and different position
@@ -14,11 +14,11 @@ import torch
 from builders import fit_head, image_prompts, model_inputs, padded, random_image, wide_image, write_mini_data
 from test_train import in_process, recipe  # noqa: F401 (in_process is a fixture: one DeepSpeed group)
 
+from lab.targets.random import FAMILY_NAMES, random_target, save_random_target
 from msd_train.decoding import DecodeConfig, generate
 from msd_train.draft import MSD3DraftConfig, MSDDraftConfig, MSDDraftModel
 from msd_train.hf_compat import cache_kwargs
 from msd_train.targets import ADAPTERS, FAMILIES, adapter_class, target_shapes, transformers_at_least, wrap_target
-from msd_train.targets.random import FAMILY_NAMES, random_target, save_random_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -6,8 +6,8 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from lab.targets.tiny_qwen import save_tiny_qwen2vl
 from msd_train.targets import load_target
-from msd_train.targets.tiny_qwen import save_tiny_qwen2vl
 
 ROOT = Path(__file__).resolve().parents[1]
 

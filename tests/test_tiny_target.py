@@ -272,7 +272,7 @@ def test_target_learnt_text_and_images(target):
 def test_captions_are_the_images_ground_truth(tmp_path):
     """data/tiny/captions_heldout.json is what `make_tiny_target.py --captions-only` writes
     from images/meta.json: one caption per held-out image, naming what is drawn."""
-    from msd_train.tiny.data import write_captions
+    from lab.tiny.data import write_captions
 
     (tmp_path / "images").mkdir()
     (tmp_path / "images" / "meta.json").write_bytes((DATA_DIR / "images" / "meta.json").read_bytes())

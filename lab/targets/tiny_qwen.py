@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from lab.targets.random import random_config, random_model
 from msd_train.targets.chat import CHATML_QWEN, QWEN_SPECIALS
 
 
@@ -34,12 +35,7 @@ def save_tiny_qwen2vl(out_dir: str | Path, lm_from: str | Path, seed: int = 0, i
         image_pixels: images are resized to at most ``image_pixels`` squared pixels
             (48: a 48x48 image gives a 6x6 grid of 36 image tokens).
     """
-    from transformers import (
-        AutoTokenizer,
-        LlavaForConditionalGeneration,
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-    )
+    from transformers import AutoTokenizer, LlavaForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     lm_from, out_dir = Path(lm_from), Path(out_dir)
@@ -69,11 +65,10 @@ def save_tiny_qwen2vl(out_dir: str | Path, lm_from: str | Path, seed: int = 0, i
                 eos_token_id=ids["<|im_end|>"], bos_token_id=None, pad_token_id=tok.pad_token_id)
     vision = dict(depth=2, embed_dim=64, hidden_size=lm_cfg.hidden_size, num_heads=4, patch_size=4,
                   spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
-    cfg = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+    cfg = random_config("qwen2_vl", text, vision, image_token_id=ids["<|image_pad|>"],
                         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                         vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(cfg).eval()
+    model = random_model(cfg, seed)
 
     src = llava.model.language_model.state_dict()
     n_old = src["embed_tokens.weight"].shape[0]

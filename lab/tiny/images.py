@@ -9,7 +9,7 @@ import random
 import numpy as np
 from PIL import Image, ImageDraw
 
-from msd_train.tiny.text import join_words
+from lab.tiny.text import join_words
 
 IMAGE_TOKEN = "<image>"  # an image's place in a conversation turn (LLaVA-Instruct format)
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from msd_train.tiny.model import collate, lm_loss, load_pixels
-from msd_train.tiny.tokenizer import encode_item, encode_prompt, to_messages
+from lab.tiny.model import collate, lm_loss, load_pixels
+from lab.tiny.tokenizer import encode_item, encode_prompt, to_messages
 
 
 @torch.no_grad()

@@ -4,10 +4,10 @@
 version: the text comes from that version's standard library docstrings):
 
 * ``sharegpt_train.json`` / ``sharegpt_heldout.json``: text conversations about stdlib
-  objects (``msd_train.tiny.text``); held-out objects have docstrings never seen in
+  objects (``lab.tiny.text``); held-out objects have docstrings never seen in
   training;
 * ``images/shapes/*.png``, ``images/digits/*.png`` and ``images/meta.json`` (what is drawn
-  where, for vision pretraining and captions; ``msd_train.tiny.images``);
+  where, for vision pretraining and captions; ``lab.tiny.images``);
 * ``llava_train.json`` / ``llava_heldout.json``: image conversations in four categories
   (single-image questions, a second question on the same image, a text-only follow-up
   turn, two-image comparisons); held-out items use held-out images only;
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from msd_train.tiny.images import (
+from lab.tiny.images import (
     COLOURS,
     IMAGE_TOKEN,
     caption,
@@ -32,7 +32,7 @@ from msd_train.tiny.images import (
     make_shapes_image,
     two_image_question,
 )
-from msd_train.tiny.text import collect_stdlib, sharegpt_conversation, text_conversation
+from lab.tiny.text import collect_stdlib, sharegpt_conversation, text_conversation
 
 # The recipe's sizes. Training: N_TEXT text and N_IMAGE image conversations (the script's
 # --n-text / --n-image); of the image ones, TRAIN_MIX_IN_20THS are second questions on the

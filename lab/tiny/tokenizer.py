@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import warnings
 
+from lab.tiny.images import IMAGE_SIZE, IMAGE_TOKEN, PATCH_SIZE, TOKENS_PER_IMAGE
 from msd_train.targets.chat import VICUNA_V1, Segment, render_prompt, render_segments
 from msd_train.targets.tokenize import encode_segments
-from msd_train.tiny.images import IMAGE_SIZE, IMAGE_TOKEN, PATCH_SIZE, TOKENS_PER_IMAGE
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", IMAGE_TOKEN]
 TEMPLATE = "vicuna_v1"

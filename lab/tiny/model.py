@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from msd_train.tiny.images import COLOURS, IMAGE_SIZE, IMAGE_TOKEN, KINDS, PATCH_SIZE, TOKENS_PER_IMAGE
-from msd_train.tiny.tokenizer import (
+from lab.tiny.images import COLOURS, IMAGE_SIZE, IMAGE_TOKEN, KINDS, PATCH_SIZE, TOKENS_PER_IMAGE
+from lab.tiny.tokenizer import (
     VOCAB_SIZE,
     build_processor,
     build_tokenizer,
