@@ -1,4 +1,4 @@
-"""scripts/bench_gpu.py: the small config runs end to end on a CPU and writes every field."""
+"""lab/scripts/bench_gpu.py: the small config runs end to end on a CPU and writes every field."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "scripts" / "bench_gpu.py")
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "lab" / "scripts" / "bench_gpu.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules["bench_gpu"] = mod
     spec.loader.exec_module(mod)
@@ -152,12 +152,12 @@ def test_dry_run_prints_the_plan_and_ends_with_the_total(tmp_path, local):
     starts = [line.split("== ")[1].split()[0] for line in lines if "] == " in line]
     assert starts == list(plan) and "SKIP" not in r.stdout
     order = ["deepspeed train.py stage=1", "deepspeed train.py stage=2", "python eval.py", "setsid deepspeed",
-             "python scripts/bench_gpu.py", "python scripts/make_large_target.py", "python scripts/bench_train.py"]
+             "python lab/scripts/bench_gpu.py", "python lab/scripts/make_large_target.py", "python lab/scripts/bench_train.py"]
     at = [r.stdout.index("+ " + cmd) for cmd in order]
     assert at == sorted(at)
     device = "cpu" if local else "cuda"
     assert f"--device {device}" in r.stdout
-    bench_train = next(line for line in lines if line.startswith("+ python scripts/bench_train.py"))
+    bench_train = next(line for line in lines if line.startswith("+ python lab/scripts/bench_train.py"))
     assert "--micro-batches" in bench_train and "," not in bench_train.split("--micro-batches ")[1].split()[0]
     assert not (tmp_path / "out").exists()  # a dry run writes nothing under $OUT
 
@@ -178,7 +178,7 @@ def test_a_part_whose_estimate_does_not_fit_is_skipped_and_the_next_still_runs(t
     skip = [line for line in r.stdout.splitlines() if "SKIP" in line]
     assert len(skip) == 1 and "SKIP decode" in skip[0], skip
     assert skip[0].startswith(f"[{(plan['setup'] + plan['readme']) // 60}:")
-    assert "+ python scripts/bench_gpu.py" not in r.stdout and "+ python scripts/bench_train.py" in r.stdout
+    assert "+ python lab/scripts/bench_gpu.py" not in r.stdout and "+ python lab/scripts/bench_train.py" in r.stdout
     assert TOTAL.match(r.stdout.strip().splitlines()[-1])
 
 

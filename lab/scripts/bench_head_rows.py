@@ -1,6 +1,6 @@
 """What one draft step costs as the number of batch rows (ensemble variants) grows.
 
-    python scripts/bench_head_rows.py [--draft runs/tiny/stage2/final] [--threads 1]
+    python lab/scripts/bench_head_rows.py [--draft runs/tiny/stage2/final] [--threads 1]
 
 Times, for R = 1..4 rows over the same prompt (the M prefix repeated R times): one head step
 (one query per row, over the prompt's cache) plus the lm_head, and the bare `linear` of each
@@ -24,7 +24,7 @@ import torch
 
 from msd_train.evaluation.run import describe_device
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _median_ms(fns: dict, repeats: int) -> dict:
@@ -92,7 +92,7 @@ def main() -> None:
 
     device = describe_device(torch.device("cpu"))
     result = {
-        "command": " ".join(["python", "scripts/bench_head_rows.py", *sys.argv[1:]]),
+        "command": " ".join(["python", "lab/scripts/bench_head_rows.py", *sys.argv[1:]]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device, "load_average": os.getloadavg(), "draft": os.path.relpath(args.draft, ROOT),
         "head": {"hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,

@@ -1,9 +1,9 @@
 """Write a random target of a real model's shape as an ordinary model folder.
 
-    python scripts/make_large_target.py OUT_DIR                       # LLaVA-1.5-7B shape, bf16
-    python scripts/make_large_target.py OUT_DIR --shape llava15_13b
-    python scripts/make_large_target.py OUT_DIR --shape qwen2vl_7b
-    python scripts/make_large_target.py OUT_DIR --layers 1 --scale small   # CPU-sized check
+    python lab/scripts/make_large_target.py OUT_DIR                       # LLaVA-1.5-7B shape, bf16
+    python lab/scripts/make_large_target.py OUT_DIR --shape llava15_13b
+    python lab/scripts/make_large_target.py OUT_DIR --shape qwen2vl_7b
+    python lab/scripts/make_large_target.py OUT_DIR --layers 1 --scale small   # CPU-sized check
 
 then ``train.py target.name_or_path=OUT_DIR`` / ``eval.py target.name_or_path=OUT_DIR``
 (unchanged) load it like a downloaded checkpoint. For throughput work: timings do not
@@ -42,7 +42,7 @@ import torch
 
 from msd_train.targets import chat, target_shapes
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "data" / "tiny-llava"
 
 # The published shapes of the families this script builds, from their adapters (msd_train/targets).
@@ -176,7 +176,7 @@ def main(argv=None) -> Path:
     info = {"shape": args.shape, "scale": args.scale, "layers": args.layers, "dtype": str(dtype).replace("torch.", ""),
             "params": n, "weights": "random (transformers' initialisation)", "seed": args.seed,
             "tokenizer": "data/tiny-llava's, padded with added tokens to the vocabulary size",
-            "command": "python scripts/make_large_target.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+            "command": "python lab/scripts/make_large_target.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     (out / "msd_shape.json").write_text(json.dumps(info, indent=1) + "\n")
     print(f"wrote {out}: {args.shape} ({args.scale}, {n / 1e9:.2f} B parameters, {info['dtype']}) "
           f"in {time.time() - t0:.0f} s")

@@ -4,9 +4,9 @@ was trained on. The builder is ``lab.tiny`` (the data recipe: ``lab/tiny/data.py
 
 Usage::
 
-    python scripts/make_tiny_target.py                 # data (if missing) + tokenizer + model
-    python scripts/make_tiny_target.py --remake-data   # regenerate data/tiny/ too
-    python scripts/make_tiny_target.py --eval-only     # just print the quality numbers
+    python lab/scripts/make_tiny_target.py                 # data (if missing) + tokenizer + model
+    python lab/scripts/make_tiny_target.py --remake-data   # regenerate data/tiny/ too
+    python lab/scripts/make_tiny_target.py --eval-only     # just print the quality numbers
 
 At the end it prints the held-out assistant-token cross-entropy and the image-swap rate
 (the share of held-out single-image questions whose greedy answer changes when the image

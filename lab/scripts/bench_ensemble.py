@@ -1,9 +1,9 @@
 """Ensemble drafting on the tiny benchmark: tau of each input variant alone, IbED and TABED,
 per category and overall, and the drafting-time overhead of the ensembles over M alone.
 
-    python scripts/bench_ensemble.py                              # runs/tiny/stage2/final, chain k=5, M,T,P
-    python scripts/bench_ensemble.py --method tree --variants M,T,P,C
-    python scripts/bench_ensemble.py --draft PATH --k 4 --variants M,T --max-per-category 4
+    python lab/scripts/bench_ensemble.py                              # runs/tiny/stage2/final, chain k=5, M,T,P
+    python lab/scripts/bench_ensemble.py --method tree --variants M,T,P,C
+    python lab/scripts/bench_ensemble.py --draft PATH --k 4 --variants M,T --max-per-category 4
 
 Greedy decoding (outputs of every configuration must be identical: checked). Writes
 benchmarks/ensemble/<name>.json and .md, with the command that produced them.
@@ -33,7 +33,7 @@ from msd_train.evaluation.ensemble import (
 )
 from msd_train.evaluation.run import describe_device
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _conf(name: str) -> dict:
@@ -85,7 +85,7 @@ def main() -> None:
     rows = run_variants(target, draft, items, configs, warmup=args.warmup, progress=True)
     summary = summarize_variants(rows)
 
-    command = " ".join(["python", "scripts/bench_ensemble.py", *sys.argv[1:]])
+    command = " ".join(["python", "lab/scripts/bench_ensemble.py", *sys.argv[1:]])
     result = {
         "command": command, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "draft": os.path.relpath(args.draft, ROOT), "target": tc["name_or_path"].replace(str(ROOT) + "/", ""),

@@ -6,9 +6,9 @@ i.e. what the loss itself adds: full-vocabulary logits, their softmaxes, the gra
 The logits' share does not depend on the hidden size, so a smaller ``--hidden`` than the
 target's keeps the CPU time short without changing what is measured.
 
-    python scripts/bench_loss_memory.py --out benchmarks/loss_memory/after.json
+    python lab/scripts/bench_loss_memory.py --out benchmarks/loss_memory/after.json
     # the code before chunking, measured by this same script:
-    PYTHONPATH=/path/to/old/checkout python scripts/bench_loss_memory.py --out .../before.json
+    PYTHONPATH=/path/to/old/checkout python lab/scripts/bench_loss_memory.py --out .../before.json
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def main(argv=None) -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(rows[0]["msd_train"]).parent).stdout.strip() if rows else ""
     result = {"rows": rows, "commit_of_msd_train": commit, "machine": platform.platform(),
-              "command": " ".join(["python", "scripts/bench_loss_memory.py", *(argv or sys.argv[1:])])}
+              "command": " ".join(["python", "lab/scripts/bench_loss_memory.py", *(argv or sys.argv[1:])])}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")

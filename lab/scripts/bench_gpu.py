@@ -1,7 +1,7 @@
 """GPU benchmark of the MSD speculative decoder on a LLaVA-1.5-7B-shaped target.
 
-    python scripts/bench_gpu.py --config llava15_7b --device cuda          # on an H100 / H200
-    python scripts/bench_gpu.py --config small --device cpu --repeats 3    # CPU dry run (~1 min)
+    python lab/scripts/bench_gpu.py --config llava15_7b --device cuda          # on an H100 / H200
+    python lab/scripts/bench_gpu.py --config small --device cpu --repeats 3    # CPU dry run (~1 min)
 
 The target is built from a LlavaConfig written below (no download, no tokenizer): the
 published shape of ``llava-hf/llava-1.5-7b-hf`` (Llama 32x4096, intermediate 11008,
@@ -23,7 +23,7 @@ Measured (medians over ``--repeats`` after ``--warmup`` runs, device synchronise
 5b. ensemble drafting: one draft block (default tree, and a chain of 5) with the head alone
    (M) and with the variants M, T, P as three batch rows (IbED), and the overhead.
 
-Training throughput is ``scripts/bench_train.py``, which runs the recipe itself.
+Training throughput is ``lab/scripts/bench_train.py``, which runs the recipe itself.
 
 Writes ``--out`` (JSON) and the same name with ``.md``.
 """
@@ -46,7 +46,7 @@ import transformers
 
 from msd_train.targets import target_shapes
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 TREE_SIZES = (1, 8, 16, 32, 48, 64, 96)
 DEFAULT_TREE = dict(depth=5, top_k=10, total_tokens=60)
@@ -624,7 +624,7 @@ def main(argv=None) -> dict:
                          if device.type != "cuda" else None),
         "config": args.config, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python scripts/bench_gpu.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python lab/scripts/bench_gpu.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "environment": environment(device),
         "target": {"name": target.name, "layers": tc.num_hidden_layers, "hidden": tc.hidden_size,
                    "intermediate": tc.intermediate_size, "heads": tc.num_attention_heads, "vocab": tc.vocab_size,

@@ -1,7 +1,7 @@
 """Draft-side visual compression: tau, draft time and wall-clock per cycle for K visual slots per image.
 
-    python scripts/bench_compression.py                          # the embedded tiny LLaVA (36 visual tokens)
-    python scripts/bench_compression.py --target qwen --qwen-pixels 96   # tiny Qwen2-VL, 144 visual tokens
+    python lab/scripts/bench_compression.py                          # the embedded tiny LLaVA (36 visual tokens)
+    python lab/scripts/bench_compression.py --target qwen --qwen-pixels 96   # tiny Qwen2-VL, 144 visual tokens
 
 For each K of ``--ks`` (default all, 64, 32, 16) a stage-2 head is trained with
 ``draft.visual_compression=METHOD draft.visual_compression_tokens=K`` from one shared stage-1
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(cmd: list[str], log: Path) -> float:
@@ -211,7 +211,7 @@ def main(argv=None) -> dict:
 
     result = {
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python scripts/bench_compression.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "command": "python lab/scripts/bench_compression.py " + shlex.join(sys.argv[1:] if argv is None else argv),
         "target": target.name, "visual_tokens_per_image": n_visual, "method": args.method,
         "prompts": len(items), "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
         "steps": {"stage1": args.steps1 or "default", "stage2": args.steps2 or "default"},

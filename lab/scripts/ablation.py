@@ -1,6 +1,6 @@
 """MSD's two claims, and the head architecture, on the embedded default, as a committed table.
 
-    python scripts/ablation.py [--heads msd msd3] [--decoders tree chain] [--steps1 N] [--steps2 N]
+    python lab/scripts/ablation.py [--heads msd msd3] [--decoders tree chain] [--steps1 N] [--steps2 N]
                                [--jobs N] [--train OVERRIDE ...] [--eval OVERRIDE ...] [--out DIR]
 
 For each head architecture (`head=msd`, the EAGLE-2-style MSD head; `head=msd3`, EAGLE-3's
@@ -45,7 +45,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(cmd: list[str]) -> None:

@@ -1,8 +1,8 @@
 """Training throughput of the MSD recipe: TrainRecipe itself, on CPU or GPU.
 
-    python scripts/bench_train.py [overrides...]                 # the embedded default (tiny), CPU or GPU
-    python scripts/bench_train.py --target DIR --seq-len 2048 --micro-batches 1,2,4 \\
-        --out benchmarks/gpu/train-llava15_7b-h100.json            # 7B shape (scripts/make_large_target.py)
+    python lab/scripts/bench_train.py [overrides...]                 # the embedded default (tiny), CPU or GPU
+    python lab/scripts/bench_train.py --target DIR --seq-len 2048 --micro-batches 1,2,4 \\
+        --out benchmarks/gpu/train-llava15_7b-h100.json            # 7B shape (lab/scripts/make_large_target.py)
 
 Each micro-batch size runs in its own process (clean peak memory) through the real recipe:
 ``TrainRecipe.setup()`` from the Hydra config, then ``train_step()`` (DataLoader collation,
@@ -43,7 +43,7 @@ import torch
 
 from msd_train.config import CONF_DIR, REPO_ROOT, strip_launcher_args
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 GOAL_TOKENS_PER_S, FIRST_BAR = 20000, 15000  # issue 12, one H100, 7B shape, seq 2048, one image
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
@@ -375,7 +375,7 @@ def main(argv=None) -> dict:
         "target": ok[0]["target"] if ok else args.target,
         "sample": (f"synthetic: {args.seq_len} tokens per sample with one image (stage 2 path, multimodal share 1)"
                    if args.seq_len else "the configured data"),
-        "command": "python scripts/bench_train.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python lab/scripts/bench_train.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "environment": environment(), "rows": rows, "best_target_tokens_per_s": best,
         "goal_target_tokens_per_s": GOAL_TOKENS_PER_S, "first_bar_target_tokens_per_s": FIRST_BAR,

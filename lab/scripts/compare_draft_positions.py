@@ -13,7 +13,7 @@ reads the held-out simulated tau of each stage from its ``metrics.jsonl``, and r
 the decoder's tau per category and exactness against plain decoding. Writes
 ``OUT/results.json`` and ``OUT/results.md`` (with this command line).
 
-    python scripts/compare_draft_positions.py --steps1 150 --steps2 150 --seeds 0 1 --train eval.every=150
+    python lab/scripts/compare_draft_positions.py --steps1 150 --steps2 150 --seeds 0 1 --train eval.every=150
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from lab.targets.tiny_qwen import save_tiny_qwen2vl
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 CONVENTIONS = ("1d", "mrope")
 METHODS = ("tree", "chain")
@@ -127,7 +127,7 @@ def main() -> None:
             summary[conv][f"{method}_outputs_match_ar"] = all(d["outputs_match_ar"] for d in dec)
     results["mean_over_seeds"] = summary
     results["meta"] = {
-        "command": "python scripts/compare_draft_positions.py " + shlex.join(sys.argv[1:]),
+        "command": "python lab/scripts/compare_draft_positions.py " + shlex.join(sys.argv[1:]),
         "target": "tiny Qwen2-VL (lab/targets/tiny_qwen.py): data/tiny-llava's trained Llama LM (4 layers, "
                   "hidden 256) moved into Qwen2VLForConditionalGeneration with M-RoPE (section "
                   "[16, 8, 8]), random 2-layer vision tower; a 48x48 image is a 6x6 grid of 36 tokens",

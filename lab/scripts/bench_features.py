@@ -1,6 +1,6 @@
 """Feature store budgets: disk per token and per sample, loader and generation throughput.
 
-    python scripts/bench_features.py [target/data overrides...] [--steps 20] [--out DIR]
+    python lab/scripts/bench_features.py [target/data overrides...] [--steps 20] [--out DIR]
 
 1. Generates a bf16 store of the configured data (default: the tiny target and data) into
    a temporary folder, timing the generation.
@@ -9,7 +9,7 @@
 3. Extrapolates the layout to the 7B targets at representative sample shapes.
 4. Times the loader (collate without pixels + ``OfflineFeatures``) on batches of the
    configured micro-batch size, half of them multimodal, and the trainer's consumption
-   by running ``scripts/bench_train.py`` (the real recipe, one process) on the same store
+   by running ``lab/scripts/bench_train.py`` (the real recipe, one process) on the same store
    with stage 2 at a fixed multimodal share of 0.5, and, for reference, online.
 
 Writes ``DIR/<name>.json`` and ``DIR/<name>.md`` (default benchmarks/features/tiny_cpu.*).
@@ -168,7 +168,7 @@ def time_loader(train_cfg, target, micro: int, steps: int) -> dict:
 def time_trainer(overrides: list[str], extra: list[str], steps: int, head: Path) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "t.json"
-        cmd = [sys.executable, str(REPO_ROOT / "scripts" / "bench_train.py"), "--steps", str(steps), "--out", str(out),
+        cmd = [sys.executable, str(REPO_ROOT / "lab" / "lab" / "scripts" / "bench_train.py"), "--steps", str(steps), "--out", str(out),
                "stage=2", f"stage.init_from={head}", "stage.curriculum.start=0.5", "stage.curriculum.end=0.5",
                *overrides, *extra]
         res = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "disabled"})
@@ -213,7 +213,7 @@ def markdown(r: dict) -> str:
     lines += ["", "## Throughput", "",
               f"- loader (collate without pixels + OfflineFeatures, micro-batch {L['micro_batch_size']}, half "
               f"multimodal): **{L['samples_per_s']:.0f} samples/s** ({L['s_per_batch'] * 1e3:.1f} ms per batch)",
-              f"- trainer consumption from the store (scripts/bench_train.py, stage 2 at multimodal share 0.5, "
+              f"- trainer consumption from the store (lab/scripts/bench_train.py, stage 2 at multimodal share 0.5, "
               f"loader included): {T['samples_per_s']:.1f} samples/s ({T['s_per_step'] * 1e3:.0f} ms per step)",
               f"- loader / trainer: **{L['samples_per_s'] / T['samples_per_s']:.1f}x** (budget: at least 5x)"]
     if online:
@@ -255,7 +255,7 @@ def main() -> None:
         MSDDraftModel(MSDDraftConfig.from_target_config(target.config, target.name)).save_pretrained(head)
         result = {
             "target": str(gcfg.target.name_or_path).replace(str(REPO_ROOT) + "/", ""),
-            "command": " ".join(["python scripts/bench_features.py", *sys.argv[1:]]), "note": args.note,
+            "command": " ".join(["python lab/scripts/bench_features.py", *sys.argv[1:]]), "note": args.note,
             "disk": disk_report(manifest, target.hidden_size), "tensor_bytes": tensor_bytes(store, manifest),
             "dry_run_estimate_bytes": estimate["bytes"],
             "extrapolated": extrapolate(),

@@ -1,10 +1,10 @@
 """Time the speculative decoder: per-cycle draft / verify / acceptance+bookkeeping split and tau.
 
-    python scripts/bench_decode.py                                  # tiny target, CPU
-    python scripts/bench_decode.py --tree 5,10,60 --tree 3,4,16 --chain 5 --chain 3
-    python scripts/bench_decode.py --target llava15_7b --random-shape --device cuda   # random 7B-shaped LLaVA
-    python scripts/bench_decode.py --target qwen2vl_7b --random-shape --num-layers 2  # M-RoPE, on a CPU
-    python scripts/bench_decode.py --host-reads --out benchmarks/decode/host-reads-after.json
+    python lab/scripts/bench_decode.py                                  # tiny target, CPU
+    python lab/scripts/bench_decode.py --tree 5,10,60 --tree 3,4,16 --chain 5 --chain 3
+    python lab/scripts/bench_decode.py --target llava15_7b --random-shape --device cuda   # random 7B-shaped LLaVA
+    python lab/scripts/bench_decode.py --target qwen2vl_7b --random-shape --num-layers 2  # M-RoPE, on a CPU
+    python lab/scripts/bench_decode.py --host-reads --out benchmarks/decode/host-reads-after.json
 
 ``--host-reads`` counts, instead of timing, the device-to-host reads one ``decode`` makes
 per cycle (``lab.transfers.HostReads``: ``.item()``, ``.tolist()``,
@@ -42,7 +42,7 @@ from msd_train.evaluation import evaluate, load_bench, summarize
 from msd_train.evaluation.run import describe_device
 from msd_train.targets import target_shapes
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # Published shapes, for timing random models of the real size without downloading them: the
 # sizes are the adapters' (msd_train/targets ``target_shapes``), for the families built below
@@ -193,7 +193,7 @@ def main(argv=None):
     tc = target.text_config
     result = {
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python scripts/bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python lab/scripts/bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "device": describe_device(device), "dtype": str(dtype).replace("torch.", ""),
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
         "target": {"name": target.name, "family": target.family, "random": args.random_shape,
@@ -276,7 +276,7 @@ def count_host_reads(target, draft, items, configs, args, draft_path, device) ->
         print(f"{run['settings']}: {run['reads_per_cycle']} host reads per cycle ({run['kinds']}), tau {run['tau']}")
     result = {
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python scripts/bench_decode.py " + " ".join(sys.argv[1:]),
+        "command": "python lab/scripts/bench_decode.py " + " ".join(sys.argv[1:]),
         "target": target.name, "draft": draft_path, "device": describe_device(device),
         "torch": torch.__version__, "transformers": transformers.__version__,
         "max_new_tokens": args.max_new_tokens,
