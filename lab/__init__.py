@@ -5,5 +5,5 @@ builders of the embedded tiny target (``tiny``) and of random and derived target
 (``targets``), the decoder's instruments (``transfers``: device-to-host reads; ``capture``: a
 CPU stand-in for CUDA graph capture) and, under ``scripts/``, the bench and experiment
 programs. Tests, scripts and benchmarks import it; nothing in ``msd_train`` does
-(``tests/test_layering.py``).
+(``tests/contracts/test_layering.py``).
 """

@@ -10,7 +10,7 @@ Usage::
 
 At the end it prints the held-out assistant-token cross-entropy and the image-swap rate
 (the share of held-out single-image questions whose greedy answer changes when the image
-is replaced by another one); ``tests/test_tiny_target.py`` checks both.
+is replaced by another one); ``tests/lab_tools/test_tiny_target.py`` checks both.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Everything is made on a CPU from material present on any machine, deterministica
   and conversations formatted as the rest of the project formats them;
 * ``model``: the ``LlavaForConditionalGeneration`` (CLIP vision tower, 2-layer GELU
   projector, Llama language model) and its training on assistant tokens only;
-* ``quality``: the bar ``tests/test_tiny_target.py`` checks (held-out cross-entropy, and
+* ``quality``: the bar ``tests/lab_tools/test_tiny_target.py`` checks (held-out cross-entropy, and
   how often swapping the image changes the answer).
 
 Heavy dependencies (scikit-learn, tokenizers, transformers) are imported where used.

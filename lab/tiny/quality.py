@@ -1,4 +1,4 @@
-"""The tiny target's quality bar (the numbers tests/test_tiny_target.py asserts): held-out
+"""The tiny target's quality bar (the numbers tests/lab_tools/test_tiny_target.py asserts): held-out
 assistant-token cross-entropy, and the share of held-out single-image questions whose
 greedy answer changes when the image is swapped for another."""
 
