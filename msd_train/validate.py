@@ -201,7 +201,7 @@ def check_eval(cfg, method: str) -> None:
 
 #: how to make the folders of the named targets that are built, not downloaded
 BUILDERS = {"smollm2-llava": "python scripts/make_smollm2_llava.py (data/README.md, \"SmolLM2-LLaVA\")",
-            "tiny-llava": "python scripts/make_tiny_target.py"}
+            "tiny-llava": "python lab/scripts/make_tiny_target.py"}
 
 
 def _looks_like_path(name: str) -> bool:

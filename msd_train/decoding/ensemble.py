@@ -25,7 +25,7 @@ read only through its own (``target_inputs``, ``forward``, ``step``, ``logits``)
 Host reads: ``ibed`` adds none per cycle to the decoder's one (the active rows are read
 once); ``tabed`` adds three (the active rows of each block's new weights, and two
 data-sized selections of the verified nodes whose children were drafted, in
-``record_verified``), measured with ``transfers.HostReads``.
+``record_verified``), measured with ``lab.transfers.HostReads``.
 
 At each draft step (chain or tree, see ``drafter.draft_chain`` / ``draft_tree``) the
 rows' next-token probabilities are mixed, ``q = sum_r w_r p_r``, and every row continues
