@@ -354,7 +354,7 @@ def test_draft_vocab_size_is_bounded_by_the_targets_vocabulary():
     import json
     from pathlib import Path
 
-    folder = Path(__file__).resolve().parent.parent / "data" / "tiny-llava"
+    folder = ROOT / "data" / "tiny-llava"
     vocab = json.loads((folder / "config.json").read_text())["text_config"]["vocab_size"]
     cfg = {"target": {"name_or_path": str(folder)}, "draft": {"draft_vocab_size": vocab + 1}}
     with pytest.raises(ConfigError, match=rf"^draft\.draft_vocab_size={vocab + 1} must be at most {vocab} "

@@ -336,7 +336,7 @@ def test_the_protocol_declares_what_the_project_uses():
     import re
     from pathlib import Path
 
-    pkg = Path(__file__).resolve().parent.parent / "msd_train"
+    pkg = Path(__file__).resolve().parents[2] / "msd_train"
     members = {n for cls in ADAPTERS for n in dir(cls) if not n.startswith("_")} | {"name", "tokenizer",
                                                                                     "chat_template", "model"}
     used = set()
