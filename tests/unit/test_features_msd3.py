@@ -81,3 +81,22 @@ def test_a_lora_targets_layer_inputs_are_the_adapted_ones(base_and_adapter):
     assert torch.equal(f["tuned"].layer_states[..., :H], f["plain"].layer_states[..., :H])  # layer 0's input
     assert (f["tuned"].layer_states[..., H:] - f["plain"].layer_states[..., H:]).abs().max() > 1e-3
     torch.testing.assert_close(f["tuned"].layer_states, f["hand"].layer_states, rtol=1e-6, atol=1e-6)
+
+
+def test_a_batch_mixing_text_and_image_samples_reads_from_a_store_with_layers(mini_run, mini_target, tmp_path):
+    """A stage-2 batch takes text samples (from shards without images) and image samples
+    from one store with layers: both an msd head (last output only) and an msd3 head read it,
+    the visual rows at the embedding's width."""
+    target = mini_target
+    path = tmp_path / "mixed"
+    generate(gen_cfg(mini_run, path, "splits=[text,multimodal]", "features.layers=[0,1]"), target=target)
+    rows = split_rows(mini_run, target, "text")[:2] + split_rows(mini_run, target, "multimodal")[:2]
+    batch = {**batch_of(target, rows), "pixel": {}}
+    cfg = train_cfg(mini_run, path, "stage.splits=[text,multimodal]")
+    n_image = int((batch["input_ids"] == target.image_token_id).sum())
+    assert n_image > 0
+    for layers in (None, [0, 1]):
+        part = OfflineFeatures(cfg, target, layers).host(batch)
+        assert part["visual"].shape == (n_image, target.hidden_size)
+        f = OfflineFeatures(cfg, target, layers)(batch)
+        assert (f.layer_states is None) == (layers is None)
