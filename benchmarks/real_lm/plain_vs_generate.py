@@ -1,6 +1,6 @@
 """Plain decoding on the real target: this project's loop vs transformers' generate(), and the
 speculative cycle's split, on one held-out ShareGPT prompt; the measurements are
-scripts/bench_gpu.py's own (bench_plain, bench_cycle), run on a loaded target and a trained
+lab/scripts/bench_gpu.py's own (bench_plain, bench_cycle), run on a loaded target and a trained
 head instead of the random 7B-shaped ones.
 
     python benchmarks/real_lm/plain_vs_generate.py --draft RUN/stage1/final \
@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "lab" / "scripts"))
 
 
 def main() -> None:

@@ -52,7 +52,7 @@ fi
 bench() {  # NAME [overrides]   (STEPS: timed optimizer steps, default 4)
   local name=$1; shift
   [ -f "$OUT/train-$name.json" ] && return
-  python scripts/bench_train.py "${ONLY_TEXT[@]}" train.micro_batch_size=4 train.loader_workers=0 "$@" \
+  python lab/scripts/bench_train.py "${ONLY_TEXT[@]}" train.micro_batch_size=4 train.loader_workers=0 "$@" \
       --steps "${STEPS:-4}" --warmup 1 --split-steps 3 --micro-batches 4 --note "$name" --out "$OUT/train-$name.json" \
       > "$W/train-$name.log" 2>&1
 }

@@ -21,9 +21,13 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from msd_train.data.formats import BadSample, BadSampleError, read_conversations
 from msd_train.paths import user_path
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -98,20 +102,29 @@ def _encode_row(row: dict, target, max_length: int, image_root_hint: str) -> dic
         return {**empty, "bad": f"image cannot be decoded ({type(e).__name__}: {e})",
                 "fix": "re-download or remove the image"}
     enc = target.encode(row["messages"], images)
-    ids, mask = enc.input_ids, enc.loss_mask
-    visual = ids == target.image_token_id
+    ids, mask, refused = truncate(enc.input_ids, enc.loss_mask, target.image_token_id, max_length)
+    if refused:
+        return {**empty, "bad": refused[0], "fix": refused[1]}
+    return {"input_ids": ids.tolist(), "loss_mask": mask.tolist(), "n_visual": int((ids == target.image_token_id).sum()),
+            "bad": "", "fix": ""}
+
+
+def truncate(ids: torch.Tensor, mask: torch.Tensor, image_token_id: int, max_length: int):
+    """``data.max_length``'s rule: (ids, loss mask, refusal), the sample cut to ``max_length``
+    tokens, or ``refusal`` = (reason, fix) when it cannot be used. The one rule the training
+    data and ``check_data.py`` share."""
     if len(ids) > max_length:
         # Truncation may only cut text: a partial image block would leave the target's
         # forward with fewer placeholders than visual embeddings.
+        visual = ids == image_token_id
         if visual.any() and int(visual.nonzero().max()) >= max_length:
-            return {**empty, "bad": f"an image block ends after max_length={max_length} (length {len(ids)})",
-                    "fix": "raise data.max_length or shorten the conversation before the image"}
-        ids, mask, visual = ids[:max_length], mask[:max_length], visual[:max_length]
+            return ids, mask, (f"an image block ends after max_length={max_length} (length {len(ids)})",
+                               "raise data.max_length or shorten the conversation before the image")
+        ids, mask = ids[:max_length], mask[:max_length]
     if int(mask.sum()) == 0:
-        return {**empty, "bad": f"no assistant tokens left within max_length={max_length}",
-                "fix": "raise data.max_length or shorten the first user turn"}
-    return {"input_ids": ids.tolist(), "loss_mask": mask.tolist(), "n_visual": int(visual.sum()),
-            "bad": "", "fix": ""}
+        return ids, mask, (f"no assistant tokens left within max_length={max_length}",
+                           "raise data.max_length or shorten the first user turn")
+    return ids, mask, None
 
 
 def split_limit(data_cfg, name: str) -> int | None:

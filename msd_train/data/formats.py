@@ -18,9 +18,9 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from msd_train.errors import ConfigError
 from msd_train.paths import user_path
 from msd_train.targets.chat import IMAGE_MARKER, count_image_markers
-from msd_train.validate import ConfigError
 
 # Roles seen in real ShareGPT / LLaVA dumps, mapped to chat roles.
 ROLE_MAP = {

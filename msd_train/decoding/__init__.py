@@ -19,7 +19,9 @@ from msd_train.decoding.speculative import (
     CycleStats,
     DecodeState,
     Generation,
+    PhaseTimer,
     Workspace,
+    accept,
     accept_greedy,
     accept_sampling,
     commit,
@@ -28,6 +30,7 @@ from msd_train.decoding.speculative import (
     generate,
     prefill,
     read_acceptance,
+    speculate,
     verify,
 )
 from msd_train.decoding.stopping import StopCriteria, find_stop
@@ -35,8 +38,8 @@ from msd_train.decoding.tree import Tree, chain, tree_attention_bias
 
 __all__ = [
     "METHODS", "Acceptance", "CycleStats", "DecodeConfig", "DecodeState", "Generation", "HeadDrafter",
-    "Pending", "PositionCache", "PromptPass", "SamplingParams", "StopCriteria", "Tree", "accept_greedy", "accept_sampling",
+    "Pending", "PositionCache", "PromptPass", "SamplingParams", "StopCriteria", "Tree", "PhaseTimer", "accept", "accept_greedy", "accept_sampling",
     "build_drafter", "chain", "commit", "decode", "decode_plain", "draft_chain", "draft_tree", "find_stop",
-    "generate", "key_mask", "log_probs", "logits_to_probs", "prefill", "read_acceptance", "sample",
+    "generate", "key_mask", "log_probs", "logits_to_probs", "prefill", "read_acceptance", "sample", "speculate",
     "tree_attention_bias", "use_draft_vocabulary", "verify", "Workspace",
 ]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from msd_train.checks import METHODS, check_decoding  # noqa: F401  (METHODS: msd_train.decoding's)
 from msd_train.decoding.drafter import HeadDrafter
 from msd_train.decoding.ensemble import EnsembleDrafter
 from msd_train.decoding.sampling import SamplingParams
 from msd_train.draft.vocabulary import COUNTS_FILE, most_frequent
 from msd_train.errors import ConfigError
-from msd_train.validate import METHODS, check_decoding  # noqa: F401  (METHODS: msd_train.decoding's)
 
 
 @dataclass
@@ -51,7 +51,7 @@ class DecodeConfig:
     def __post_init__(self):
         self.stop_strings = tuple(self.stop_strings or ())
         self.variants = tuple(self.variants or ("M",))
-        # the bounds live in msd_train/validate.py, which eval.py runs before any model loads
+        # the bounds live in msd_train/checks.py (torch-free), which eval.py runs before any model loads
         check_decoding({f.name: getattr(self, f.name) for f in fields(self) if f.name != "sampling"})
 
     @property
@@ -73,16 +73,22 @@ def use_draft_vocabulary(draft, target, size: int | None) -> None:
         size = getattr(getattr(draft, "config", None), "train_vocab", None)
     if size is not None and size >= target.vocab_size:
         size = None
+    restrict = getattr(draft, "restrict_vocabulary", None)  # a capability of msd heads only
     if size is None:
-        draft.restrict_vocabulary(target, None)
+        if restrict is not None:
+            restrict(target, None)
         return
+    if restrict is None:
+        own = getattr(getattr(draft, "config", None), "draft_vocab_size", None)
+        raise ValueError(f"an {getattr(draft, 'architecture', '')} head drafts over the {own}-token vocabulary it was "
+                         f"trained with (draft.draft_vocab_size at training); decoding.draft_vocab is for msd heads")
     counts = getattr(draft, "token_counts", None)
     if counts is None:
         raise ConfigError(
             f"decoding.draft_vocab={size} needs the head's token counts ({COUNTS_FILE} in its folder, which "
             f"training writes beside every export); this head has none: write them with "
             f"python scripts/count_tokens.py draft=HEAD_DIR data=... (its training data), or drop decoding.draft_vocab")
-    draft.restrict_vocabulary(target, most_frequent(counts, size))
+    restrict(target, most_frequent(counts, size))
 
 
 def build_drafter(draft, config: DecodeConfig, captions: list[str] | None = None) -> HeadDrafter | None:

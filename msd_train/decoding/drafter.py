@@ -1,19 +1,23 @@
 """The drafter: what proposes the tokens a cycle verifies.
 
-One interface, two implementations: ``HeadDrafter`` (one MSD head over the prompt as it
-was trained) here, and ``EnsembleDrafter`` (the same head over several input variants of
-the prompt, one batch row each) in ``ensemble.py``. The decoder calls three methods:
+One interface, two implementations: ``HeadDrafter`` (one draft head over the prompt as
+it was trained) here, and ``EnsembleDrafter`` (the same head over several input variants
+of the prompt, one batch row each) in ``ensemble.py``. The decoder calls three methods:
 
     drafter.prefill(target, prompt_pass, workspace, capacity)   the head reads the prompt
     tree = drafter.draft_block(target, pending, config)         a tree (or chain) of proposals
-    drafter.record_verified(path, logits)                       what the target said about them
+    drafter.record_verified(path, logits, lm_head)              what the target said about them
 
 The drafter owns what only drafting reads (its head's cache and position offsets); what
 the last verification left for it comes in as an argument (``Pending``), so it never
 reads the decoder's state back.
 
-``draft_tree`` and ``draft_chain`` below are the block drafters; they call the drafter's
-row hooks (``head``, ``distribution``, ``begin_block``), which is all an ensemble changes.
+``draft_tree`` and ``draft_chain`` below are the block drafters. They read the drafter's
+rows through ``feed_pending`` (the pending pairs into the head's cache), ``head`` (the
+head over new positions of every row) and ``distribution`` (the draft distribution
+after the rows' outputs); an ensemble overrides ``head`` and ``distribution`` and wraps
+``draft_block``. Each tree records where its nodes' children came from
+(``Tree.children_from``) for drafters that look back at it.
 
 Indexing (see ``speculative.py``): draft position t pairs the target feature h_t with the
 embedding e_{t+1}; its position id is the target's position of x_t. The head's cache holds
@@ -112,35 +116,22 @@ class HeadDrafter:
     def record_verified(self, path: list[int], logits: torch.Tensor, lm_head) -> None:
         """A single head keeps no history."""
 
-    # ----- row hooks (an ensemble overrides these) -----------------------------------
+    # ----- what the block drafters read ---------------------------------------------------
 
-    def begin_block(self) -> None:
-        pass
-
-    def children_index(self, index: torch.Tensor | None) -> None:
-        """Where each tree node's children distribution came from (ensembles keep it)."""
-
-    def key_bias(self) -> torch.Tensor | None:
-        """(R, 1, 1, capacity) additive bias on the rows' padded keys, or None."""
-        return None
-
-    def head(self, embeds: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    def head(self, embeds: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, queries: torch.Tensor,
+             key_bias: torch.Tensor | None = None) -> torch.Tensor:
         """Run the head over T new positions of every row; returns (R, T, H).
 
-        ``embeds`` (1, T, H) are shared by the rows, ``hidden`` (R, T, H) is each row's,
-        ``pos`` batch-1 position ids. ``queries`` (T, A) bool: which of the A newest cache
-        slots (after the committed ones; these T queries are the last T) each query sees.
+        ``embeds`` (R, T, H), ``hidden`` (R, T, H), ``pos`` the rows' position ids.
+        ``queries`` (T, A) bool: which of the A newest cache slots (after the committed
+        ones; these T queries are the last T) each query sees. ``key_bias`` (R, 1, 1,
+        capacity): added on the keys (an ensemble's row padding), or None.
         """
-        rows = hidden.shape[0]
-        if rows > 1:
-            embeds = embeds.expand(rows, -1, -1)
-            pos = pos.expand(*pos.shape[:-2], rows, pos.shape[-1])
         past, (t, a) = self.cache.length, queries.shape
         width = attention_width(self.graphs.enabled, self.cache.capacity, past + a)
         mask = key_mask(past, width, queries, self.draft.dtype)
-        pad = self.key_bias()
-        if pad is not None:
-            mask = mask + pad[..., :width]
+        if key_bias is not None:
+            mask = mask + key_bias[..., :width]
         write_index = torch.arange(past + a - t, past + a, device=embeds.device)
         return self.graphs.run("head", self._step, embeds=embeds, hidden=hidden, pos=pos, mask=mask,
                                write_index=write_index)[0]
@@ -191,7 +182,6 @@ def draft_chain(drafter: HeadDrafter, target, pending: Pending, k: int, sampling
     outputs do not change; each draft token costs one host read (the length is decided on
     the host), which a CPU does not notice and a GPU does.
     """
-    drafter.begin_block()
     h = drafter.feed_pending(target, pending)  # (R, H)
     tokens, probs, chain_prob = [], [], 1.0
     for i in range(k):
@@ -215,11 +205,10 @@ def draft_chain(drafter: HeadDrafter, target, pending: Pending, k: int, sampling
                              _node_positions(drafter, target, pending.root, i + 1, 1), seen)[:, -1]
     n = len(tokens)
     index = torch.arange(n + 1, device=target.device)  # node i's children came from the i-th distribution
-    drafter.children_index(torch.where(index < n, index, -1))  # the last node has none
     root = pending.tokens[-1:]
-    if not tokens:
-        return chain(root)
-    return chain(root, torch.stack(tokens), torch.stack(probs) if probs else None)
+    tree = chain(root, torch.stack(tokens), torch.stack(probs) if probs else None) if tokens else chain(root)
+    tree.children_from = torch.where(index < n, index, -1)  # the last node has none
+    return tree
 
 
 @torch.inference_mode()
@@ -240,7 +229,6 @@ def draft_tree(drafter: HeadDrafter, target, pending: Pending, depth: int, top_k
     tree and are marked invalid, so no count is read back from the device.
     """
     device = target.device
-    drafter.begin_block()
     out = drafter.feed_pending(target, pending)  # (R, H)
     lp = drafter.distribution(target, out[:, None], sampling, log=True)[0].clamp_max(0)
     k = min(top_k, lp.shape[-1])
@@ -285,7 +273,6 @@ def draft_tree(drafter: HeadDrafter, target, pending: Pending, depth: int, top_k
     flat = torch.full((scores.shape[0],), -1, dtype=torch.long, device=device)
     for step, idx in enumerate(expanded):  # where each kept node's children distribution sits (the root's: 0)
         flat[idx] = 1 + step * k + torch.arange(k, device=device)
-    drafter.children_index(torch.cat([torch.zeros(1, dtype=torch.long, device=device), flat[keep]]))
     root = pending.tokens[-1:]
     zero = torch.zeros(1, dtype=torch.long, device=device)
     kept_scores = scores[keep]
@@ -296,4 +283,5 @@ def draft_tree(drafter: HeadDrafter, target, pending: Pending, depth: int, top_k
         scores=torch.cat([zero.to(scores.dtype), kept_scores]),
         valid=torch.cat([torch.ones(1, dtype=torch.bool, device=device), torch.isfinite(kept_scores)]),
         max_depth=depth + 1,
+        children_from=torch.cat([torch.zeros(1, dtype=torch.long, device=device), flat[keep]]),
     )

@@ -19,12 +19,13 @@ attention is unchanged), so after the prompt all rows share the same positions. 
 left-padded to a common length; the padding is masked by an additive per-row key bias.
 
 ``EnsembleDrafter`` is a ``drafter.HeadDrafter`` whose rows are the variants: the decoder
-sees the same interface (prefill, draft a block, record what was verified).
+sees the same interface (prefill, draft a block, record what was verified), and the head is
+read only through its own (``target_inputs``, ``forward``, ``step``, ``logits``).
 
 Host reads: ``ibed`` adds none per cycle to the decoder's one (the active rows are read
 once); ``tabed`` adds three (the active rows of each block's new weights, and two
 data-sized selections of the verified nodes whose children were drafted, in
-``record_verified``), measured with ``transfers.HostReads``.
+``record_verified``), measured with ``lab.transfers.HostReads``.
 
 At each draft step (chain or tree, see ``drafter.draft_chain`` / ``draft_tree``) the
 rows' next-token probabilities are mixed, ``q = sum_r w_r p_r``, and every row continues
@@ -48,10 +49,11 @@ import itertools
 
 import torch
 
+from msd_train.checks import VARIANTS  # the settings' choices live with their checks (checks.check_decoding)
 from msd_train.decoding.drafter import HeadDrafter, PromptPass
 from msd_train.decoding.sampling import SamplingParams, logits_to_probs
-from msd_train.draft import align_inputs, attention_bias, draft_position_ids, draft_rope_deltas
-from msd_train.validate import VARIANTS  # the settings' choices live with their checks (validate.check_decoding)
+from msd_train.draft import attention_bias, draft_position_ids, draft_rope_deltas
+from msd_train.targets import Features
 
 
 class EnsembleDrafter(HeadDrafter):
@@ -113,11 +115,28 @@ class EnsembleDrafter(HeadDrafter):
             self.pad_bias = grown
         return self.pad_bias[:, None, None, :]
 
-    def children_index(self, index: torch.Tensor | None) -> None:
-        self.block_index = index
-
     def prefill(self, target, prompt: PromptPass, workspace, capacity: int) -> None:
         _prefill_rows(self, target, prompt, workspace, capacity)
+
+    def draft_block(self, target, pending, config, generator: torch.Generator | None = None):
+        """The weights for this block (``begin_block``), then the block drafted over every
+        row; the tree's ``children_from`` says which mixing call each node's children
+        came from (what ``record_verified`` reads)."""
+        self.begin_block()
+        tree = super().draft_block(target, pending, config, generator)
+        self.block_index = tree.children_from
+        return tree
+
+    def head(self, embeds: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, queries: torch.Tensor,
+             key_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The head over T new positions of every row: ``embeds`` (1, T, H) and ``pos``
+        (batch 1) are shared by the rows, ``hidden`` (R, T, H) is each row's; the rows'
+        left padding is masked (``key_bias``)."""
+        rows = hidden.shape[0]
+        if rows > 1:
+            embeds = embeds.expand(rows, -1, -1)
+            pos = pos.expand(*pos.shape[:-2], rows, pos.shape[-1])
+        return super().head(embeds, hidden, pos, queries, self.key_bias())
 
     # ----- mixing -----------------------------------------------------------------------
 
@@ -246,14 +265,15 @@ def _captioned(target, p: PromptPass, captions: list[str] | None):
     return embeds, hidden, pos, torch.zeros_like(ids_c, dtype=torch.bool)
 
 
-def variant_inputs(target, draft, variant: str, prompt: PromptPass, captions: list[str] | None = None):
-    """The head's prefill inputs for one variant of a prompt: (embeds, hidden,
-    replace_mask, raw, position_ids), each over the variant's draft positions.
+def variant_inputs(target, draft, variant: str, prompt: PromptPass, captions: list[str] | None = None
+                   ) -> dict[str, torch.Tensor | None]:
+    """The head's prefill inputs for one variant of a prompt (``draft.target_inputs``'
+    keyword inputs), each over the variant's draft positions.
 
     The variants edit the prompt's positions (T drops the image's, P keeps each window's
     first, C ends where the prompt ends), so they start from the head's positions of the
-    whole prompt (``draft_position_ids``) and use ``align_inputs`` rather than
-    ``draft.target_inputs``, which would derive positions from each variant alone."""
+    whole prompt (``draft_position_ids``), which ``target_inputs`` is given as they are
+    rather than deriving them from each variant alone."""
     prompt = dataclasses.replace(prompt, pos=draft_position_ids(draft.config, prompt.pos))
     if variant == "M":
         embeds, hidden, pos, visual = prompt.embeds, prompt.hidden, prompt.pos, prompt.visual
@@ -267,8 +287,7 @@ def variant_inputs(target, draft, variant: str, prompt: PromptPass, captions: li
         embeds, hidden, pos, visual = _captioned(target, prompt, captions)
     else:
         raise ValueError(f"decoding.variants: unknown variant {variant!r}; choose from {VARIANTS}")
-    e, h, replace_mask, raw = align_inputs(draft.config, embeds, hidden, visual)
-    return e, h, replace_mask, raw, pos[..., :-1]
+    return draft.target_inputs(Features(embeds, hidden, visual, None), target, position_ids=pos)
 
 
 # ----- the rows' prefill ----------------------------------------------------------------
@@ -292,10 +311,11 @@ def _prefill_rows(self: EnsembleDrafter, target, p: PromptPass, workspace, capac
     if bool(p.ids[0, -1] == target.image_token_id):
         raise ValueError("ensemble drafting needs a prompt that ends in text, not in image tokens")
     rows = [variant_inputs(target, draft, v, p, self.captions) for v in variants]
-    n = max(r[0].shape[1] for r in rows)
+    lengths = [r["input_embeds"].shape[1] for r in rows]
+    n = max(lengths)
     valid = torch.zeros(len(variants), n, dtype=torch.bool, device=device)
-    for i, r in enumerate(rows):
-        valid[i, n - r[0].shape[1]:] = True
+    for i, length in enumerate(lengths):
+        valid[i, n - length:] = True
     self.weights = torch.full((len(variants),), 1.0 / len(variants), device=device)
     if self.mode == "tabed":
         self.grid = simplex_grid(len(variants), device=device)
@@ -305,14 +325,14 @@ def _prefill_rows(self: EnsembleDrafter, target, p: PromptPass, workspace, capac
         self.pad_bias[:, :n].masked_fill_(~valid, torch.finfo(draft.dtype).min)
     cache = DynamicCache()
     if n > 0:
-        e, h, replace_mask, raw = (torch.cat([_left_pad(t, n - t.shape[1], 1) for t in part])
-                                   for part in zip(*[r[:4] for r in rows]))
-        pos_rows = torch.cat([_left_pad(r[4], n - r[4].shape[-1], -1) for r in rows], dim=-2)
+        # the rows left-padded into one batch: positions along their last dimension, batch the one before
+        inputs = {key: torch.cat([_left_pad(r[key], n - length, -1 if key == "position_ids" else 1)
+                                  for r, length in zip(rows, lengths)], dim=-2 if key == "position_ids" else 0)
+                  for key in rows[0] if rows[0][key] is not None}
         # causal and no padded keys, as the head builds it from a padding mask (padded
         # positions are never read: they stay masked as keys by ``pad_bias`` later)
         mask = attention_bias(valid, len(variants), n, 0, draft.dtype, device) if self.pad_bias is not None else None
-        draft(e, h, replace_mask, raw, position_ids=pos_rows, attention_mask=mask, past_key_values=cache,
-              use_cache=True)
+        draft(**inputs, attention_mask=mask, past_key_values=cache, use_cache=True)
     self.cache, self.graphs = workspace.load("head", cache, capacity), workspace.graphs
     self.cache.length = n
 

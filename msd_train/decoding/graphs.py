@@ -16,10 +16,11 @@ A step whose capture or first replay fails runs eagerly from then on, after one 
 (the step, its shapes, the error): graphs are an optimisation, never a reason for a run
 to stop.
 
-Backends: ``CudaCapture`` (CUDA graphs; ``DecodeConfig.cuda_graphs``: "auto" = on for CUDA
-targets, off on CPU) and ``TracedCapture``, a CPU emulation the tests select, which
-freezes each step as CUDA capture does so that the same bookkeeping runs in CI. Without
-capture ``run`` just calls the step: the eager path is the same code.
+Backend: ``CudaCapture`` (CUDA graphs; ``DecodeConfig.cuda_graphs``: "auto" = on for CUDA
+targets, off on CPU). A backend is any callable ``(fn, inputs) -> (static outputs, replay)``
+with a ``device_type`` and a ``synchronize``: the tests give ``lab.capture.TracedCapture``,
+a CPU emulation that freezes each step as CUDA capture does, so that the same bookkeeping
+runs in CI. Without capture ``run`` just calls the step: the eager path is the same code.
 """
 
 from __future__ import annotations
@@ -76,44 +77,6 @@ class CudaCapture:
         torch.cuda.synchronize()
 
 
-class TracedCapture:
-    """A CPU stand-in for CUDA graph capture (tests): the step is traced once into a graph
-    of tensor operations (``make_fx`` over real tensors) and every replay runs that graph
-    on the static input buffers, writing the static outputs.
-
-    What a CUDA graph freezes is frozen here too: every Python value the step computed
-    while it was captured (a number read from a tensor, a host-side length, a branch taken
-    on a shape or a flag) is a constant of the trace, and a replay reads only the static
-    inputs and the tensors the step closed over (caches, weights). So a step that would
-    replay wrongly from a CUDA graph replays wrongly here, and the decoder's exactness
-    tests catch it. ``captures`` counts the traces."""
-
-    device_type = "cpu"
-
-    def __init__(self):
-        self.captures = 0
-
-    def __call__(self, fn: Callable, inputs: dict[str, torch.Tensor]) -> tuple[tuple, Callable]:
-        from torch.fx.experimental.proxy_tensor import make_fx
-
-        names, static = list(inputs), list(inputs.values())
-        traced = make_fx(lambda *args: fn(**dict(zip(names, args))))(*static)  # runs fn once: the warm-up
-        self.captures += 1
-        # like CUDA capture's outputs: buffers that hold nothing meaningful until a replay
-        outputs = tuple(torch.full_like(o, float("nan")) if o.is_floating_point() else torch.empty_like(o)
-                        for o in traced(*static))
-
-        def replay():
-            for out, value in zip(outputs, traced(*static)):
-                out.copy_(value)
-
-        return outputs, replay
-
-    @staticmethod
-    def synchronize() -> None:
-        pass
-
-
 class _Captured:
     """One captured step: static input buffers, the backend's static outputs and replay."""
 
@@ -131,7 +94,7 @@ class _Captured:
 class StepGraphs:
     """The captured steps over one set of caches, keyed by step and shape. Off until
     ``configure`` turns capture on; ``backend`` is ``CudaCapture`` unless a test gives
-    ``TracedCapture``."""
+    another (``lab.capture.TracedCapture``)."""
 
     def __init__(self, backend=None):
         self.backend = backend if backend is not None else CudaCapture()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from msd_train.validate import check_sampling
+from msd_train.checks import check_sampling
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class SamplingParams:
         return self.temperature <= 0
 
     def __post_init__(self):
-        check_sampling(dataclasses.asdict(self))  # the bounds: msd_train/validate.py
+        check_sampling(dataclasses.asdict(self))  # the bounds: msd_train/checks.py
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -4,9 +4,13 @@ One cycle, each phase one function below, all over device tensors::
 
     tree    = drafter.draft_block(...)        the head proposes a tree (or chain) of tokens
     logits  = verify(...)                     one target forward over the tree
-    packet  = accept_greedy(...)              on the device: the longest matching path
-    acc     = read_acceptance(tree, packet)   the cycle's one device-to-host transfer
+    acc     = accept(tree, logits, ...)       greedy: ``accept_greedy`` on the device (the
+                                              longest matching path), then ``read_acceptance``,
+                                              the cycle's one device-to-host transfer
     commit(...)                               caches keep exactly the accepted path
+
+``speculate`` is that loop and nothing else; ``decode`` runs it, under a ``PhaseTimer``
+when ``DecodeConfig.timing`` asks for per-phase times.
 
 Stop checks run on the host from that one transfer. Sampling acceptance
 (``accept_sampling``) keeps its exact rule over the host: it reads the tree's tokens,
@@ -37,6 +41,7 @@ from __future__ import annotations
 import copy
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -376,6 +381,26 @@ def accept_sampling(tree: Tree, target_probs: torch.Tensor,
         path.append(accepted)
 
 
+def path_acceptance(tree: Tree, path: list[int], bonus: int) -> Acceptance:
+    """The ``Acceptance`` of a path decided on the host (sampling's; a benchmark's forced one)."""
+    d = tree.depth_bound
+    tokens = tree.tokens[path[1:]].tolist() + [bonus]
+    tried = len(path) - 1 + int(bool(tree.has_children(path[-1])))
+    device = tree.tokens.device
+    nodes = torch.as_tensor(path + [-1] * (d + 1 - len(path)), device=device)
+    return Acceptance(path, tokens, tried, nodes, torch.as_tensor(tokens, device=device))
+
+
+def accept(tree: Tree, logits: torch.Tensor, sampling, generator: torch.Generator | None = None) -> Acceptance:
+    """The acceptance rule of a cycle, over the target's ``logits`` (N, V) after each tree
+    node: greedy (``accept_greedy`` on the device, then its one host read) or, when
+    sampling, recursive rejection sampling (``accept_sampling``) over the warped target."""
+    if sampling.greedy:
+        return read_acceptance(tree, accept_greedy(tree, logits))
+    path, bonus = accept_sampling(tree, logits_to_probs(logits, sampling), generator)
+    return path_acceptance(tree, path, bonus)
+
+
 # ----- cache update ---------------------------------------------------------------------
 
 
@@ -453,56 +478,113 @@ def decode_plain(target, state: DecodeState, config: DecodeConfig, generator: to
 @torch.inference_mode()
 def decode(target, state: DecodeState, config: DecodeConfig, generator: torch.Generator | None = None) -> Generation:
     """Generate from a prefilled state until EOS, a stop string or ``max_new_tokens`` (the
-    state's drafter drafts; ``method="ar"`` is plain decoding)."""
+    state's drafter drafts; ``method="ar"`` is plain decoding). With ``config.timing`` the
+    cycle's phases run under a ``PhaseTimer``, which writes their times into the cycles."""
     if config.method == "ar":
         return decode_plain(target, state, config, generator)
     if state.drafter is None:
         raise ValueError(f"decoding.method={config.method} needs a draft head")
-    sampling, drafter = config.sampling, state.drafter
-    criteria, tokenizer = _criteria(target, config), getattr(target, "tokenizer", None)
-    clock = Clock(target.device, config.timing)
     state.workspace.graphs.configure(config.cuda_graphs, target.device)
+    if not config.timing:
+        return speculate(target, state, config, generator)
+    timer = PhaseTimer(target.device, state.workspace.graphs)
+    out = speculate(target, state, config, generator, timer.phases)
+    timer.write(out.cycles)
+    return out
 
-    _first_token(state, sampling, generator)
+
+def speculate(target, state: DecodeState, config: DecodeConfig, generator: torch.Generator | None = None,
+              phases: Phases | None = None) -> Generation:
+    """The speculative loop, each cycle: draft a block, verify it in one target forward,
+    accept (and commit) the longest path the target agrees with, until a stop."""
+    phases = phases if phases is not None else PHASES
+    criteria, tokenizer = _criteria(target, config), getattr(target, "tokenizer", None)
+    _first_token(state, config.sampling, generator)
     stop = find_stop(state.tokens, 0, criteria, tokenizer)
-    cycles, marks, captures = [], [], []
-    graphs = state.workspace.graphs
+    cycles = []
     while stop is None:
         state.reserve(config.block_size)
-        t0, c0 = clock.mark(), graphs.capture_s
-        tree = drafter.draft_block(target, state.pending(), config, generator)
-        t1, c1 = clock.mark(), graphs.capture_s
-        logits, hidden = verify(target, state, tree)
-        t2, c2 = clock.mark(), graphs.capture_s
-        if sampling.greedy:
-            acc = read_acceptance(tree, accept_greedy(tree, logits))
-        else:
-            path, bonus = accept_sampling(tree, logits_to_probs(logits, sampling), generator)
-            acc = _sampled_acceptance(tree, path, bonus)
-        drafter.record_verified(acc.path, logits, functools.partial(drafter.draft.logits, target=target))
-        before = len(state.tokens)
-        commit(state, acc, hidden)
-        stop = find_stop(state.tokens, before, criteria, tokenizer)
-        if stop is not None:
-            del state.tokens[stop[0]:]
-        t3 = clock.mark()
-        marks.append((t0, t1, t2, t3))
-        captures.append((c1 - c0, c2 - c1) if clock.enabled else (0.0, 0.0))  # capturing is not the phase's time
-        cycles.append(CycleStats(len(acc.path) - 1, acc.tried, len(state.tokens) - before, len(tree)))
-    for c, (t0, t1, t2, t3), (cd, cv) in zip(cycles, marks, captures):  # read at the end: no sync per phase
-        c.t_draft, c.t_verify = clock.seconds(t0, t1) - cd, clock.seconds(t1, t2) - cv
-        c.t_accept = clock.seconds(t2, t3)
+        tree = phases.draft(target, state, config, generator)
+        logits, hidden = phases.verify(target, state, tree)
+        acc, committed, stop = phases.accept_and_commit(target, state, tree, logits, hidden, config, generator,
+                                                        criteria, tokenizer)
+        cycles.append(CycleStats(len(acc.path) - 1, acc.tried, committed, len(tree)))
     text = tokenizer.decode(state.tokens, skip_special_tokens=True) if tokenizer is not None else ""
     return Generation(list(state.tokens), text, stop[1], state.prompt_len, cycles=cycles)
 
 
-def _sampled_acceptance(tree: Tree, path: list[int], bonus: int) -> Acceptance:
-    d = tree.depth_bound
-    tokens = tree.tokens[path[1:]].tolist() + [bonus]
-    tried = len(path) - 1 + int(bool(tree.has_children(path[-1])))
-    device = tree.tokens.device
-    nodes = torch.as_tensor(path + [-1] * (d + 1 - len(path)), device=device)
-    return Acceptance(path, tokens, tried, nodes, torch.as_tensor(tokens, device=device))
+def accept_and_commit(target, state: DecodeState, tree: Tree, logits: torch.Tensor, hidden: torch.Tensor,
+                      config: DecodeConfig, generator, criteria: StopCriteria, tokenizer
+                      ) -> tuple[Acceptance, int, tuple | None]:
+    """A verified tree's outcome: ``accept``, what the drafter records of it, ``commit``,
+    and the stop check (the committed tokens cut at a stop). Returns the acceptance, the
+    tokens committed and the stop (None: go on)."""
+    drafter = state.drafter
+    acc = accept(tree, logits, config.sampling, generator)
+    drafter.record_verified(acc.path, logits, functools.partial(drafter.draft.logits, target=target))
+    before = len(state.tokens)
+    commit(state, acc, hidden)
+    stop = find_stop(state.tokens, before, criteria, tokenizer)
+    if stop is not None:
+        del state.tokens[stop[0]:]
+    return acc, len(state.tokens) - before, stop
+
+
+def draft(target, state: DecodeState, config: DecodeConfig, generator=None) -> Tree:
+    """The state's drafter proposes a block over what the last verification left."""
+    return state.drafter.draft_block(target, state.pending(), config, generator)
+
+
+@dataclass(frozen=True)
+class Phases:
+    """The phases of a cycle as ``speculate`` calls them; a ``PhaseTimer`` wraps each."""
+
+    draft: Callable = draft
+    verify: Callable = verify
+    accept_and_commit: Callable = accept_and_commit
+
+
+PHASES = Phases()
+
+
+class PhaseTimer:
+    """Times a cycle's phases around ``speculate`` without synchronising per phase (a
+    ``Clock``: CUDA events read once at the end, ``perf_counter`` on a CPU). Graph capture
+    inside a phase is not the phase's time: the seconds the workspace's graphs spent
+    capturing in it are taken off."""
+
+    def __init__(self, device: torch.device, graphs: StepGraphs):
+        self.clock, self.graphs = Clock(device), graphs
+        self.marks: list[list] = []  # per cycle: [mark before draft, after draft, after verify, after acceptance]
+        self.captures: list[list[float]] = []  # per cycle: capture seconds in draft, in verify
+
+        def draft(*args):
+            self.marks.append([self.clock.mark()])
+            before = self.graphs.capture_s
+            out = PHASES.draft(*args)
+            self.marks[-1].append(self.clock.mark())
+            self.captures.append([self.graphs.capture_s - before])
+            return out
+
+        def verify_(*args):
+            before = self.graphs.capture_s
+            out = PHASES.verify(*args)
+            self.marks[-1].append(self.clock.mark())
+            self.captures[-1].append(self.graphs.capture_s - before)
+            return out
+
+        def accept_and_commit_(*args):
+            out = PHASES.accept_and_commit(*args)
+            self.marks[-1].append(self.clock.mark())
+            return out
+
+        self.phases = Phases(draft, verify_, accept_and_commit_)
+
+    def write(self, cycles: list[CycleStats]) -> None:
+        """Each cycle's phase times, read now (no sync per phase during the loop)."""
+        for c, (t0, t1, t2, t3), (cd, cv) in zip(cycles, self.marks, self.captures):
+            c.t_draft, c.t_verify = self.clock.seconds(t0, t1) - cd, self.clock.seconds(t1, t2) - cv
+            c.t_accept = self.clock.seconds(t2, t3)
 
 
 def generate(target, draft, prompt, config: DecodeConfig, generator: torch.Generator | None = None,

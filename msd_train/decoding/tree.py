@@ -35,6 +35,10 @@ class Tree:
     valid: torch.Tensor | None = None
     #: the largest depth a node can have (static: the drafting settings), None: len - 1
     max_depth: int | None = None
+    #: (N,) long: where each node's children's draft distribution came from, as an index
+    #: into the draft steps' outputs concatenated in drafting order (-1: not expanded);
+    #: set by ``drafter.draft_tree`` / ``draft_chain``, read by a TABED ensemble
+    children_from: torch.Tensor | None = None
     _paths: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:

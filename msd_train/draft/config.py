@@ -12,6 +12,8 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
+from msd_train.draft.families import layer_family as family_of
+
 
 @strict
 class MSDDraftConfig(PreTrainedConfig):
@@ -29,7 +31,8 @@ class MSDDraftConfig(PreTrainedConfig):
         mrope_section: M-RoPE split of the rotary frequencies into (temporal, height,
             width) sections, e.g. `[16, 24, 24]` for Qwen2-VL; `None` for 1-D RoPE.
             Kept in sync with `rope_parameters["mrope_section"]`.
-        layer_family: "llama" (no attention bias) or "qwen2" (q/k/v bias).
+        layer_family: "llama" (no attention bias) or "qwen2" (q/k/v bias): a
+            `msd_train.draft.families.LAYER_FAMILIES` entry.
         fc_bias: whether the fusion layer `fc: Linear(2H, H)` has a bias.
         first_layer_input_norm: whether the first decoder layer keeps its
             `input_layernorm`. `None` picks the family default: False for llama (the
@@ -114,7 +117,7 @@ class MSDDraftConfig(PreTrainedConfig):
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.first_layer_input_norm is None:
-            self.first_layer_input_norm = self.layer_family == "qwen2"
+            self.first_layer_input_norm = family_of(self.layer_family).first_layer_input_norm
         super().__post_init__(**kwargs)  # folds rope_theta/rope_scaling into rope_parameters
         self._sync_mrope_section()
 
@@ -145,9 +148,10 @@ class MSDDraftConfig(PreTrainedConfig):
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
-        if self.layer_family == "qwen2" and self.head_dim != self.hidden_size // self.num_attention_heads:
+        if family_of(self.layer_family).derived_head_dim and \
+                self.head_dim != self.hidden_size // self.num_attention_heads:
             raise ValueError(
-                f"layer_family='qwen2' needs head_dim = hidden_size // num_attention_heads "
+                f"layer_family={self.layer_family!r} needs head_dim = hidden_size // num_attention_heads "
                 f"({self.hidden_size // self.num_attention_heads}), got head_dim={self.head_dim}"
             )
         if self.visual_compression_tokens < 1:

@@ -1,20 +1,26 @@
 """One interface for every draft-head architecture, and the registry that picks the class.
 
-A head is a ``DraftHead``: training, validation, feature storage and both drafters call
-only the members below, never the concrete ``forward`` signature or the target's lm_head.
+A head is a ``DraftHead`` (an abstract class: the model half of a head kind). Feature
+storage, both drafters and the head's training objective (``msd_train.training.objective``)
+call only the members below, never the concrete ``forward`` signature or the target's lm_head.
 
     head.feature_layers                 which target features it reads: None for the last
                                         layer's post-norm output (``msd``), else the
                                         target layers whose inputs it reads (``msd3``)
-    head.target_inputs(features, target)  its inputs over one target pass (``pair``)
+    head.target_inputs(features, target)  its ``forward`` inputs over one target pass (``pair``);
+                                        abstract
     head.read_pass(features, target)    those inputs as the head reads them: with its
                                         visual compression, if any, and the SlotMap
                                         that puts its outputs back (``compression.py``)
+    head.head_features(features)        the per-token target features it reads
     head.project(features)              target features -> the state its step reads
     head.step(embeds, state, ...)       one drafting step over T new positions -> states
-    head.logits(states, target)         logits over the TARGET vocabulary
-    head.training_loss(...)             its loss over a batch, with named sums to log
-    head.rollout_hits(...)              top-1 hits of k-step chains, for simulated tau
+    head.logits(states, target)         logits over the TARGET vocabulary; abstract
+
+Optional capabilities are members only of the heads that have them:
+``restrict_vocabulary(target, ids)`` (decode over a subset of the target's vocabulary: msd)
+and ``set_vocabulary(d2t, t2d)`` (a draft vocabulary of its own: msd3). How a head kind is
+trained (its loss, held-out loss and rollout hits) is its ``Objective``, not the head's.
 
 The pairing rule lives in ``pair``: draft position t reads the target feature h_t and
 the embedding e_{t+1} of the next token, and is trained to predict token t+2.
@@ -23,12 +29,14 @@ the embedding e_{t+1} of the next token, and is trained to predict token t+2.
 from __future__ import annotations
 
 import json
+from abc import ABCMeta, abstractmethod
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from msd_train.draft.compression import SlotMap, slot_map
+from msd_train.draft.families import LAYER_FAMILIES
 
 #: architecture name (``draft.architecture`` in conf/head/*.yaml) -> head class
 HEADS: dict[str, type] = {}
@@ -71,13 +79,13 @@ def pair(first: torch.Tensor, per_token: torch.Tensor) -> tuple[torch.Tensor, to
     return first[:, 1:], per_token[:, :-1]
 
 
-class DraftHead(PreTrainedModel):
+class DraftHead(PreTrainedModel, metaclass=ABCMeta):
     """The members every head architecture implements (see the module docstring)."""
 
     architecture: str = ""
     main_input_name = "input_embeds"
     # heads are built from these transformers layers and need attention that takes 4-D masks
-    _no_split_modules = ["LlamaDecoderLayer", "Qwen2VLDecoderLayer"]
+    _no_split_modules = [f.decoder_layer.__name__ for f in LAYER_FAMILIES.values()]
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
@@ -101,9 +109,19 @@ class DraftHead(PreTrainedModel):
         """Target layers whose inputs the head reads, or None: the last post-norm output."""
         return None
 
-    def target_inputs(self, features, target=None) -> dict[str, torch.Tensor | None]:
-        """``forward``'s keyword inputs over one target pass (a ``targets.Features``)."""
-        raise NotImplementedError
+    @abstractmethod
+    def target_inputs(self, features, target=None, position_ids: torch.Tensor | None = None
+                      ) -> dict[str, torch.Tensor | None]:
+        """``forward``'s keyword inputs over one target pass of L tokens (a
+        ``targets.Features``), each over the L-1 draft positions. ``position_ids``: the
+        head's own position ids of the L tokens when the caller has them (ensemble variants
+        edit a whole prompt's, ``draft_position_ids``); None: derived from
+        ``features.position_ids`` as the head's config says."""
+
+    @abstractmethod
+    def forward(self, input_embeds, hidden_states, **kwargs):
+        """The head over T positions: ``target_inputs``' keys, plus ``attention_mask``,
+        ``past_key_values`` and ``use_cache``; returns an output with ``last_hidden_state``."""
 
     def visual_slots(self, features) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(B, L-1) bool visual slots of a target pass and (B, L-1, H) their visual
@@ -145,34 +163,6 @@ class DraftHead(PreTrainedModel):
         return self(input_embeds, states, position_ids=position_ids, attention_mask=attention_mask,
                     past_key_values=past_key_values, use_cache=use_cache).last_hidden_state
 
+    @abstractmethod
     def logits(self, states: torch.Tensor, target) -> torch.Tensor:
         """Logits over the target's vocabulary after the head's ``states``."""
-        raise NotImplementedError
-
-    def restrict_vocabulary(self, target, ids: torch.Tensor | None) -> None:
-        """Decode time: draft only target ids ``ids`` (``logits`` -inf elsewhere); None
-        drafts over the head's whole vocabulary again (``msd_train.draft.vocabulary``).
-        Calling it again with the same ids does nothing."""
-        if ids is not None:
-            raise ValueError(f"a {self.architecture} head cannot restrict its draft vocabulary at decode time")
-
-    def training_loss(self, target, features, index, n_tokens: float, train, noise=None, forward=None):
-        """(loss, sums): the batch's loss, already divided by ``n_tokens`` (the global
-        count of loss positions), and detached named sums (with "n") to log.
-        ``index``: flat loss positions (``training.loss.loss_index``); ``noise``: applied
-        to the target features; ``forward``: the callable that runs the head (the
-        DeepSpeed engine in training)."""
-        raise NotImplementedError
-
-    def training_metrics(self, sums: dict[str, float], train) -> dict[str, float]:
-        """The logged metrics of one step from its summed ``training_loss`` sums."""
-        raise NotImplementedError
-
-    def eval_loss(self, target, features, mask: torch.Tensor) -> torch.Tensor:
-        """The held-out loss summed over ``mask`` (B, L-1) positions."""
-        raise NotImplementedError
-
-    def rollout_hits(self, target, features, k: int) -> list[torch.Tensor]:
-        """For each step j < k of the chain anchored at draft position a: (B, L-1) bool,
-        True where the head's top-1 token equals the target's (token a+2+j), by anchor."""
-        raise NotImplementedError

@@ -16,21 +16,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLDecoderLayer, Qwen2VLRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding
 from transformers.utils import ModelOutput
 
 from msd_train.draft.config import MSDDraftConfig
+from msd_train.draft.families import layer_family
 from msd_train.draft.head import DraftHead, head_class_of_config, pair, register_head, saved_model_type
-from msd_train.draft.loss import TrainVocab, lm_head_argmax, msd_loss
 from msd_train.draft.positions import draft_position_ids
 from msd_train.hf_compat import cache_kwargs
 
 # Attention implementations that honour an arbitrary 4-D additive mask exactly (tree
 # drafting needs it); flash-attention variants only take padding masks.
 _SUPPORTED_ATTENTION = ("sdpa", "eager")
-
-_DECODER_LAYER = {"llama": LlamaDecoderLayer, "qwen2": Qwen2VLDecoderLayer}
 
 
 @dataclass
@@ -181,7 +179,7 @@ class MSDDraftModel(DraftHead):
         super().__init__(config)
         hidden = config.hidden_size
         self.fc = nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
-        layer_class = _DECODER_LAYER[config.layer_family]
+        layer_class = layer_family(config.layer_family).decoder_layer
         self.layers = nn.ModuleList(layer_class(config, layer_idx=i) for i in range(config.num_hidden_layers))
         if not config.first_layer_input_norm:
             # EAGLE convention: the fused vector enters the first attention un-normalised.
@@ -190,7 +188,6 @@ class MSDDraftModel(DraftHead):
         self.rotary_emb = rotary_class(config)
         self.gradient_checkpointing = False
         self._vocab_rows = None  # decode time: (ids, lm_head rows, bias rows), see restrict_vocabulary
-        self._train_vocab = None  # training: the token term's TrainVocab (set_train_vocabulary)
         self.post_init()
 
     @classmethod
@@ -207,7 +204,8 @@ class MSDDraftModel(DraftHead):
         check_finite(model.state_dict().items(), str(pretrained_model_name_or_path))
         return out
 
-    def target_inputs(self, features, target=None) -> dict[str, torch.Tensor | None]:
+    def target_inputs(self, features, target=None, position_ids: torch.Tensor | None = None
+                      ) -> dict[str, torch.Tensor | None]:
         """`forward`'s inputs over one target pass of L tokens, as keyword arguments.
 
         ``features`` holds ``inputs_embeds``, ``hidden_states``, ``visual_mask`` and
@@ -215,12 +213,15 @@ class MSDDraftModel(DraftHead):
         with their decoupled visual slots (`align_inputs`) at the head's own position ids
         (`draft_position_ids`: the config's convention), so every caller (training,
         validation, decoding) feeds the head the same way: ``draft(**draft.target_inputs(f))``.
+        ``position_ids``: the head's own ids of the L tokens, used as given.
         """
         embeds, hidden, replace, raw = align_inputs(
             self.config, features.inputs_embeds, features.hidden_states, features.visual_mask)
-        pos = features.position_ids
+        pos = position_ids
+        if pos is None and features.position_ids is not None:
+            pos = draft_position_ids(self.config, features.position_ids)
         return {"input_embeds": embeds, "hidden_states": hidden, "replace_mask": replace, "raw_embeds": raw,
-                "position_ids": None if pos is None else draft_position_ids(self.config, pos)[..., :-1]}
+                "position_ids": None if pos is None else pos[..., :-1]}
 
     def visual_slots(self, features) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The decoupled block where ``visual_offset`` puts it (see ``align_inputs``)."""
@@ -334,57 +335,3 @@ class MSDDraftModel(DraftHead):
             return  # already these rows (a benchmark sets it once per prompt)
         bias = lm_head.bias[ids] if getattr(lm_head, "bias", None) is not None else None
         self._vocab_rows = (ids, lm_head.weight[ids].contiguous(), bias)
-
-    def set_train_vocabulary(self, target, ids: torch.Tensor | None) -> None:
-        """Train the token term over target ids ``ids`` (``draft.train_vocab``; None: the whole
-        vocabulary). Their lm_head rows are copied once; the saved config records the size."""
-        self._train_vocab = None if ids is None else TrainVocab.of(target.lm_head, ids)
-        self.config.train_vocab = None if ids is None else len(ids)
-
-    def training_loss(self, target, features, index, n_tokens: float, train, noise=None, forward=None):
-        """Feature regression plus the token term (``training.loss.msd_loss``), over the
-        draft vocabulary when one is set (``set_train_vocabulary``)."""
-        inputs, plan = self.read_pass(features, target)
-        if noise is not None:
-            inputs["hidden_states"] = noise(inputs["hidden_states"])
-        out = (forward or self)(**inputs).last_hidden_state
-        out = out if plan is None else plan.expand(out)
-        top = features.target_top[:, 1:] if features.target_top is not None else None
-        loss, parts = msd_loss(out, features.hidden_states[:, 1:], target.lm_head,
-                               None, n_tokens, train.w_feat, train.w_tok, index=index,
-                               vocab=self._train_vocab, target_top=top)
-        return loss, {"feat_sum": parts["feat_sum"], "tok_sum": parts["tok_sum"], "agree_sum": parts["agree_sum"],
-                      "n": parts["n"]}
-
-    def training_metrics(self, sums: dict[str, float], train) -> dict[str, float]:
-        n = max(sums["n"], 1.0)
-        return {"loss": (train.w_feat * sums["feat_sum"] + train.w_tok * sums["tok_sum"]) / n,
-                "feat_loss": sums["feat_sum"] / n, "tok_loss": sums["tok_sum"] / n, "top1": sums["agree_sum"] / n}
-
-    def eval_loss(self, target, features, mask: torch.Tensor) -> torch.Tensor:
-        inputs, plan = self.read_pass(features, target)
-        out = self(**inputs).last_hidden_state
-        out = out if plan is None else plan.expand(out)
-        loss, _ = msd_loss(out, features.hidden_states[:, 1:], target.lm_head, mask, n_tokens=1.0)
-        return loss
-
-    def rollout_hits(self, target, features, k: int) -> list[torch.Tensor]:
-        """Step 1 reads the target's features, step j > 1 the head's own step j-1
-        predictions at every earlier position (a proxy: real drafting keeps true features
-        for committed tokens). Step j at position t belongs to the chain anchored at t-j."""
-        inputs, plan = self.read_pass(features, target)
-        _, hidden = pair(features.inputs_embeds, features.hidden_states)
-        target_top = lm_head_argmax(target.lm_head, features.hidden_states[:, 1:])
-        hits, h_in = [], hidden
-        for j in range(k):  # over the L-1 slots; a compressed head reads and writes through its SlotMap
-            h = h_in.to(inputs["input_embeds"].dtype)
-            out = self(**{**inputs, "hidden_states": h if plan is None else plan.compress(h)}).last_hidden_state
-            out = out if plan is None else plan.expand(out)
-            hit = lm_head_argmax(target.lm_head, out) == target_top  # the argmax of ``logits``, chunked
-            by_anchor = torch.zeros_like(hit)
-            by_anchor[:, : hit.shape[1] - j] = hit[:, j:]
-            hits.append(by_anchor)
-            nxt = hidden.clone()  # the next step reads this step's prediction of the following feature
-            nxt[:, 1:] = out[:, :-1].to(hidden.dtype)
-            h_in = nxt
-        return hits

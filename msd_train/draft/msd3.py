@@ -19,17 +19,15 @@ own chain (steps 1..i at t): exactly what a chain drafted from anchor t sees.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding
 
 from msd_train.draft.config import MSD3DraftConfig
+from msd_train.draft.families import layer_family
 from msd_train.draft.head import DraftHead, pair, register_head
-from msd_train.draft.loss import lm_head_argmax
 from msd_train.draft.model import (
-    _DECODER_LAYER,
     _SUPPORTED_ATTENTION,
     MSDDraftOutput,
     attention_bias,
@@ -69,7 +67,7 @@ class MSD3DraftModel(DraftHead):
         self.gradient_checkpointing = False
         hidden = config.hidden_size
         self.fc = nn.Linear(len(config.feature_layers) * hidden, hidden, bias=False)
-        layer = _DECODER_LAYER[config.layer_family](config, layer_idx=0)
+        layer = layer_family(config.layer_family).decoder_layer(config, layer_idx=0)
         attn = layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj"):  # the attention reads [embedding, hidden]: 2H wide
             old = getattr(attn, name)
@@ -92,11 +90,6 @@ class MSD3DraftModel(DraftHead):
         out = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         check_finite((out[0] if isinstance(out, tuple) else out).state_dict().items(), str(pretrained_model_name_or_path))
         return out
-
-    def restrict_vocabulary(self, target, ids: torch.Tensor | None) -> None:
-        if ids is not None:
-            raise ValueError(f"an msd3 head drafts over the {self.config.draft_vocab_size}-token vocabulary it was "
-                             f"trained with (draft.draft_vocab_size at training); decoding.draft_vocab is for msd heads")
 
     def set_vocabulary(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
@@ -131,15 +124,18 @@ class MSD3DraftModel(DraftHead):
         placeholder = target.embed_tokens.weight[target.image_token_id].to(embeds.dtype)
         return torch.where(features.visual_mask[..., None].bool(), placeholder, embeds)
 
-    def target_inputs(self, features, target=None, noise=None) -> dict[str, torch.Tensor | None]:
+    def target_inputs(self, features, target=None, position_ids: torch.Tensor | None = None, noise=None
+                      ) -> dict[str, torch.Tensor | None]:
         """The paired inputs (``pair``) with the k layers' features fused by ``fc``
         (``noise``, in training, is added to those features first)."""
         embeds, states = pair(self.embeddings(features, target), self.head_features(features))
         if noise is not None:
             states = noise(states)
-        pos = features.position_ids
+        pos = position_ids
+        if pos is None and features.position_ids is not None:
+            pos = draft_position_ids(self.config, features.position_ids)
         return {"input_embeds": embeds, "hidden_states": self.project(states),
-                "position_ids": None if pos is None else draft_position_ids(self.config, pos)[..., :-1]}
+                "position_ids": None if pos is None else pos[..., :-1]}
 
     def forward(self, input_embeds, hidden_states, position_ids=None, attention_mask=None, past_key_values=None,
                 use_cache: bool = False) -> MSDDraftOutput:
@@ -210,79 +206,3 @@ class MSD3DraftModel(DraftHead):
                              past_key_values=cache, use_cache=True).last_hidden_state
             outs.append(states)
         return outs
-
-    def _targets(self, target, features):
-        """Target probabilities over the draft vocabulary at each draft position (B, T, N)
-        and whether the target's argmax lies in the draft vocabulary (B, T). Only the draft
-        vocabulary's rows of the lm_head are applied; the full argmax runs in chunks, unless
-        a feature store holds it (``Features.target_top``)."""
-        with torch.no_grad():
-            hidden = features.hidden_states[:, 1:]
-            head = target.lm_head
-            rows = head.weight[self.draft_ids]
-            bias = None if getattr(head, "bias", None) is None else head.bias[self.draft_ids]
-            probs = F.linear(hidden.to(rows.dtype), rows, bias).float().softmax(-1)
-            if features.target_top is not None:  # a feature store's: -1 only where no loss reads it
-                top = features.target_top[:, 1:]
-                in_vocab = self.t2d[top.clamp(min=0)] & (top >= 0)
-            else:
-                in_vocab = self.t2d[lm_head_argmax(head, hidden)]
-        return probs, in_vocab
-
-    @staticmethod
-    def _shift(x: torch.Tensor, i: int, fill=0) -> torch.Tensor:
-        """x[:, t + i] at t (positions past the end: ``fill``)."""
-        out = torch.full_like(x, fill)
-        out[:, : x.shape[1] - i] = x[:, i:]
-        return out
-
-    def _ttt(self, target, features, mask, noise=None, forward=None):
-        """Per-step (weighted loss sum, hit count, valid count) of the unrolled head."""
-        inputs, plan = self.read_pass(features, target, noise=noise)
-        probs, in_vocab = self._targets(target, features)
-        outs = self.unroll(inputs, self.config.ttt_steps, forward)
-        outs = outs if plan is None else [plan.expand(s) for s in outs]
-        loss, hits, valid = [], [], []
-        for i, states in enumerate(outs):
-            logp = torch.log_softmax(self.draft_logits(states).float(), -1)
-            ok = self._shift(mask.bool() & in_vocab, i, False)
-            p = self._shift(probs, i)
-            loss.append(-(p * logp).sum(-1)[ok].sum() * self.config.ttt_decay ** i)
-            hits.append(((logp.argmax(-1) == p.argmax(-1)) & ok).sum())
-            valid.append(ok.sum())
-        return loss, hits, valid
-
-    def training_loss(self, target, features, index, n_tokens: float, train, noise=None, forward=None):
-        """The training-time test: soft cross-entropy over the draft vocabulary at each of
-        ``ttt_steps`` unrolled steps, weighted ``ttt_decay**i``, at loss positions whose
-        target argmax is in the draft vocabulary; divided by ``n_tokens``."""
-        B, T = features.hidden_states.shape[0], features.hidden_states.shape[1] - 1
-        mask = torch.zeros(B * T, dtype=torch.bool, device=features.hidden_states.device)
-        mask[index] = True
-        loss, hits, valid = self._ttt(target, features, mask.view(B, T), noise, forward)
-        total = torch.stack(loss).sum()
-        sums = {"loss_sum": total.detach(), "n": torch.full((), index.numel(), device=total.device)}
-        for i, (h, v) in enumerate(zip(hits, valid)):
-            sums[f"hit_{i}"], sums[f"valid_{i}"] = h, v
-        return total / max(n_tokens, 1.0), sums
-
-    def training_metrics(self, sums: dict[str, float], train) -> dict[str, float]:
-        out = {"loss": sums["loss_sum"] / max(sums["n"], 1.0)}
-        for i in range(self.config.ttt_steps):  # per-step top-1 accuracy over in-vocabulary positions
-            out[f"acc_{i}"] = sums[f"hit_{i}"] / max(sums[f"valid_{i}"], 1.0)
-        out["top1"] = out["acc_0"]
-        return out
-
-    def eval_loss(self, target, features, mask: torch.Tensor) -> torch.Tensor:
-        loss, _, _ = self._ttt(target, features, mask)
-        return torch.stack(loss).sum()
-
-    def rollout_hits(self, target, features, k: int) -> list[torch.Tensor]:
-        """The unrolled steps are the chains: step j at anchor a predicts token a+2+j."""
-        inputs, plan = self.read_pass(features, target)
-        outs = self.unroll(inputs, k)
-        outs = outs if plan is None else [plan.expand(s) for s in outs]
-        target_top = lm_head_argmax(target.lm_head, features.hidden_states[:, 1:])
-        # the argmax of ``logits``: the draft-vocabulary argmax, mapped to its target id
-        return [self.draft_ids[self.draft_logits(s).argmax(-1)] == self._shift(target_top, j, -1)
-                for j, s in enumerate(outs)]

@@ -29,9 +29,9 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from msd_train.errors import ConfigError
 from msd_train.paths import user_path
 from msd_train.targets.chat import IMAGE_MARKER, count_image_markers
-from msd_train.validate import ConfigError
 
 log = logging.getLogger(__name__)
 

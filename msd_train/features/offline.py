@@ -84,7 +84,9 @@ class OfflineFeatures:
             hidden[i, P:P + len(s.rows)] = s.rows[..., -width:]
             if s.top is not None:
                 top[i, :len(s.top)] = s.top
-            visual.append(s.visual)
+            # a shard without images stores its empty visual block at the rows' width (k+1 layers
+            # wide in a store with layers); image rows are always the embedding's width
+            visual.append(s.visual if len(s.visual) else s.visual.new_zeros(0, target.hidden_size))
             if s.position_ids is not None:
                 stored_pos[i] = (s.position_ids, s.rope_delta)
         vis = torch.cat(visual)

@@ -197,7 +197,7 @@ def write_shard(path: str | Path, samples: list[SampleFeatures], dtype: torch.dt
     tensors = {
         "hidden": torch.cat(hidden) if hrow else torch.zeros(0, H, dtype=dtype),
         "prefix_hidden": prefix.contiguous(),
-        "visual": torch.cat(visual) if vrow else torch.zeros(0, H, dtype=dtype),
+        "visual": torch.cat(visual) if vrow else torch.zeros(0, samples[0].visual.shape[-1], dtype=dtype),
         "input_ids": torch.cat(ids),
         "loss_mask_bits": torch.cat(bits),
         "position_ids": torch.cat(pos, dim=1) if pos else torch.zeros(3, 0, dtype=torch.int32),

@@ -285,7 +285,7 @@ def _target_lines(config: MSDDraftConfig, target_id: str | None) -> tuple[str, l
 def _serving_section(config: MSDDraftConfig, repo_id: str, target_id: str | None, load_arg: str,
                      msd3: bool) -> list[str]:
     """"Serve with vLLM": a snippet that runs as written in vLLM's environment (msd-train's
-    scripts/vllm_env.sh; tests/test_vllm_export.py runs it), or, for a head the vLLM export
+    scripts/vllm_env.sh; tests/serving/test_vllm_export.py runs it), or, for a head the vLLM export
     refuses (``hub.vllm.vllm_refusals``), why not and what serves it."""
     from msd_train.hub.vllm import vllm_refusals
 

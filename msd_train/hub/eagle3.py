@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from msd_train.draft import MSD3DraftConfig, MSD3DraftModel
 from msd_train.draft.config import default_feature_layers
+from msd_train.draft.families import family_with_qkv_bias
 from msd_train.draft.head import DraftHead
 from msd_train.hub.folders import IncompleteHeadError
 from msd_train.hub.formats import HeadFormat
@@ -199,7 +200,7 @@ def import_eagle3(folder: str | Path, target_num_layers: int | None = None) -> M
         rope.setdefault("rope_theta", config["rope_theta"])
     rope.setdefault("rope_type", rope.pop("type", "default"))
     rope.pop("mrope_section", None)
-    family = msd.get("layer_family") or ("qwen2" if "midlayer.self_attn.q_proj.bias" in state else "llama")
+    family = msd.get("layer_family") or family_with_qkv_bias("midlayer.self_attn.q_proj.bias" in state).name
     fields = dict(
         hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
         num_attention_heads=config["num_attention_heads"],

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from msd_train.draft import MSDDraftConfig, MSDDraftModel, NonFiniteWeightsError, check_finite
+from msd_train.draft.families import LayerFamily, layer_family
 from msd_train.draft.head import DraftHead
 from msd_train.hub.folders import (
     REFERENCE_MODEL_TYPES,
@@ -81,6 +82,11 @@ class ReferenceHead:
     @property
     def family(self) -> str:
         return REFERENCE_MODEL_TYPES[self.model_type]
+
+    @property
+    def layers(self) -> LayerFamily:
+        """The draft layer family of the released head (``msd_train.draft.families``)."""
+        return layer_family(self.family)
 
 
 def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
@@ -166,7 +172,7 @@ def config_from_reference(ref: ReferenceHead, target: TargetInfo | None = None) 
     cfg = {**ref.config, **(ref.config.get("text_config") or {})}
     heads = cfg["num_attention_heads"]
     rope, mrope = _rope_from_reference(cfg)
-    if mrope is None and ref.family == "qwen2" and target is not None:
+    if mrope is None and ref.layers.mrope and target is not None:
         mrope = target.mrope_section  # the target's positions are M-RoPE ids: the head must take them
     hidden = cfg["hidden_size"]
     if target is not None:
@@ -187,7 +193,7 @@ def config_from_reference(ref: ReferenceHead, target: TargetInfo | None = None) 
         mrope_section=mrope,
         layer_family=ref.family,
         fc_bias=bool(ref.config.get("bias", True)),
-        first_layer_input_norm=ref.family == "qwen2",
+        first_layer_input_norm=ref.layers.first_layer_input_norm,
         decouple_visual=True,
         visual_offset="released",
         draft_positions="1d",  # the released code drafts with arange positions (Qwen2-VL included)
@@ -286,20 +292,21 @@ def _fit_conventions(ref: ReferenceHead, config: MSDDraftConfig, state: dict) ->
     Returns (dropped keys, notes)."""
     dropped, notes = [], []
     norm0 = "layers.0.input_layernorm.weight"
-    if config.layer_family == "llama" and norm0 in state:
+    family = layer_family(config.layer_family)
+    if not family.first_layer_input_norm and norm0 in state:
         # The released LLaVA code keeps this module but never applies it to layer 0.
         state.pop(norm0)
         dropped.append(norm0)
         notes.append(f"{norm0} dropped: the released LLaVA head does not apply an input norm on its first layer")
-    if config.layer_family == "qwen2" and norm0 not in state:
-        raise IncompleteHeadError(f"{ref.folder}/{ref.weights_file}: a Qwen2-VL head needs {norm0}")
+    if family.first_layer_input_norm and norm0 not in state:
+        raise IncompleteHeadError(f"{ref.folder}/{ref.weights_file}: a {family.released_code} head needs {norm0}")
     if config.fc_bias and "fc.bias" not in state:
         raise IncompleteHeadError(
             f"{ref.folder}/{ref.weights_file}: no fc.bias, but config.json does not say \"bias\": false"
         )
     if not config.fc_bias and "fc.bias" in state:
         raise IncompleteHeadError(f"{ref.folder}: config.json says \"bias\": false but the weights hold fc.bias")
-    if config.layer_family == "qwen2" and "mrope_section" not in json.dumps(ref.config):
+    if family.mrope and "mrope_section" not in json.dumps(ref.config):
         origin = "from the target" if config.mrope_section else "1-D RoPE; pass target= to take the target's sections"
         notes.append(f"config.json names no M-RoPE sections; mrope_section={config.mrope_section} ({origin})")
     return dropped, notes
@@ -496,11 +503,11 @@ def _check_released_layout(folder: Path, config: MSDDraftConfig) -> list[str]:
     the released offset, 1-D positions, every visual token, no input norm on a LLaVA head's
     first layer), so the folder would be served, and would import back, as another head.
     Each setting is named with the format that keeps it. Returns the warnings (none now)."""
-    family_norm = config.layer_family == "qwen2"
-    if config.first_layer_input_norm != family_norm:
+    family = layer_family(config.layer_family)
+    if config.first_layer_input_norm != family.first_layer_input_norm:
         raise ValueError(
             f"{folder}: first_layer_input_norm={config.first_layer_input_norm} cannot be expressed in the released "
-            f"layout, whose {'Qwen2-VL' if family_norm else 'LLaVA'} code {'always' if family_norm else 'never'} "
+            f"layout, whose {family.released_code} code {'always' if family.first_layer_input_norm else 'never'} "
             f"applies an input norm on the first layer"
         )
     keep = "format=msd keeps it (eval.py, load_head)"

@@ -50,6 +50,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from msd_train.draft import MSD3DraftConfig, MSD3DraftModel, MSDDraftConfig, MSDDraftModel
+from msd_train.draft.families import layer_family
 from msd_train.draft.head import DraftHead
 from msd_train.hub.folders import IncompleteHeadError
 from msd_train.hub.formats import HeadFormat
@@ -96,8 +97,8 @@ def vllm_refusals(config) -> list[str]:
                    f"which is the 'released' offset only; {keep}")
     if get("mrope_section") and get("draft_positions") == "1d":
         out.append(f"draft_positions=1d: vLLM feeds the draft the target's M-RoPE positions, not 1-D ones; {keep}")
-    if msd3 and get("layer_family") == "qwen2":
-        out.append(f"layer_family=qwen2 in an msd3 head: the plugin's EAGLE-3 layer has no q/k/v bias; {keep} "
+    if msd3 and layer_family(get("layer_family") or "llama").qkv_bias:
+        out.append(f"layer_family={get('layer_family')} in an msd3 head: the plugin's EAGLE-3 layer has no q/k/v bias; {keep} "
                    f"(format=eagle3 writes it for SGLang, which skips the biases too)")
     return out
 

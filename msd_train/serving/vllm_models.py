@@ -109,7 +109,9 @@ class MSDEagleLlamaForCausalLM(_VisualSlots, EagleLlamaForCausalLM):
                                     prefix="model.fc", return_bias=False)
         if self.msd.get("first_layer_input_norm"):
             m.layers[0].input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        if self.msd.get("layer_family") == "qwen2":
+        from msd_train.draft.families import layer_family  # as msd_train.hub.vllm: only once a head loads
+
+        if layer_family(self.msd.get("layer_family") or "llama").qkv_bias:
             for layer in m.layers:
                 old = layer.self_attn.qkv_proj
                 layer.self_attn.qkv_proj = QKVParallelLinear(

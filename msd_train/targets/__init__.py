@@ -11,6 +11,7 @@ from msd_train.paths import user_path
 from msd_train.runtime import resolve_dtype
 from msd_train.targets.base import Encoded, Features, Target
 from msd_train.targets.llava import LlavaNextTarget, LlavaTarget
+from msd_train.targets.protocol import TargetProtocol
 from msd_train.targets.qwen_vl import Qwen3VLTarget, Qwen25VLTarget, QwenVLTarget
 
 log = logging.getLogger(__name__)
@@ -20,7 +21,7 @@ ADAPTERS: tuple[type[Target], ...] = (LlavaTarget, LlavaNextTarget, QwenVLTarget
 #: composite config model_type -> adapter class
 FAMILIES = {mt: cls for cls in ADAPTERS for mt in cls.model_types}
 
-__all__ = ["ADAPTERS", "Encoded", "Features", "Target", "adapter_class", "load_processor", "load_target",
+__all__ = ["ADAPTERS", "Encoded", "Features", "Target", "TargetProtocol", "adapter_class", "load_processor", "load_target",
            "wrap_target", "resolve_dtype", "target_shapes"]
 
 

@@ -80,7 +80,7 @@ class Target:
     count), :meth:`prompt_inputs` (what a forward over a prompt reads), :meth:`position_ids`
     / :meth:`continue_positions`, :meth:`run_for_head` (the language model over a KV cache
     with any attention mask: a tree's verification) and :meth:`features`.
-    ``tests/test_target_contract.py`` holds every family to it.
+    ``tests/contracts/test_target_contract.py`` holds every family to it.
     """
 
     family: str = "base"

@@ -45,6 +45,7 @@ from msd_train.targets import load_target
 from msd_train.training import checkpoint as ckpt
 from msd_train.training import rundir
 from msd_train.training.loss import draft_loss_mask, loss_index
+from msd_train.training.objective import Objective, objective_for
 from msd_train.training.validation import evaluate_split
 
 log = logging.getLogger("msd_train")
@@ -103,7 +104,7 @@ class TrainRecipe:
         self._setup_data()
 
         resume_from = self._resume_point()
-        self.draft = self._build_draft(resume_from is not None)
+        self.draft, self.objective = self._build_draft(resume_from is not None)
         self.features = make_feature_source(cfg, self.target, self.draft.feature_layers)
         tc = cfg.train
         precision = tc.precision if tc.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
@@ -178,7 +179,7 @@ class TrainRecipe:
                 f"stage {self.stage}'s curriculum asks for a multimodal share up to {max(cur.start, cur.end)} but "
                 f"{'data.multimodal yielded no usable conversations' if 'multimodal' in names else 'stage.splits lacks multimodal'}")
 
-    def _build_draft(self, resuming: bool) -> DraftHead:
+    def _build_draft(self, resuming: bool) -> tuple[DraftHead, Objective]:
         """A fresh head (``stage.init_from`` null), an exported one, or the shape to resume into.
         ``draft.architecture`` names the head's class (``msd_train.draft.HEADS``)."""
         cfg = self.cfg
@@ -228,17 +229,18 @@ class TrainRecipe:
             self.token_counts += earlier  # what the head saw in the stages before this one
         if hasattr(draft, "set_vocabulary") and init is None:
             draft.set_vocabulary(*draft_vocabulary(self.token_counts, draft.config.draft_vocab_size))
+        objective = objective_for(draft)
         train_vocab = overrides.get("train_vocab", getattr(draft.config, "train_vocab", None))
         if train_vocab is not None:  # the token term over the N tokens this stage's data uses most
-            if not hasattr(draft, "set_train_vocabulary"):
+            if not hasattr(objective, "set_train_vocabulary"):
                 raise TrainingError(f"draft.train_vocab={train_vocab}: an {draft.architecture} head trains over its own "
                                     "draft vocabulary (draft.draft_vocab_size); drop draft.train_vocab")
             if isinstance(train_vocab, bool) or not isinstance(train_vocab, int) or \
                     not 0 < train_vocab <= self.target.vocab_size:
                 raise TrainingError(f"draft.train_vocab={train_vocab} must be between 1 and the target's vocabulary "
                                     f"({self.target.vocab_size}); drop it to train over the whole vocabulary")
-            draft.set_train_vocabulary(self.target, most_frequent(self.token_counts, int(train_vocab)))
-        return draft.to(self.device).train()
+            objective.set_train_vocabulary(self.target, most_frequent(self.token_counts, int(train_vocab)))
+        return draft.to(self.device).train(), objective
 
     def _setup_logging(self) -> None:
         lc = self.cfg.logging
@@ -377,7 +379,6 @@ class TrainRecipe:
         tc = self.cfg.train
         item = self._next_batches()
         micro_batches, n_global = item["micro_batches"], item["n_global"]
-        head = self.engine.module
         sums, bad = None, torch.zeros((), dtype=torch.float64, device=self.device)  # the head's named sums (float64)
         last = len(micro_batches) - 1
         for micro, batch in enumerate(micro_batches):
@@ -391,7 +392,7 @@ class TrainRecipe:
             feats = dataclasses.replace(
                 feats, inputs_embeds=_finite(feats.inputs_embeds), hidden_states=_finite(feats.hidden_states),
                 layer_states=None if feats.layer_states is None else _finite(feats.layer_states))
-            loss, parts = head.training_loss(self.target, feats, index, n_global, tc,
+            loss, parts = self.objective.training_loss(self.target, feats, index, n_global, tc,
                                              noise=lambda h, micro=micro: self._noise(h, micro), forward=self.engine)
             ok = ok & torch.isfinite(loss)
             # The loss is already this micro-batch's share of the global-batch sum: skip
@@ -418,7 +419,7 @@ class TrainRecipe:
                     f"lower train.lr or resume from an earlier checkpoint")
         else:
             self.bad_streak = 0
-        return {"step": self.step + 1, **head.training_metrics(sums, tc),
+        return {"step": self.step + 1, **self.objective.training_metrics(sums, tc),
                 "mm_share": item["n_mm"] / item["n_rows"],
                 "mm_share_scheduled": mm_share(self.step, **self._cur_kwargs()),
                 "lr": self.engine.get_lr()[0], "tokens": item["tokens"], "bad_steps": self.bad_total}
@@ -516,7 +517,7 @@ class TrainRecipe:
                 bs = self.cfg.eval.batch_size
                 batches = (collate([ds[i] for i in range(s, min(s + bs, len(ds)))], self.target, pixels=self.pixels)
                            for s in range(0, len(ds), bs))
-                results[name] = evaluate_split(module, self.target, batches, self.features, self.cfg.eval.rollout)
+                results[name] = evaluate_split(self.objective, self.target, batches, self.features, self.cfg.eval.rollout)
                 pooled.append(results[name])
         finally:
             module.train()

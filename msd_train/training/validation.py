@@ -24,10 +24,10 @@ from msd_train.training.loss import draft_loss_mask
 
 
 @torch.no_grad()
-def rollout_stats(draft, target, feats, loss_mask: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+def rollout_stats(objective, target, feats, loss_mask: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
     """Counts for one batch: per step j, valid chains, correct-so-far chains, correct at j.
-    The head's ``rollout_hits`` says which steps of which chains hit."""
-    hits = draft.rollout_hits(target, feats, k)
+    The head's objective (``objective.rollout_hits``) says which steps of which chains hit."""
+    hits = objective.rollout_hits(target, feats, k)
     mask = draft_loss_mask(loss_mask.to(hits[0].device)).bool()
     B, T = mask.shape
     valid = torch.zeros(k, device=mask.device)
@@ -60,18 +60,19 @@ def summarise(stats: dict[str, torch.Tensor]) -> dict[str, object]:
 
 
 @torch.no_grad()
-def evaluate_split(draft, target, batches, feature_source, k: int) -> dict[str, object]:
-    """Loss and rollout metrics over an iterable of collated batches."""
+def evaluate_split(objective, target, batches, feature_source, k: int) -> dict[str, object]:
+    """Loss and rollout metrics over an iterable of collated batches, as the head's
+    training objective (``msd_train.training.objective``) measures them."""
     total = None
     loss_sum, n_tok = 0.0, 0.0
     for batch in batches:
         feats = feature_source(batch)
         dmask = draft_loss_mask(batch["loss_mask"].to(feats.hidden_states.device))
         n = float(dmask.sum())
-        loss = draft.eval_loss(target, feats, dmask)
+        loss = objective.eval_loss(target, feats, dmask)
         loss_sum += float(loss)
         n_tok += n
-        s = rollout_stats(draft, target, feats, batch["loss_mask"], k)
+        s = rollout_stats(objective, target, feats, batch["loss_mask"], k)
         total = s if total is None else {key: total[key] + s[key] for key in s}
     if total is None:
         return {}

