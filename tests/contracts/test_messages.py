@@ -352,7 +352,6 @@ def test_draft_vocab_size_is_bounded_by_the_targets_vocabulary():
     """An msd3 head's draft vocabulary is a subset of the target's: a larger one is refused up
     front (the target's config.json read, nothing loaded), naming the key and the range."""
     import json
-    from pathlib import Path
 
     folder = ROOT / "data" / "tiny-llava"
     vocab = json.loads((folder / "config.json").read_text())["text_config"]["vocab_size"]
