@@ -35,16 +35,17 @@ ROOT = Path(__file__).resolve().parents[2]
 PREFIX = ROOT / "data" / "sharegpt-v3-prefix.jsonl"
 
 
-def answered(name: str) -> list[dict]:
-    """The regenerated records the target answered, in their input order."""
+def answered(name: str) -> tuple[list[dict], int]:
+    """The regenerated records the target answered, in their input order, and the highest
+    input index regenerated (answered or not)."""
     path = REGEN / name
     if not path.is_file():
         raise SystemExit(f"{path} is missing: it is committed with the repository (git checkout it), or "
                          f"made by benchmarks/real_lm/regen_scale.sh then scale_data.py pack")
     with lzma.open(path, "rt", encoding="utf-8") as fh:
         recs = sorted((json.loads(line) for line in fh), key=lambda r: r["n"])
-    return [{"id": r["id"], "messages": r["messages"], "images": [_absolute(p) for p in r["images"]]}
-            for r in recs if r["regenerated"]["turns"] >= 1]
+    return ([{"id": r["id"], "messages": r["messages"], "images": [_absolute(p) for p in r["images"]]}
+             for r in recs if r["regenerated"]["turns"] >= 1], max(r["index"] for r in recs))
 
 
 def prefix_first_exchanges(start: int):
@@ -79,9 +80,7 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    text = answered("text.jsonl.xz")
-    with lzma.open(REGEN / "text.jsonl.xz", "rt", encoding="utf-8") as fh:
-        last_index = max(json.loads(line)["index"] for line in fh)
+    text, last_index = answered("text.jsonl.xz")
     held_text = text[-a.heldout:]
     train_text = text[: len(text) - a.heldout][: a.text_train]
     n_target = len(train_text)
@@ -90,7 +89,7 @@ def main() -> None:
             if k >= a.bench_from or len(train_text) >= a.text_train:
                 break
             train_text.append(conv)
-    images = answered("images.jsonl.xz")
+    images, _ = answered("images.jsonl.xz")
     held_mm, train_mm = images[-a.heldout:], images[: len(images) - a.heldout]
 
     bench_text = []
