@@ -83,7 +83,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_free_port = free_port
+def _one_process_store() -> str:
+    """A ``file://`` rendezvous for a group of one process (``python train.py``).
+
+    A port picked free and bound later can be taken in between (an outgoing connection of
+    this or any other job gets the same ephemeral port), which failed launches under load;
+    a file in the temporary folder cannot collide. The file is this process's own and is
+    removed when it exits.
+    """
+    import atexit
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix="msd-train-group-")
+    os.close(fd)
+    atexit.register(lambda: os.path.exists(path) and os.remove(path))
+    return f"file://{path}"
 
 
 def backend_for(device: torch.device) -> str:
@@ -112,9 +126,12 @@ def setup_group(device: torch.device, deepspeed: bool = False, timeout_minutes: 
         import deepspeed as ds
 
         if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=str(local_rank()),
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        ds.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
+            # no launcher: a group of one, met through a file rather than a port
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=str(local_rank()))
+            ds.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout,
+                                init_method=_one_process_store(), rank=0, world_size=1)
+        else:
+            ds.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         dist.init_process_group(backend, timeout=timeout)
     return Group(dist if dist.is_available() and dist.is_initialized() else None, timeout=timeout)

@@ -432,6 +432,8 @@ def test_resume_false_sets_the_old_run_aside(mini_run, tmp_path):
 def test_resume_refuses_another_target_and_another_world_size(mini_run, tmp_path):
     from builders import tiny_llava
 
+    from msd_train.runtime import free_port
+
     other = tmp_path / "other"
     model, proc = tiny_llava(seed=2)  # same shapes, other weights
     model.save_pretrained(other)
@@ -444,7 +446,7 @@ def test_resume_refuses_another_target_and_another_world_size(mini_run, tmp_path
     assert not (run / "stage1" / "checkpoints" / "step-000006").exists()
     # another number of processes: refused before anything loads (RANK/WORLD_SIZE as a launcher sets them)
     out = train([*common, "train.max_steps=6"], env={**ENV, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
-                                                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"})
+                                                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     refused(out, "written by 1 process(es) and this launch has 2", "--nproc_per_node 1")
     # 6: a newest checkpoint that passes the cheap checks but does not load (its optimizer file is gone)
     for f in (run / "stage1" / "checkpoints" / "step-000004" / "engine").glob("*optim_states.pt"):

@@ -14,6 +14,7 @@ from builders.runs import batch_of, compose, data_overrides, gen_cfg, split_rows
 from msd_train.features.generate import generate
 from msd_train.features.offline import OfflineFeatures
 from msd_train.features.store import FeatureStore, FeatureStoreError, sha256_file
+from msd_train.runtime import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -214,7 +215,7 @@ def test_corrupt_shard_is_reported_by_name_and_regenerated(store, mini_run, targ
 @pytest.mark.slow
 def test_two_rank_generation_writes_disjoint_shards_covering_the_data(store, mini_run, tmp_path):
     path = tmp_path / "feats2"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29547",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(ROOT / "scripts" / "generate_features.py"), *data_overrides(mini_run), f"features.path={path}",
            "features.samples_per_shard=8", "features.dtype=fp32", "progress=false"]
     out = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
