@@ -119,6 +119,10 @@ def check_decoding(decoding, vocab_size: int | None = None) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ConfigError(f"decoding.tabed_window={window!r}: give an integer of at least 1 (the most recent "
                               "verified positions) or all (the whole verified history)")
+    rows = _get(cfg, "decoding.plain_rows")
+    if rows is not _MISSING and rows not in ("auto", 1, 2):
+        raise ConfigError(f"decoding.plain_rows={rows!r}: use auto, 1 or 2 (the plain step's target forward rows; "
+                          "auto: 2 for bf16/fp16 targets on a CPU, where it rounds as verification does)")
     graphs = _get(cfg, "decoding.cuda_graphs")
     if graphs is not _MISSING and graphs not in CUDA_GRAPHS:
         raise ConfigError(f"decoding.cuda_graphs={graphs!r}: use auto, true or false")

@@ -4,7 +4,7 @@ at the target's end of turn, up to --new-tokens a prompt). The denominator of "s
 generate()" in benchmarks/real_lm/README.md.
 
     python benchmarks/real_lm/generate_speed.py --bench BENCH.jsonl --out OUT.json \
-        [--samples 8 --new-tokens 64 --threads 2 --repeats 3]
+        [--samples 8 --new-tokens 64 --threads 2 --repeats 3 --dtype bfloat16 --attn sdpa]
 """
 
 from __future__ import annotations
@@ -29,12 +29,14 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", help="the target's dtype (eval.py's target.dtype)")
+    ap.add_argument("--attn", default="sdpa", help="attention implementation (target.attn_implementation)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from msd_train.targets import load_target
 
-    target = load_target(a.target, torch.float32, torch.device("cpu"))
+    target = load_target(a.target, a.dtype, torch.device("cpu"), attn_implementation=a.attn)
     items = [json.loads(line) for line in open(a.bench, encoding="utf-8").read().splitlines()[: a.samples]]
     prompts = []
     for it in items:
@@ -62,6 +64,7 @@ def main() -> None:
             tokens = outs
     n = sum(len(t) for t in tokens)
     res = {"bench": a.bench, "samples": len(prompts), "threads": a.threads, "max_new_tokens": a.new_tokens,
+           "dtype": a.dtype, "attn_implementation": a.attn,
            "new_tokens": n, "seconds": [round(t, 3) for t in totals],
            "tokens_per_s": round(n / statistics.median(totals), 3), "tokens": tokens}
     Path(a.out).write_text(json.dumps(res) + "\n")

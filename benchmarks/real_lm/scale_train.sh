@@ -5,7 +5,8 @@
 #   W=/work/scale benchmarks/real_lm/scale_train.sh RUN
 # RUN: msd | msd3 (stage 1 then stage 2), msd-nodecouple (stage 2 from msd's stage 1 with
 # draft.decouple_visual=false), sweep-N (msd stage 1 on the first N text conversations).
-# Environment: S1, S2 (optimizer steps of stage 1 and 2), THREADS, NICE.
+# Environment: S1, S2 (optimizer steps of stage 1 and 2), THREADS, NICE, STAGE1_ONLY=1 / STAGE2_ONLY=1
+# (msd, msd3: one stage of the two; stage 2 starts from the run's stage-1 head).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source benchmarks/real_lm/scale_common.sh
@@ -21,9 +22,9 @@ msd=(draft.train_vocab=8192)
 # a step here); no input noise, as EAGLE-3 trains (train.noise=none; the TTT is its robustness)
 msd3=(head=msd3 draft.ttt_steps="${TTT:-3}" draft.draft_vocab_size=8192 train.noise="${NOISE:-none}")
 case $run in
-  msd) train "${stage1[@]}" "${msd[@]}" run_dir="$W/runs/msd"
-       train "${stage2[@]}" "${msd[@]}" run_dir="$W/runs/msd" ;;
-  msd3*) train "${stage1[@]}" "${msd3[@]}" run_dir="$W/runs/$run"
+  msd) [ "${STAGE2_ONLY:-0}" = 1 ] || train "${stage1[@]}" "${msd[@]}" run_dir="$W/runs/msd"
+       [ "${STAGE1_ONLY:-0}" = 1 ] || train "${stage2[@]}" "${msd[@]}" run_dir="$W/runs/msd" ;;
+  msd3*) [ "${STAGE2_ONLY:-0}" = 1 ] || train "${stage1[@]}" "${msd3[@]}" run_dir="$W/runs/$run"
          [ "${STAGE1_ONLY:-0}" = 1 ] || train "${stage2[@]}" "${msd3[@]}" run_dir="$W/runs/$run" ;;
   msd-nodecouple) train "${stage2[@]}" "${msd[@]}" draft.decouple_visual=false run_dir="$W/runs/$run" \
                         stage.init_from="$W/runs/msd/stage1/final" ;;

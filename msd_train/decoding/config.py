@@ -41,6 +41,10 @@ class DecodeConfig:
     #: training data only (``msd_train.draft.vocabulary``); None: the vocabulary the head was
     #: trained over (``draft.train_vocab``), else the whole one; the target's vocabulary size: the whole
     draft_vocab: int | None = None
+    #: plain decoding's target forward: 1 row, or 2 (the step's token twice) so that it rounds
+    #: as verification's multi-row forwards do; auto: 2 for bf16/fp16 targets on a CPU
+    #: (``speculative.plain_rows``), where it costs what one row does
+    plain_rows: str | int = "auto"
     # --- drafting with input variants (msd_train/decoding/ensemble.py) ---
     ensemble: str | None = None  # None: the head alone (variant M) | ibed | tabed
     variants: tuple[str, ...] = ("M",)  # the head's input variants, one batch row each

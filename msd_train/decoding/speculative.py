@@ -120,6 +120,9 @@ class DecodeState:
     #: the target layers whose inputs the head reads (``DraftHead.feature_layers``); None: the
     #: last layer's post-norm output. ``pending_hidden`` holds those features.
     feature_layers: list[int] | None = None
+    #: the fewest rows a target forward of this generation runs (``plain_rows``): a
+    #: one-node verification is padded to it as the plain step is, so both round alike
+    min_rows: int = 1
 
     @property
     def cache_len(self) -> int:
@@ -274,14 +277,21 @@ def verify(target, state: DecodeState, tree: Tree) -> tuple[torch.Tensor, torch.
     Returns logits (N, V) and the head's features (N, H or k*H); ``commit`` keeps the path."""
     m, n = state.cache_len, len(tree)
     cache = state.target_cache
-    embeds = target.embed_tokens(tree.tokens)[None]
-    pos = target.continue_positions(m, 1, state.rope_deltas) + tree.depths
+    tokens, depths = tree.tokens, tree.depths
     seen = (torch.ones(n, n, dtype=torch.bool, device=target.device).tril() if tree.is_chain
             else tree.ancestor_mask())
-    width = attention_width(state.workspace.graphs.enabled, cache.capacity, m + n)
+    rows = max(n, state.min_rows)
+    if rows > n:  # a lone root (a chain cut to no draft): padded as the plain step is, the pad seeing only itself
+        tokens, depths = torch.cat([tokens, tokens[-1:].expand(rows - n)]), torch.cat([depths, depths[-1:].expand(rows - n)])
+        seen = torch.block_diag(seen, torch.eye(rows - n, dtype=torch.bool, device=target.device))
+    embeds = target.embed_tokens(tokens)[None]
+    pos = target.continue_positions(m, 1, state.rope_deltas) + depths
+    width = attention_width(state.workspace.graphs.enabled, cache.capacity, m + rows)
     mask = key_mask(m, width, seen, target.dtype)
-    return state.workspace.graphs.run("verify", _target_step(target, cache, state.feature_layers), embeds=embeds, pos=pos, mask=mask,
-                                      write_index=torch.arange(m, m + n, device=target.device))
+    logits, feats = state.workspace.graphs.run(
+        "verify", _target_step(target, cache, state.feature_layers), embeds=embeds, pos=pos, mask=mask,
+        write_index=torch.arange(m, m + rows, device=target.device))
+    return (logits, feats) if rows == n else (logits[:n], feats[:n])
 
 
 def _target_step(target, cache: PositionCache, feature_layers: list[int] | None = None):
@@ -444,6 +454,19 @@ def _criteria(target, config: DecodeConfig) -> StopCriteria:
     return StopCriteria(config.max_new_tokens, tuple(eos), config.stop_strings)
 
 
+def plain_rows(setting: str | int, target) -> int:
+    """Rows of the plain step's target forward: 1, or 2 so that its products round as
+    verification's do. ``auto``: 2 for a bf16/fp16 target on a CPU, where oneDNN rounds a
+    one-row product differently from a row of a multi-row one (any two or more rows round
+    alike: benchmarks/real_lm/results/matmul_rows.json) and two rows cost what one does; else 1
+    (fp32's rounding almost never flips a greedy choice, and MKL's two-row product costs
+    twice a one-row one)."""
+    if setting != "auto":
+        return int(setting)
+    reduced = target.dtype in (torch.bfloat16, torch.float16)
+    return 2 if reduced and target.device.type == "cpu" else 1
+
+
 @torch.inference_mode()
 def decode_plain(target, state: DecodeState, config: DecodeConfig, generator: torch.Generator | None = None
 ) -> Generation:
@@ -454,19 +477,23 @@ def decode_plain(target, state: DecodeState, config: DecodeConfig, generator: to
     _first_token(state, sampling, generator)
     stop = find_stop(state.tokens, 0, criteria, tokenizer)
     cycles = []
-    one = torch.ones(1, 1, dtype=torch.bool, device=target.device)
+    rows = state.min_rows = plain_rows(config.plain_rows, target)
+    # row 0 is the step; a second row (the same token, seeing only itself, written at the
+    # free slot m + 1) only makes the target's products multi-row, as verification's are
+    seen = torch.eye(rows, dtype=torch.bool, device=target.device)
+    same_position = torch.zeros(rows, dtype=torch.long, device=target.device)
     graphs = state.workspace.graphs
     graphs.configure(config.cuda_graphs, target.device)
     while stop is None:
-        state.reserve(2)
+        state.reserve(rows + 1)
         cache, m = state.target_cache, state.cache_len
         logits, _ = graphs.run(
-            "plain", _target_step(target, cache), embeds=target.embed_tokens(state.pending_tokens)[None],
-            pos=target.continue_positions(m, 1, state.rope_deltas),
-            mask=key_mask(m, attention_width(graphs.enabled, cache.capacity, m + 1), one, target.dtype),
-            write_index=torch.arange(m, m + 1, device=target.device))
+            "plain", _target_step(target, cache), embeds=target.embed_tokens(state.pending_tokens.expand(rows))[None],
+            pos=target.continue_positions(m, 1, state.rope_deltas) + same_position,
+            mask=key_mask(m, attention_width(graphs.enabled, cache.capacity, m + rows), seen, target.dtype),
+            write_index=torch.arange(m, m + rows, device=target.device))
         cache.length = m + 1
-        state.pending_tokens = _next_token(logits[-1], sampling, generator)
+        state.pending_tokens = _next_token(logits[0], sampling, generator)
         state.tokens.append(int(state.pending_tokens))  # the step's one host read
         stop = find_stop(state.tokens, len(state.tokens) - 1, criteria, tokenizer)
         cycles.append(CycleStats(0, 0, 1, 1))
@@ -484,6 +511,7 @@ def decode(target, state: DecodeState, config: DecodeConfig, generator: torch.Ge
         return decode_plain(target, state, config, generator)
     if state.drafter is None:
         raise ValueError(f"decoding.method={config.method} needs a draft head")
+    state.min_rows = plain_rows(config.plain_rows, target)
     state.workspace.graphs.configure(config.cuda_graphs, target.device)
     if not config.timing:
         return speculate(target, state, config, generator)

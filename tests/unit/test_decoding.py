@@ -234,6 +234,8 @@ def test_a_chain_stopped_by_draft_min_prob_keeps_outputs_exact(setup):
         assert sum(sizes) < sum(c.tree_size for c in full.cycles), "the bound never shortened a chain"
     with pytest.raises(ConfigError, match="draft_min_prob"):
         DecodeConfig(method="tree", draft_min_prob=0.5)  # a tree is not stopped by it: refused, not ignored
+    with pytest.raises(ConfigError, match="plain_rows=3: use auto, 1 or 2"):
+        DecodeConfig(plain_rows=3)
     sizes = [c.tree_size for name in prompts for c in run(target, head, prompts[name], eos_token_ids=(),
                                                                draft_min_prob=0.5, **CHAIN).cycles]
     assert 1 in sizes and any(n > 1 for n in sizes), sizes

@@ -87,3 +87,40 @@ def test_evaluate_records_the_comparison_and_keeps_one_workspace():
     assert len(records) == 4 and all(r["outputs_match_ar"] and r["mismatch"] is None for r in records)
     assert set(workspace.caches) == {"target", "head"}
     assert summarize(records, greedy=True)["exact_match_fraction"] == 1.0
+
+
+def test_bf16_chains_equal_plain_decoding_bit_for_bit():
+    """A bf16 target on a CPU: oneDNN rounds a one-row product differently from a row of a
+    multi-row one, so a plain step and the verification of the same position could round
+    apart and greedy outputs part at near-ties. The plain step runs two rows
+    (``plain_rows=auto``) and eager attention reads a chain's keys in the plain loop's
+    order: every chain's tokens equal plain decoding's."""
+    target = tiny_llava_target(seed=3)
+    target.model.to(torch.bfloat16)
+    target.model.set_attn_implementation("eager")
+    torch.manual_seed(0)
+    head = MSDDraftModel(MSDDraftConfig.from_target_config(target.config, "x")).eval().to(torch.bfloat16)
+    prompts = [target.encode_prompt([{"role": "user", "content": text}], images) for text, images in
+               [("<image>\nwhat is this", [random_image(1)]), ("tell me a long story", []),
+                ("count to twenty", []), ("<image>\ndescribe it", [random_image(2, 24)])]]
+    # the mechanism, which the tiny target's small products may not need (oneDNN's one-row
+    # products round apart from 1,536 inputs on: benchmarks/real_lm/results/matmul_rows.json):
+    # no forward of the target's layers runs a single row
+    rows = []
+    layer = target.model.model.language_model.layers[0].mlp.down_proj
+    hook = layer.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[-2]))
+    for prompt in prompts:
+        plain = generate(target, None, prompt, DecodeConfig(method="ar", max_new_tokens=48, eos_token_ids=()))
+        # k=3 with draft_min_prob: an untrained head's chains are often cut to no draft (a one-node verification)
+        for k, min_prob in ((1, 0.0), (3, 0.0), (3, 0.5)):
+            config = DecodeConfig(method="chain", k=k, draft_min_prob=min_prob, max_new_tokens=48, eos_token_ids=())
+            chain = generate(target, head, prompt, config)
+            assert chain.tokens == plain.tokens, (k, min_prob, chain.tokens, plain.tokens)
+    hook.remove()
+    assert any(c.tree_size == 1 for c in chain.cycles), "no chain was cut to a lone root: the padded verify went untested"
+    assert min(rows) == 2
+    target.model.to(torch.float32)  # fp32: one row (MKL's two-row products cost twice as much)
+    rows.clear()
+    layer.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[-2]))
+    generate(target, None, prompts[1], DecodeConfig(method="ar", max_new_tokens=4, eos_token_ids=()))
+    assert min(rows) == 1
