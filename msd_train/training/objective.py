@@ -171,7 +171,8 @@ class MSD3Objective(Objective):
         return probs, in_vocab
 
     def _ttt(self, target, features, mask, noise=None, forward=None):
-        """Per-step (weighted loss sum, hit count, valid count) of the unrolled head."""
+        """Per-step (weighted loss sum, hit count, valid count) of the unrolled head; valid:
+        the loss positions whose target token is in the draft vocabulary."""
         head = self.head
         inputs, plan = head.read_pass(features, target, noise=noise)
         probs, in_vocab = self._targets(target, features)
@@ -196,12 +197,19 @@ class MSD3Objective(Objective):
         sums = {"loss_sum": total.detach(), "n": torch.full((), index.numel(), device=total.device)}
         for i, (h, v) in enumerate(zip(hits, valid)):
             sums[f"hit_{i}"], sums[f"valid_{i}"] = h, v
+            sums[f"positions_{i}"] = _shift(mask.view(B, T), i, False).sum()  # every loss position step i reads
         return total / max(n_tokens, 1.0), sums
 
     def training_metrics(self, sums: dict[str, float], train) -> dict[str, float]:
+        """``acc_i``: step i's top-1 agreement over the positions whose target token is in the
+        draft vocabulary (the positions its loss reads); ``acc_all_i``: over every loss
+        position, a target token outside the draft vocabulary counted as a miss (EAGLE-3's
+        logged acc; the draft can never propose such a token)."""
         out = {"loss": sums["loss_sum"] / max(sums["n"], 1.0)}
-        for i in range(self.head.config.ttt_steps):  # per-step top-1 accuracy over in-vocabulary positions
+        for i in range(self.head.config.ttt_steps):
             out[f"acc_{i}"] = sums[f"hit_{i}"] / max(sums[f"valid_{i}"], 1.0)
+            if f"positions_{i}" in sums:
+                out[f"acc_all_{i}"] = sums[f"hit_{i}"] / max(sums[f"positions_{i}"], 1.0)
         out["top1"] = out["acc_0"]
         return out
 

@@ -245,6 +245,17 @@ def test_ttt_loss_weights_steps_and_masks_tokens_outside_the_draft_vocabulary(ll
             want += 0.5 ** i * ce[ok[:, i:]].sum()
     assert torch.allclose(loss, want, rtol=1e-5)
     assert sums["valid_1"] == ok[:, 1:].sum() and sums["valid_0"] == ok.sum()
+    # acc_i over the in-vocabulary positions; acc_all_i (EAGLE-3's) counts the others as misses
+    # (a 4-token draft vocabulary: most target tokens fall outside it)
+    head = make_head("msd3", target, ttt_steps=2, draft_vocab_size=4)
+    with torch.no_grad():
+        _, sums = objective_for(head).training_loss(target, pass_of(target, head, prompt(target), extra=torch.tensor([40, 41, 42])), loss_index(mask),
+                                                    1.0, TRAIN)
+    assert sums["positions_0"] == T and sums["positions_1"] == T - 1 and 0 < sums["valid_0"] < T
+    m = objective_for(head).training_metrics({k: float(v) for k, v in sums.items()}, TRAIN)
+    for i in range(2):
+        assert m[f"acc_{i}"] == float(sums[f"hit_{i}"]) / float(sums[f"valid_{i}"])
+        assert m[f"acc_all_{i}"] == float(sums[f"hit_{i}"]) / float(sums[f"positions_{i}"])
 
 
 # ----- decoding -------------------------------------------------------------------------
