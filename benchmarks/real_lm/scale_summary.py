@@ -28,12 +28,9 @@ def last_eval(metrics: Path) -> dict:
 
 
 def text_conversations(run_dir: Path) -> int | None:
-    cfg = run_dir / "stage1" / "config.yaml"
-    for line in (cfg.read_text().splitlines() if cfg.is_file() else []):
-        m = re.match(r"\s*max_train:\s*(\d+)", line)
-        if m:
-            return int(m.group(1))
-    return None
+    """A sweep run's data.max_train, from its name (scale_train.sh sweep-N); None: all."""
+    m = re.fullmatch(r"sweep-(\d+)", run_dir.name)
+    return int(m.group(1)) if m else None
 
 
 def settings_of(head_eval: Path) -> dict[str, list[dict]]:
@@ -83,8 +80,8 @@ def main() -> None:
             continue
         n = text_conversations(run) or n_all
         ev = last_eval(run / "stage1/metrics.jsonl")
-        dec = settings_of(W / "eval" / f"{name}-stage1")
-        chain = {k: statistics.median(x["tau"] for x in v) for k, v in dec.items()}
+        rep = W / "eval" / f"{name}-stage1" / "text-chain2" / "report.json"  # the held-out decoder tau (fp32, chain 2)
+        chain = {"chain k=2": json.loads(rep.read_text())["overall"]["tau"]} if rep.is_file() else {}
         sweep.append({"run": name, "text_conversations": min(n, n_all), "step": ev.get("step"),
                       "sim_tau": ev.get("val/text/sim_tau"), "top1": ev.get("val/text/top1"),
                       "decoder_tau": chain})
