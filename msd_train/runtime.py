@@ -125,8 +125,9 @@ def setup_group(device: torch.device, deepspeed: bool = False, timeout_minutes: 
     if deepspeed:
         import deepspeed as ds
 
-        if "RANK" not in os.environ:
-            # no launcher: a group of one, met through a file rather than a port
+        if "MASTER_ADDR" not in os.environ and os.environ.get("WORLD_SIZE", "1") == "1":
+            # no launcher (or only an earlier launcher-less run in this process): a group of one,
+            # met through a file rather than a port
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=str(local_rank()))
             ds.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout,
                                 init_method=_one_process_store(), rank=0, world_size=1)
