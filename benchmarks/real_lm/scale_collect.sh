@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Copy the small result files of the scale work folder into results/scale/ (what is committed):
+# eval reports (report.json, report.md), generate() timings, vLLM serve reports, run metrics.
+#   benchmarks/real_lm/scale_collect.sh WORK
+set -euo pipefail
+cd "$(dirname "$0")"
+W=${1:-/work/scale}
+out=results/scale
+for part in eval eval-fp32 serve; do
+    [ -d "$W/$part" ] || continue
+    rm -rf "${out:?}/$part"
+    (cd "$W" && find "$part" -type f \( -name report.json -o -name report.md -o -name 'generate*.json' \) -print0) |
+        while IFS= read -r -d '' f; do mkdir -p "$out/$(dirname "$f")"; cp "$W/$f" "$out/$f"; done
+done
+(cd "$W" && find runs -name metrics.jsonl -path '*/stage*/metrics.jsonl' -print0) |
+    while IFS= read -r -d '' f; do mkdir -p "$out/$(dirname "$f")"; cp "$W/$f" "$out/$f"; done
+cp "$W/splits/splits.json" "$out/splits.json"
