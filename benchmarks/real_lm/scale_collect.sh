@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 W=${1:-/work/scale}
 out=results/scale
-for part in eval eval-fp32 serve; do
+for part in eval eval-fp32 eval-again serve; do
     [ -d "$W/$part" ] || continue
     rm -rf "${out:?}/$part"
     (cd "$W" && find "$part" -type f \( -name report.json -o -name report.md -o -name 'generate*.json' \) -print0) |

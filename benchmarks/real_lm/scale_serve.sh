@@ -4,15 +4,18 @@
 # this project's plugin, on the same 8 held-out prompts x 64 tokens, chain k=2, REPEATS times,
 # both cores, nothing else running. Needs the vLLM environment (scripts/vllm_env.sh).
 #   W=/work/scale benchmarks/real_lm/scale_serve.sh HEAD NAME [REPEATS]
+# DTYPE=float32: vLLM in fp32 instead (its reports go to serve/NAME-fp32-rN).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 W=${W:-/work/scale}
 head=$1 name=$2 repeats=${3:-3}
 export_dir=$W/export/$name-vllm
 [ -f "$export_dir/config.json" ] || python scripts/export.py checkpoint="$head" format=vllm out="$export_dir"
+dtype=${DTYPE:-bfloat16}
+suffix=$([ "$dtype" = bfloat16 ] || echo "-$dtype")
 for r in $(seq 1 "$repeats"); do
-    out=$W/serve/$name-r$r
+    out=$W/serve/$name$suffix-r$r
     [ -f "$out/report.json" ] || .venv-vllm/bin/python scripts/serve_check.py draft="$export_dir" original="$head" \
         target=smollm2_llava bench=jsonl bench.path="$W/splits/bench_text.jsonl" bench.max_samples="${SAMPLES:-8}" \
-        max_new_tokens=64 k="${K:-2}" "modes=[ar,plugin]" dtype=bfloat16 out="$out"
+        max_new_tokens=64 k="${K:-2}" "modes=[ar,plugin]" dtype="$dtype" out="$out"
 done
