@@ -246,8 +246,16 @@ def test_ttt_loss_weights_steps_and_masks_tokens_outside_the_draft_vocabulary(ll
     assert torch.allclose(loss, want, rtol=1e-5)
     assert sums["valid_1"] == ok[:, 1:].sum() and sums["valid_0"] == ok.sum()
     # acc_i over the in-vocabulary positions; acc_all_i (EAGLE-3's) counts the others as misses
-    # (a 4-token draft vocabulary: most target tokens fall outside it)
+    # (a 4-token draft vocabulary: the target's most frequent next token here and 3 it never
+    # predicts, so some positions fall inside it and the others outside)
+    top = tl.argmax(-1).flatten()
+    frequent = torch.bincount(top, minlength=target.vocab_size).argmax()
+    assert (top != frequent).any(), "every position has the same target token: nothing falls outside"
+    counts = torch.zeros(target.vocab_size, dtype=torch.long)
+    counts[frequent] = 10
+    counts[[t for t in range(target.vocab_size) if t not in set(top.tolist())][:3]] = 1
     head = make_head("msd3", target, ttt_steps=2, draft_vocab_size=4)
+    head.set_vocabulary(*draft_vocabulary(counts, 4))
     with torch.no_grad():
         _, sums = objective_for(head).training_loss(target, pass_of(target, head, prompt(target), extra=torch.tensor([40, 41, 42])), loss_index(mask),
                                                     1.0, TRAIN)
