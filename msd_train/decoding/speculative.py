@@ -277,21 +277,31 @@ def verify(target, state: DecodeState, tree: Tree) -> tuple[torch.Tensor, torch.
     Returns logits (N, V) and the head's features (N, H or k*H); ``commit`` keeps the path."""
     m, n = state.cache_len, len(tree)
     cache = state.target_cache
-    tokens, depths = tree.tokens, tree.depths
     seen = (torch.ones(n, n, dtype=torch.bool, device=target.device).tril() if tree.is_chain
             else tree.ancestor_mask())
-    rows = max(n, state.min_rows)
-    if rows > n:  # a lone root (a chain cut to no draft): padded as the plain step is, the pad seeing only itself
-        tokens, depths = torch.cat([tokens, tokens[-1:].expand(rows - n)]), torch.cat([depths, depths[-1:].expand(rows - n)])
-        seen = torch.block_diag(seen, torch.eye(rows - n, dtype=torch.bool, device=target.device))
-    embeds = target.embed_tokens(tokens)[None]
-    pos = target.continue_positions(m, 1, state.rope_deltas) + depths
+    pick, seen = pad_rows(seen, state.min_rows)  # a lone root (a chain cut to no draft) runs as a plain step does
+    rows = len(pick)
+    embeds = target.embed_tokens(tree.tokens[pick])[None]
+    pos = target.continue_positions(m, 1, state.rope_deltas) + tree.depths[pick]
     width = attention_width(state.workspace.graphs.enabled, cache.capacity, m + rows)
     mask = key_mask(m, width, seen, target.dtype)
     logits, feats = state.workspace.graphs.run(
         "verify", _target_step(target, cache, state.feature_layers), embeds=embeds, pos=pos, mask=mask,
         write_index=torch.arange(m, m + rows, device=target.device))
     return (logits, feats) if rows == n else (logits[:n], feats[:n])
+
+
+def pad_rows(seen: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block of n nodes (``seen``: (n, n), which nodes each one attends to) widened to at
+    least ``rows`` forward rows (``plain_rows``): ``pick``, the node each row computes (the
+    last node repeated), and the widened ``seen``, each repeat seeing only itself. Repeats
+    are written at the free slots after the block and never read: they only make the
+    target's products multi-row, so that row 0 rounds as a row of a verification does."""
+    n = seen.shape[0]
+    pick = torch.arange(max(n, rows), device=seen.device).clamp(max=n - 1)
+    if len(pick) == n:
+        return pick, seen
+    return pick, torch.block_diag(seen, torch.eye(len(pick) - n, dtype=torch.bool, device=seen.device))
 
 
 def _target_step(target, cache: PositionCache, feature_layers: list[int] | None = None):
@@ -477,19 +487,18 @@ def decode_plain(target, state: DecodeState, config: DecodeConfig, generator: to
     _first_token(state, sampling, generator)
     stop = find_stop(state.tokens, 0, criteria, tokenizer)
     cycles = []
-    rows = state.min_rows = plain_rows(config.plain_rows, target)
-    # row 0 is the step; a second row (the same token, seeing only itself, written at the
-    # free slot m + 1) only makes the target's products multi-row, as verification's are
-    seen = torch.eye(rows, dtype=torch.bool, device=target.device)
-    same_position = torch.zeros(rows, dtype=torch.long, device=target.device)
+    state.min_rows = plain_rows(config.plain_rows, target)
+    # the step is a one-node block: row 0 computes it, any further row repeats it (pad_rows)
+    pick, seen = pad_rows(torch.ones(1, 1, dtype=torch.bool, device=target.device), state.min_rows)
+    rows, depths = len(pick), torch.zeros(len(pick), dtype=torch.long, device=target.device)
     graphs = state.workspace.graphs
     graphs.configure(config.cuda_graphs, target.device)
     while stop is None:
         state.reserve(rows + 1)
         cache, m = state.target_cache, state.cache_len
         logits, _ = graphs.run(
-            "plain", _target_step(target, cache), embeds=target.embed_tokens(state.pending_tokens.expand(rows))[None],
-            pos=target.continue_positions(m, 1, state.rope_deltas) + same_position,
+            "plain", _target_step(target, cache), embeds=target.embed_tokens(state.pending_tokens[pick])[None],
+            pos=target.continue_positions(m, 1, state.rope_deltas) + depths,
             mask=key_mask(m, attention_width(graphs.enabled, cache.capacity, m + rows), seen, target.dtype),
             write_index=torch.arange(m, m + rows, device=target.device))
         cache.length = m + 1
