@@ -114,8 +114,13 @@ def _stop_signals_from_the_trainer_only(worker_id: int) -> None:
     trainer's next DataLoader call (or torch's SIGCHLD check) raise while it saves its
     checkpoint. So a worker ignores SIGINT, and SIGTERM unless the trainer itself sent it
     (``multiprocessing`` ends workers that way at exit). The sender is only known to
-    ``sigwaitinfo``, hence a thread waiting for the blocked signal. A worker whose trainer is
-    killed outright still exits: torch's worker loop checks that its parent is alive.
+    ``sigwaitinfo``, hence a thread waiting for the blocked signal: every other thread of the
+    worker must block it, or the kernel hands it to that thread and torch's worker handler
+    (installed in C before this function runs) ends the worker with it. The worker's own
+    thread blocks it here; threads started in the child before this function (fork hooks:
+    wandb's OpenTelemetry exporters) inherit the mask of the trainer's thread that forked,
+    which :class:`_StepLoader` blocks for the fork. A worker whose trainer is killed
+    outright still exits: torch's worker loop checks that its parent is alive.
     """
     import os
     import signal
@@ -133,6 +138,28 @@ def _stop_signals_from_the_trainer_only(worker_id: int) -> None:
     threading.Thread(target=wait_for_the_trainer, daemon=True, name="stop-signals").start()
 
 
+class _StepLoader(torch.utils.data.DataLoader):
+    """A DataLoader whose workers fork with SIGTERM blocked in the forking thread.
+
+    Threads that libraries start in a forked child before ``worker_init_fn`` (wandb's
+    OpenTelemetry exporters restart from fork hooks) inherit that mask, so no thread of a
+    worker takes the launcher's SIGTERM; see :func:`_stop_signals_from_the_trainer_only`.
+    The trainer's mask is restored once the workers exist: a SIGTERM sent to it meanwhile
+    waits, blocked, and is handled then.
+    """
+
+    def __iter__(self):
+        if self.num_workers == 0:
+            return super().__iter__()
+        import signal
+
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            return super().__iter__()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def step_loader(dataset: StepBatches, curriculum, start: int, stop: int, workers: int, pin_memory: bool,
                 prefetch: int = 2) -> torch.utils.data.DataLoader:
     """The training steps ``start..stop-1`` of this rank, collated ahead by ``workers`` processes.
@@ -145,5 +172,5 @@ def step_loader(dataset: StepBatches, curriculum, start: int, stop: int, workers
     if workers > 0:
         kw.update(prefetch_factor=prefetch, multiprocessing_context="fork", persistent_workers=False,
                   worker_init_fn=_stop_signals_from_the_trainer_only)
-    return torch.utils.data.DataLoader(dataset, sampler=StepSampler(curriculum, start, stop), batch_size=None,
-                                       collate_fn=_unbatched, **kw)
+    return _StepLoader(dataset, sampler=StepSampler(curriculum, start, stop), batch_size=None, collate_fn=_unbatched,
+                       **kw)
