@@ -4,7 +4,9 @@
 # checkpoint). RUN names the run; its folder is WORK/runs/RUN.
 #   W=/work/scale benchmarks/real_lm/scale_train.sh RUN
 # RUN: msd | msd3 (stage 1 then stage 2), msd-nodecouple (stage 2 from msd's stage 1 with
-# draft.decouple_visual=false), sweep-N (msd stage 1 on the first N text conversations).
+# draft.decouple_visual=false), sweep-N (msd stage 1 on the first N text conversations);
+# a name ending in -seedN trains with seed=N (msd-stage2-seed1: msd's stage 2 again from the same
+# stage-1 head with another seed; msd-nodecouple-seed1: the same with decoupling off).
 # Environment: S1, S2 (optimizer steps of stage 1 and 2), THREADS, NICE, STAGE1_ONLY=1 / STAGE2_ONLY=1
 # (msd, msd3: one stage of the two; stage 2 starts from the run's stage-1 head).
 set -euo pipefail
@@ -12,8 +14,10 @@ cd "$(dirname "$0")/../.."
 source benchmarks/real_lm/scale_common.sh
 run=$1
 S1=${S1:-1500} S2=${S2:-500}
+seed=${SEED:-0}
+[[ $run =~ -seed([0-9]+)$ ]] && seed=${BASH_REMATCH[1]}
 common=("${DATA[@]}" features=offline "features.path=$STORE" train.bucket_window=64 train.loader_workers=0
-        eval.every=250 checkpoint.every=250 seed="${SEED:-0}" logging.wandb.mode=disabled logging.progress=false)
+        eval.every=250 checkpoint.every=250 seed="$seed" logging.wandb.mode=disabled logging.progress=false)
 train() { OMP_NUM_THREADS="${THREADS:-2}" nice -n "${NICE:-0}" python train.py "${common[@]}" "$@"; }
 stage1=(stage=1 train.max_steps="$S1" train.lr=6e-4 train.warmup_steps=50)
 stage2=(stage=2 train.max_steps="$S2" train.lr=3e-4 train.warmup_steps=20 stage.curriculum.ramp_steps=$((S2 / 2)))
@@ -26,8 +30,9 @@ case $run in
        [ "${STAGE1_ONLY:-0}" = 1 ] || train "${stage2[@]}" "${msd[@]}" run_dir="$W/runs/msd" ;;
   msd3*) [ "${STAGE2_ONLY:-0}" = 1 ] || train "${stage1[@]}" "${msd3[@]}" run_dir="$W/runs/$run"
          [ "${STAGE1_ONLY:-0}" = 1 ] || train "${stage2[@]}" "${msd3[@]}" run_dir="$W/runs/$run" ;;
-  msd-nodecouple) train "${stage2[@]}" "${msd[@]}" draft.decouple_visual=false run_dir="$W/runs/$run" \
+  msd-stage2-seed*) train "${stage2[@]}" "${msd[@]}" run_dir="$W/runs/$run" stage.init_from="$W/runs/msd/stage1/final" ;;
+  msd-nodecouple*) train "${stage2[@]}" "${msd[@]}" draft.decouple_visual=false run_dir="$W/runs/$run" \
                         stage.init_from="$W/runs/msd/stage1/final" ;;
   sweep-*) train "${stage1[@]}" "${msd[@]}" data.max_train="${run#sweep-}" run_dir="$W/runs/$run" ;;
-  *) echo "unknown run $run (msd, msd3, msd-nodecouple, sweep-N)" >&2; exit 2 ;;
+  *) echo "unknown run $run (msd, msd3, msd-nodecouple, msd-stage2-seedN, sweep-N)" >&2; exit 2 ;;
 esac
