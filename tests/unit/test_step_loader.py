@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import psutil
 from builders import ROOT
@@ -52,7 +53,10 @@ def test_loader_workers_outlive_a_sigterm_from_the_launcher_even_with_threads_st
         workers = [psutil.Process(pid) for pid in json.loads(proc.stdout.readline() or "null")]
         assert len(workers) == 2
         for w in workers:  # from this process, as the launcher's SIGTERM comes from outside the trainer
-            assert len(w.threads()) >= 3, "the fork hook's thread is not running in the worker"
+            deadline = time.monotonic() + 60  # the fork hook's thread and worker_init_fn's: the worker is set up
+            while len(w.threads()) < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(w.threads()) >= 3, "the worker never started the fork hook's thread and its own"
             os.kill(w.pid, signal.SIGTERM)
         psutil.wait_procs(workers, timeout=1)
         assert all(w.is_running() for w in workers), "a loader worker died of the launcher's SIGTERM"
