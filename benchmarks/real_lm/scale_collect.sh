@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Copy the small result files of the scale work folder into results/scale/ (what is committed):
-# eval reports (report.json, report.md), generate() timings, vLLM serve reports, run metrics.
+# eval reports (report.json, report.md), generate() timings, vLLM serve reports, run metrics (gzipped).
 #   benchmarks/real_lm/scale_collect.sh WORK
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -12,6 +12,7 @@ for part in eval eval-fp32 eval-again serve; do
     (cd "$W" && find "$part" -type f \( -name report.json -o -name report.md -o -name 'generate*.json' \) -print0) |
         while IFS= read -r -d '' f; do mkdir -p "$out/$(dirname "$f")"; cp "$W/$f" "$out/$f"; done
 done
+# run metrics gzipped (a fifth of the size; results/scale/runs/ is committed with git add -f: runs/ is ignored)
 (cd "$W" && find runs -name metrics.jsonl -path '*/stage*/metrics.jsonl' -print0) |
-    while IFS= read -r -d '' f; do mkdir -p "$out/$(dirname "$f")"; cp "$W/$f" "$out/$f"; done
+    while IFS= read -r -d '' f; do mkdir -p "$out/$(dirname "$f")"; rm -f "$out/$f"; gzip -9nc "$W/$f" > "$out/$f.gz"; done
 cp "$W/splits/splits.json" "$out/splits.json"

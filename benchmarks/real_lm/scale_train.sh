@@ -7,7 +7,8 @@
 # draft.decouple_visual=false), sweep-N (msd stage 1 on the first N text conversations);
 # a name ending in -seedN trains with seed=N (msd-stage2-seed1: msd's stage 2 again from the same
 # stage-1 head with another seed; msd-nodecouple-seed1: the same with decoupling off).
-# Environment: S1, S2 (optimizer steps of stage 1 and 2), THREADS, NICE, STAGE1_ONLY=1 / STAGE2_ONLY=1
+# Environment: S1, S2 (optimizer steps of stage 1 and 2), THREADS, NICE, SEED, TTT and NOISE (msd3's TTT steps,
+# default 3, and train.noise, default none), STAGE1_ONLY=1 / STAGE2_ONLY=1
 # (msd, msd3: one stage of the two; stage 2 starts from the run's stage-1 head).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
