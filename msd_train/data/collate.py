@@ -116,11 +116,11 @@ def _stop_signals_from_the_trainer_only(worker_id: int) -> None:
     (``multiprocessing`` ends workers that way at exit). The sender is only known to
     ``sigwaitinfo``, hence a thread waiting for the blocked signal: every other thread of the
     worker must block it, or the kernel hands it to that thread and torch's worker handler
-    (installed in C before this function runs) ends the worker with it. The worker's own
-    thread blocks it here; threads started in the child before this function (fork hooks:
-    wandb's OpenTelemetry exporters) inherit the mask of the trainer's thread that forked,
-    which :class:`_StepLoader` blocks for the fork. A worker whose trainer is killed
-    outright still exits: torch's worker loop checks that its parent is alive.
+    (installed in C before this function runs) ends the worker with it. Every thread of a
+    worker, those that fork hooks start before this function included (wandb's OpenTelemetry
+    exporters), inherits the mask of the trainer's thread that forked it, which
+    :class:`_StepLoader` blocks for the fork. A worker whose trainer is killed outright still
+    exits: torch's worker loop checks that its parent is alive.
     """
     import os
     import signal
@@ -128,7 +128,6 @@ def _stop_signals_from_the_trainer_only(worker_id: int) -> None:
 
     trainer = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
     def wait_for_the_trainer():
         while True:
