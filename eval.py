@@ -45,6 +45,10 @@ def main(cfg: DictConfig) -> None:
         print(f"tau {o['tau']:.3f}  speedup {o['speedup']:.2f}x  tokens/s {o['tokens_per_s']:.1f} "
               f"(AR {o['ar_tokens_per_s']:.1f})  outputs_match_ar {o['outputs_match_ar']}"
               if o["tau"] is not None else f"AR only: {o['ar_tokens_per_s']:.1f} tokens/s")
+        setting = report.get("target_setting")
+        if setting:  # what target.dtype / attn_implementation / cpu_linear became here, and why
+            print(f"target: {setting['dtype']}, {setting['attn_implementation']} attention, {setting['linear']} linears "
+                  f"({setting['why']})")
         # the generation length, as scripts/serve_check.py states it (evaluation.bench.generation_length)
         print(f"bench={report['bench']}: up to {report['decoding']['max_new_tokens']} new tokens a turn")
 

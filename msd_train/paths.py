@@ -33,3 +33,20 @@ def creatable_dir(value: str | os.PathLike, setting: str = "run_dir") -> Path:
         raise ValueError(f"{setting}={value}: cannot create folders in {parent} (no write permission); "
                          f"choose another {setting}=")
     return path
+
+
+def portable_name(name_or_path: str, root: str | os.PathLike | None = None) -> str:
+    """A target's name as a head's config records it, with no path of the machine that
+    trained it: a Hub id as it is; a folder inside the project checkout (``root``) relative
+    to it (``data/smollm2-llava``); any other local folder by its name alone (what
+    ``hub.load.check_fits`` compares)."""
+    if root is None:
+        root = Path(__file__).resolve().parent.parent
+    p = Path(name_or_path).expanduser()
+    if not p.is_absolute() and not p.exists():
+        return str(name_or_path)  # a Hub id (or a relative path, already portable)
+    p = p.resolve()
+    try:
+        return p.relative_to(Path(root).resolve()).as_posix()
+    except ValueError:
+        return p.name

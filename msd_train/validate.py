@@ -159,7 +159,7 @@ def _vocabulary_bounds(cfg) -> None:
 # Target attention implementations that apply a dense 4-D mask exactly. Verification runs the
 # whole draft tree in one target forward under a tree mask; flash-attention kernels take
 # only causal/padding masks and would let each node see its siblings (wrong output).
-EXACT_ATTENTION = ("sdpa", "eager")
+EXACT_ATTENTION = ("auto", "sdpa", "eager")
 
 
 def check_eval(cfg, method: str) -> None:
@@ -170,8 +170,8 @@ def check_eval(cfg, method: str) -> None:
     if attn is not _MISSING and attn is not None and attn not in EXACT_ATTENTION:
         raise ConfigError(
             f"target.attn_implementation={attn} ignores the tree attention mask that verification needs, so "
-            f"speculative outputs would not match the target's own; evaluate with target.attn_implementation=sdpa "
-            f"(the default) or eager")
+            f"speculative outputs would not match the target's own; evaluate with target.attn_implementation=auto "
+            f"(the default: sdpa, eager for bf16 on a CPU), sdpa or eager")
     _number(cfg, "warmup", int, lo=0)
     _number(cfg, "seed", int, lo=0, hint=" (it seeds the sampling generators, which take no negative seed)")
     _number(cfg, "dist.timeout_minutes", float, lo=0, lo_open=True)

@@ -206,10 +206,18 @@ def _load_models(cfg: dict, config: DecodeConfig, device: torch.device):
     """The target, and the head unless the method is plain autoregressive decoding (then None)."""
     from msd_train.targets import load_target
 
+    from msd_train.evaluation.cpu_setting import choose
+    from msd_train.targets.cpu_linear import pack_linears
+
     tc = cfg["target"]
-    target = load_target(tc["name_or_path"], tc.get("dtype", "auto"), device, tc.get("adapter"),
+    setting = choose(tc, device)
+    target = load_target(tc["name_or_path"], setting.dtype, device, tc.get("adapter"),
                          tc.get("chat_template"), bool(tc.get("trust_remote_code", False)),
-                         tc.get("attn_implementation", "sdpa"))
+                         setting.attn_implementation)
+    if setting.linear == "onednn":
+        pack_linears(target.model)
+    target.decoding_setting = setting
+    log.info("target setting: %s", setting.why)
     draft = None
     if config.method != "ar":
         from msd_train.hub.load import load_head
@@ -274,6 +282,8 @@ def _report(cfg: dict, draft, config: DecodeConfig, device, target, world: int, 
         "decoding": decoding_settings(config),
         "device": describe_device(device),
         "dtype": str(target.dtype).replace("torch.", ""),
+        # what target.dtype=auto (and attention, linear kernels) became on this machine, and why
+        "target_setting": target.decoding_setting.as_dict() if hasattr(target, "decoding_setting") else None,
         "world_size": world,
         "warmup": int(cfg["warmup"]),
         "seed": int(cfg.get("seed", 0)),

@@ -96,7 +96,7 @@ def load_target(
     adapter: str | None = None,
     chat_template: str | None = None,
     trust_remote_code: bool = False,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "auto",
 ) -> Target:
     """Load a frozen target by Hub id or local path, optionally merging a LoRA adapter.
 
@@ -108,6 +108,7 @@ def load_target(
     name_or_path = str(user_path(name_or_path))  # a Hub id is left as it is
     adapter = str(user_path(adapter)) if adapter else adapter
     torch_dtype = resolve_dtype(dtype, device)
+    attn_implementation = "sdpa" if attn_implementation in (None, "auto") else attn_implementation
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     if config.model_type not in FAMILIES:
         raise ValueError(

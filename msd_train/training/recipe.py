@@ -41,6 +41,7 @@ from msd_train.data.dataset import build_split, split_limit, write_skipped
 from msd_train.draft import DraftHead, MSDDraftModel, head_class
 from msd_train.draft.vocabulary import draft_vocabulary, load_counts, most_frequent, token_counts
 from msd_train.features import make_feature_source
+from msd_train.paths import portable_name
 from msd_train.targets import load_target
 from msd_train.training import checkpoint as ckpt
 from msd_train.training import rundir
@@ -218,7 +219,8 @@ class TrainRecipe:
         else:
             torch.manual_seed(cfg.seed)
             config = head_cls.config_class.from_target_config(
-                self.target.config, self.target.name, target_adapter=cfg.target.adapter,
+                self.target.config, portable_name(self.target.name),
+                target_adapter=cfg.target.adapter and portable_name(cfg.target.adapter),
                 target_vocab_size=self.target.vocab_size, **overrides)
             draft = head_cls(config)
         # this stage's assistant tokens: an msd3 head's draft vocabulary, and every export's

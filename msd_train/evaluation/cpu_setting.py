@@ -1,0 +1,108 @@
+"""The target's dtype, attention and linear kernels for decoding, chosen for the machine.
+
+``target.dtype=auto`` on CUDA is bf16, as everywhere in the field. On a CPU it depends on the
+CPU (measured: ``benchmarks/real_lm/README.md``, "Any CPU"):
+
+- **native bf16** (AVX-512 BF16 or AMX, and oneDNN allowed to use it): bf16 with eager
+  attention. oneDNN's bf16 products cost the same for 1 to 8 rows, so a verification costs
+  about one plain step; eager attention and a two-row plain step
+  (``decoding.plain_rows=auto``) keep chains bit-exact; trees can part from plain decoding at
+  exact bf16 rounding ties, which eval.py counts as near-ties.
+- **no native bf16**: fp32, with every linear layer on oneDNN over a weight packed once
+  (``msd_train.targets.cpu_linear``): a verification of a few tokens costs about one plain
+  step, and every row is computed as it would be alone, so outputs equal plain decoding.
+
+A dtype or attention given explicitly is kept; ``target.cpu_linear`` (auto | onednn | aten)
+picks the fp32 kernels (auto: oneDNN on a CPU). ``choose(tc, device)`` returns the choice and
+why; eval.py prints it and writes it to report.json under ``"target_setting"``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from msd_train.runtime import resolve_dtype
+
+#: oneDNN's instruction-set levels (ONEDNN_MAX_CPU_ISA), lowest first; bf16 dot products from AVX512_CORE_BF16
+_ONEDNN_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
+                "AVX512_CORE_BF16", "AVX10_1_512", "AVX512_CORE_FP16", "AVX10_1_512_AMX", "AVX512_CORE_AMX",
+                "AVX10_1_512_AMX_FP16", "AVX512_CORE_AMX_FP16", "ALL", "DEFAULT")
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@dataclass
+class CPUSetting:
+    dtype: str
+    attn_implementation: str
+    linear: str        # onednn | aten
+    why: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags (Linux; empty elsewhere)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def native_bf16(flags: set[str] | None = None, env: dict | None = None) -> tuple[bool, str]:
+    """Whether bf16 products run natively here, and the evidence: the CPU's flags, PyTorch's
+    kernel level (``ATEN_CPU_CAPABILITY`` can lower it) and oneDNN's (``ONEDNN_MAX_CPU_ISA``)."""
+    flags = cpu_flags() if flags is None else flags
+    env = os.environ if env is None else env
+    have = [f for f in _BF16_FLAGS if f in flags]
+    if not have:
+        return False, "the CPU has no native bf16 (no avx512_bf16 or amx_bf16 flag)"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not capability.startswith("AVX512"):
+        return False, f"the CPU has {'/'.join(have)}, but PyTorch's kernels run at {capability} (ATEN_CPU_CAPABILITY)"
+    isa = str(env.get("ONEDNN_MAX_CPU_ISA", "ALL")).upper()
+    if isa in _ONEDNN_ISAS and _ONEDNN_ISAS.index(isa) < _ONEDNN_ISAS.index("AVX512_CORE_BF16"):
+        return False, f"the CPU has {'/'.join(have)}, but oneDNN is limited to {isa} (ONEDNN_MAX_CPU_ISA)"
+    return True, f"the CPU has native bf16 ({'/'.join(have)}, PyTorch at {capability})"
+
+
+def choose(tc: dict, device: torch.device) -> CPUSetting:
+    """The dtype, attention and linear kernels eval.py loads the target with (module docstring)."""
+    dtype, attn = str(tc.get("dtype") or "auto"), str(tc.get("attn_implementation") or "auto")
+    linear = str(tc.get("cpu_linear") or "auto")
+    if linear not in ("auto", "onednn", "aten"):
+        raise ValueError(f"target.cpu_linear={linear}: use auto, onednn or aten")
+    if device.type != "cpu":
+        resolved = resolve_dtype(dtype, device)
+        return CPUSetting(_name(resolved), "sdpa" if attn == "auto" else attn, "aten",
+                          f"{device.type}: dtype {dtype}")
+    if dtype == "auto":
+        bf16, why = native_bf16()
+        dtype = "bfloat16" if bf16 else "float32"
+        why = f"{why}: {dtype}"
+    else:
+        dtype, why = _name(resolve_dtype(dtype, device)), f"target.dtype={dtype} as given"
+    if attn == "auto":
+        attn = "eager" if dtype != "float32" else "sdpa"
+        why += f", {attn} attention" + (" (exact rows in bf16)" if attn == "eager" else "")
+    from msd_train.targets.cpu_linear import onednn_available
+
+    use = dtype == "float32" and linear != "aten" and onednn_available()
+    if linear == "onednn" and not use:
+        why += "; target.cpu_linear=onednn not applied (" + ("not fp32" if dtype != "float32" else
+                                                              "this PyTorch has no oneDNN") + ")"
+    if use:
+        why += ", fp32 linears on oneDNN (packed weights)"
+    return CPUSetting(dtype, attn, "onednn" if use else "aten", why)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")

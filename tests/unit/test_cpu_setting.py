@@ -1,0 +1,94 @@
+"""What eval.py loads the target with on a CPU: the dtype for the machine, and fp32 linears on
+oneDNN whose rows do not depend on how many are computed together (so verification rows equal
+the plain step's)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from msd_train.evaluation.cpu_setting import choose, native_bf16
+from msd_train.targets.cpu_linear import PackedLinear, onednn_available, pack_linears
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN")
+CPU = torch.device("cpu")
+
+
+def test_native_bf16_needs_the_flag_and_lets_oneDNN_limit_it():
+    assert not native_bf16({"avx2", "avx512f"}, {})[0]
+    has, why = native_bf16({"avx2", "avx512f", "avx512_bf16"}, {})
+    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        assert has and "avx512_bf16" in why
+    else:  # PyTorch itself runs below AVX-512 here: bf16 is not native for it
+        assert not has and "ATEN_CPU_CAPABILITY" in why
+    has, why = native_bf16({"amx_bf16", "avx512_bf16"}, {"ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert not has and "ONEDNN_MAX_CPU_ISA" in why
+
+
+def test_auto_on_a_cpu_picks_by_native_bf16(monkeypatch):
+    import msd_train.evaluation.cpu_setting as cs
+
+    monkeypatch.setattr(cs, "native_bf16", lambda: (False, "no native bf16"))
+    s = choose({"dtype": "auto", "attn_implementation": "auto"}, CPU)
+    assert (s.dtype, s.attn_implementation) == ("float32", "sdpa") and "no native bf16" in s.why
+    assert s.linear == ("onednn" if onednn_available() else "aten")
+    monkeypatch.setattr(cs, "native_bf16", lambda: (True, "native bf16"))
+    s = choose({"dtype": "auto", "attn_implementation": "auto"}, CPU)
+    assert (s.dtype, s.attn_implementation, s.linear) == ("bfloat16", "eager", "aten")
+    # what the user gives is kept
+    s = choose({"dtype": "fp32", "attn_implementation": "eager", "cpu_linear": "aten"}, CPU)
+    assert (s.dtype, s.attn_implementation, s.linear) == ("float32", "eager", "aten")
+    with pytest.raises(ValueError, match="target.cpu_linear=fast"):
+        choose({"cpu_linear": "fast"}, CPU)
+
+
+@needs_onednn
+def test_packed_linear_rows_do_not_depend_on_the_row_count():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 300)
+    packed = PackedLinear(lin)
+    x = torch.randn(2, 9, 96)
+    with torch.inference_mode():
+        full = packed(x)
+        torch.testing.assert_close(full, lin(x), rtol=1e-5, atol=1e-5)
+        for rows in (1, 2, 3, 5):  # the first row alone and among others: the same bits
+            assert torch.equal(packed(x[0, :rows])[0], full[0, 0])
+    assert packed.weight is lin.weight  # heads read lm_head.weight
+    # where autograd records, the layer is plain F.linear (and gradients flow)
+    y = torch.randn(3, 96, requires_grad=True)
+    packed(y).sum().backward()
+    assert y.grad is not None
+
+
+@needs_onednn
+def test_packing_the_tiny_target_keeps_its_logits():
+    from msd_train.targets import load_target
+
+    target = load_target(str(Path(__file__).resolve().parents[2] / "data" / "tiny-llava"), "float32", "cpu")
+    ids = torch.tensor([[1, 50, 60, 70, 80]])
+    with torch.inference_mode():
+        before = target.model(input_ids=ids).logits
+        n = pack_linears(target.model)
+        after = target.model(input_ids=ids).logits
+    assert n > 0 and isinstance(target.lm_head, PackedLinear)
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+
+
+def test_a_heads_target_name_holds_no_path_of_the_training_machine(tmp_path):
+    """What a head's config records as its target (issue: an absolute path of the machine
+    that trained it): a Hub id as given, the checkout's folders relative, others by name."""
+    from msd_train.paths import portable_name
+
+    assert portable_name("llava-hf/llava-1.5-7b-hf") == "llava-hf/llava-1.5-7b-hf"
+    (tmp_path / "data" / "smollm2-llava").mkdir(parents=True)
+    assert portable_name(str(tmp_path / "data" / "smollm2-llava"), root=tmp_path) == "data/smollm2-llava"
+    (tmp_path / "elsewhere" / "my-target").mkdir(parents=True)
+    assert portable_name(str(tmp_path / "elsewhere" / "my-target"), root=tmp_path / "data") == "my-target"
+
+
+def test_committed_heads_name_their_target_portably():
+    import json
+
+    for config in (Path(__file__).resolve().parents[2] / "data" / "smollm2-llava-heads").glob("*/config.json"):
+        name = json.loads(config.read_text())["target_name_or_path"]
+        assert not Path(name).is_absolute(), (config, name)
