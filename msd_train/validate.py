@@ -117,6 +117,14 @@ def check_train(cfg) -> None:
     resume = _get(cfg, "resume")
     if resume is not _MISSING and str(resume).lower() not in ("auto", "true", "false", "0", "1", "yes", "no"):
         raise ConfigError(f"resume={resume!r}: use auto (continue from the newest checkpoint) or false (start over)")
+    run_dir = _get(cfg, "run_dir")
+    if run_dir not in (_MISSING, None, ""):
+        from msd_train.outputs import holds_data
+
+        data = holds_data(user_path(run_dir))  # the guard every writer takes (a run_dir is resumed in place)
+        if data:
+            raise ConfigError(f"run_dir={run_dir} is {data}: a training run never writes into another command's "
+                              f"data; choose another run_dir (e.g. a new folder beside it)")
     from msd_train.config import SPLITS
 
     splits = _get(cfg, "stage.splits")  # what the stage's YAML says it reads (all four if unset)
@@ -333,6 +341,11 @@ def check_generate(cfg) -> None:
     _choice(cfg, "data.on_bad_sample", ("skip", "error"))
     if not _get(cfg, "features.path") or _get(cfg, "features.path") is _MISSING:
         raise ConfigError("features.path is not set; give the folder to write the store into: features.path=DIR")
+    from msd_train.outputs import check_output, feature_store
+
+    # the guard every writer takes; a store (even a damaged one, or one begun) is resumed
+    check_output(user_path(_get(cfg, "features.path")), "scripts/generate_features.py", setting="features.path",
+                 recognise=lambda p: feature_store(p) or (p / "manifest.json").exists() or (p / "progress").is_dir())
     from msd_train.config import SPLITS
 
     for split in _get(cfg, "splits") or []:

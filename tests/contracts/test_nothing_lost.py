@@ -489,3 +489,131 @@ def test_entry_points_as_users_run_them(tmp_path):
                "MASTER_PORT": str(port)}
         refused(run("train.py", f"run_dir={tmp_path / 'run'}", "logging.wandb.mode=disabled", env=env),
                 f"the port {port} is already in use", "--master_port")
+
+
+# ----------------------------------------------------------------------------- issue 39: every writer guarded
+
+
+def a_feature_store(folder: Path) -> Path:
+    """What scripts/generate_features.py leaves: its manifest (FORMAT), a shard, its progress."""
+    (folder / "progress").mkdir(parents=True)
+    (folder / "manifest.json").write_text(json.dumps({"format": "msd-train-features", "version": 1, "complete": True}))
+    (folder / "text_train-00000.safetensors").write_bytes(b"x" * 64)
+    return folder
+
+
+def a_regeneration(folder: Path) -> Path:
+    """What scripts/regenerate_data.py leaves: its settings, a rank's records, the merge."""
+    folder.mkdir(parents=True)
+    (folder / "settings.json").write_text(json.dumps({"target": "tiny", "max_new_tokens": 8}))
+    (folder / "rank-0.jsonl").write_text('{"id": "a"}\n')
+    return folder
+
+
+def test_overwrite_never_replaces_the_working_folders_ancestors(tmp_path, monkeypatch, capsys):
+    """`overwrite=true out=..` moved the working folder aside and deleted it, exit 0."""
+    head = tmp_path / "head"
+    msd_head().save_pretrained(head)
+    work = tmp_path / "work"
+    (work / "sub").mkdir(parents=True)
+    (work / "notes.txt").write_text("keep")
+    monkeypatch.chdir(work / "sub")
+    for out in ("..", str(work), "."):
+        refused_in_process(capsys, lambda out=out: script_main("scripts/export.py", [
+            f"checkpoint={head}", f"out={out}", "overwrite=true"], monkeypatch), "current", "out=./export-out")
+    assert (work / "notes.txt").read_text() == "keep" and (work / "sub").is_dir()
+
+
+def test_overwrite_never_replaces_a_runs_exports_or_another_commands_data(tmp_path, monkeypatch, capsys):
+    """A run's final/ replaced by another head was then taken as the finished stage; a feature
+    store or regeneration folder, or a folder holding a run deeper down, were deleted."""
+    stage = a_run(tmp_path)
+    before = listing(stage)
+    other = tmp_path / "other"
+    msd3_head().save_pretrained(other)
+    store = a_feature_store(tmp_path / "store")
+    regen = a_regeneration(tmp_path / "regen")
+    deep = tmp_path / "projects"
+    (deep / "a" / "b").mkdir(parents=True)
+    (deep / "a" / "b" / "metrics.jsonl").write_text("{}\n")
+    cases = ((stage / "final", "a run's final/ export"), (stage / "best", "a run's best/ export"),
+             (store, "a feature store"), (regen, "a regeneration folder"),
+             (deep, "a/b/ is a stage folder"))
+    for out, phrase in cases:
+        kept = listing(out)
+        refused_in_process(capsys, lambda out=out: script_main("scripts/export.py", [
+            f"checkpoint={other}", "format=eagle3", f"out={out}", "overwrite=true"], monkeypatch),
+            f"out={out}", phrase, "choose another out=")
+        assert listing(out) == kept
+    refused_in_process(capsys, lambda: script_main("scripts/import_reference.py", [
+        f"src={other}", f"out={store}", "overwrite=true"], monkeypatch), "a feature store")
+    assert listing(stage) == before
+
+
+def test_regenerate_data_takes_the_output_guard_before_the_target_loads(tmp_path, monkeypatch, capsys):
+    """regenerate_data.py had none of the guards: out= a feature store or a user's folder
+    overwrote its manifest.json, out=. wrote into the current folder, out= a file was a traceback."""
+    monkeypatch.setattr("msd_train.targets.load_target", lambda *a, **k: pytest.fail("the target loaded"))
+    store = a_feature_store(tmp_path / "store")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "manifest.json").write_text('{"mine": true}')
+    (tmp_path / "file").write_text("x")
+    stage = a_run(tmp_path)
+    cases = ((store, "a feature store"), (mine, "not empty"), (tmp_path / "file", "is a file"), (".", "current folder"),
+             (stage, "never replaces a training run"))
+    monkeypatch.chdir(tmp_path)
+    for out, phrase in cases:
+        refused_in_process(capsys, lambda out=out: script_main("scripts/regenerate_data.py", [
+            f"out={out}", "limit=1"], monkeypatch), f"out={out}", phrase)
+    assert json.loads((mine / "manifest.json").read_text()) == {"mine": True}
+    assert json.loads((store / "manifest.json").read_text())["format"] == "msd-train-features"
+    assert (tmp_path / "file").read_text() == "x" and not (tmp_path / "settings.json").exists()
+    # the inputs inside out=: refused; its own folder: resumed
+    (mine / "in.jsonl").write_text("{}\n")
+    refused_in_process(capsys, lambda: script_main("scripts/regenerate_data.py", [
+        f"out={mine}", f"inputs=[{{path: {mine / 'in.jsonl'}}}]"], monkeypatch), "holds this command's input")
+    regen = a_regeneration(tmp_path / "regen")
+    assert outputs.check_output(regen, "scripts/regenerate_data.py", recognise=outputs.regeneration_folder) == regen
+
+
+def test_generate_features_and_training_take_the_output_guard(tmp_path, monkeypatch):
+    from omegaconf import OmegaConf
+
+    from msd_train.validate import check_generate, check_train
+
+    def gen_cfg(path):
+        from builders.runs import compose
+
+        return OmegaConf.to_container(compose("generate_features", [f"features.path={path}"]), resolve=True)
+
+    stage = a_run(tmp_path)
+    regen = a_regeneration(tmp_path / "regen")
+    monkeypatch.chdir(stage)
+    for path, phrase in ((stage, "the current folder"), (stage.parent, "holding the current one"),
+                         (regen, "a regeneration folder")):
+        with pytest.raises(ConfigError, match=f"features.path={path}.*{phrase}"):
+            check_generate(gen_cfg(path))
+    check_generate(gen_cfg(a_feature_store(tmp_path / "store")))  # its own store: resumed
+    cfg = OmegaConf.to_container(train_cfg(tmp_path, f"run_dir={tmp_path / 'store'}"), resolve=True)
+    with pytest.raises(ConfigError, match="run_dir=.*store is a feature store"):
+        check_train(cfg)
+
+
+def test_overwrite_through_a_link_and_killed_writers_leave_no_litter(tmp_path):
+    """Each overwrite through a symlink left a `.old-link-PID`; a killed writer's folders stayed."""
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "a").write_text("theirs")
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with outputs.output_dir(link, "test", overwrite=True) as tmp:
+        (tmp / "a").write_text("mine")
+    assert (link / "a").read_text() == "mine" and (real / "a").read_text() == "theirs"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    killed = tmp_path / f".old-link-{int(dead.stdout)}"
+    killed.mkdir()
+    outputs.staging_path(link).mkdir()
+    with outputs.output_dir(link, "test") as tmp:
+        (tmp / "a").write_text("again")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".link.msd-output", "link", "real"]
