@@ -617,3 +617,26 @@ def test_overwrite_through_a_link_and_killed_writers_leave_no_litter(tmp_path):
     with outputs.output_dir(link, "test") as tmp:
         (tmp / "a").write_text("again")
     assert sorted(p.name for p in tmp_path.iterdir()) == [".link.msd-output", "link", "real"]
+
+
+def test_exports_that_take_a_target_check_the_head_against_it(tmp_path, monkeypatch, capsys):
+    """format=reference of a head of another hidden size wrote a folder that could not be
+    imported back (`"warnings": []`, exit 0)."""
+    from builders.heads import H, VOCAB
+
+    head = tmp_path / "head"
+    msd_head().save_pretrained(head)  # hidden 32, vocabulary 40, a LLaVA-family head; the tiny target: 256, 2048
+    for fmt in ("reference", "msd"):
+        out = tmp_path / f"out-{fmt}"
+        refused_in_process(capsys, lambda fmt=fmt, out=out: script_main("scripts/export.py", [
+            f"checkpoint={head}", f"format={fmt}", "target=tiny", f"out={out}"], monkeypatch),
+            f"hidden size {H}, the target's 256", f"vocabulary {VOCAB}, the target's 2048", "Give target=",
+            "nothing was written")
+        assert not out.exists() and not outputs.staging_path(out).exists()
+    from msd_train.hub import TargetInfo
+    from msd_train.targets import FAMILIES
+
+    qwen = next(t for t in FAMILIES if FAMILIES[t].draft_layer_family == "qwen2")
+    other = TargetInfo(name="qwen", model_type=qwen, vocab_size=VOCAB, hidden_size=H, read_embedding=None)
+    with pytest.raises(ValueError, match="family .*, the target's"):
+        other.refuse_misfit(msd_head().config, "the head")

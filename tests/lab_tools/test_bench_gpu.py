@@ -268,3 +268,23 @@ def test_unpack_puts_what_came_back_under_benchmarks_gpu_by_gpu_name(tmp_path):
     assert got == ["decode-llava15_7b-h100.json", "decode-llava15_7b-h100.md", "readme-h100/log.txt",
                    "readme-h100/report.json", "readme-h100/resume.json", "session-h100-env.txt",
                    "session-h100-summary.json"]
+
+
+def test_unpack_of_nothing_is_an_error_and_a_killed_unpacks_folder_is_removed(tmp_path):
+    """`unpack` of a missing or empty folder copied nothing, exited 0 and said to commit; a
+    killed unpack left its temporary folder in /tmp for good."""
+    dest, tmpdir = tmp_path / "bench", tmp_path / "tmp"
+    tmpdir.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    killed = tmpdir / f"gpu-unpack.{int(dead.stdout)}.abcdef"
+    (killed / "decode").mkdir(parents=True)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("x")
+    for src, phrase in ((tmp_path / "missing", "no such folder, or nothing in it"),
+                        (tmp_path / "empty", "no such folder, or nothing in it"),
+                        (tmp_path / "other", "no results in it")):
+        r = _session("unpack", str(src), tmp_path=tmp_path, env={"DEST": str(dest), "TMPDIR": str(tmpdir)})
+        assert r.returncode == 1 and f"error: unpack {src}: {phrase}" in r.stderr, r.stdout + r.stderr
+        assert "git commit" not in r.stdout
+    assert not killed.exists() and not any(tmpdir.iterdir())
