@@ -25,7 +25,6 @@ Light (no torch): the hub scripts and the evaluation import it.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -36,7 +35,7 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from msd_train.errors import ConfigError
+from msd_train.errors import ConfigError, disk_full
 
 log = logging.getLogger(__name__)
 
@@ -366,15 +365,6 @@ def check_output(out: str | Path, kind: str, overwrite: bool = False, sources: I
     return out
 
 
-def _disk_full(err: BaseException) -> bool:
-    e: BaseException | None = err
-    while e is not None:
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
 def staging_path(out: Path) -> Path:
     """Where ``out`` is written before it is renamed into place (the same name on every
     rank of a launch; the lock keeps other commands out)."""
@@ -410,11 +400,11 @@ def output_dir(out: str | Path, kind: str, overwrite: bool = False, sources: Ite
         try:
             yield tmp
         except BaseException as err:
-            if keep_partial and tmp.is_dir() and any(tmp.iterdir()) and not _disk_full(err):
+            if keep_partial and tmp.is_dir() and any(tmp.iterdir()) and not disk_full(err, out.parent):
                 _into_place(tmp, out, kind)
             else:
                 shutil.rmtree(tmp, ignore_errors=True)
-            if _disk_full(err):
+            if disk_full(err, out.parent):
                 raise OutputError(f"the disk is full: writing {out} failed ({_free(out)} free); the partial "
                                   f"folder was removed and out= left as it was. Free space on that disk (or "
                                   f"choose out= on another one) and run the same command again") from err
@@ -425,7 +415,7 @@ def output_dir(out: str | Path, kind: str, overwrite: bool = False, sources: Ite
             _into_place(tmp, out, kind)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            if _disk_full(e):
+            if disk_full(e, out.parent):
                 raise OutputError(f"the disk is full: finishing {out} failed ({_free(out)} free); out= was left as "
                                   f"it was. Free space and run the same command again") from e
             raise

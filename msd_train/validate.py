@@ -281,11 +281,36 @@ def _check_target_folder(path: Path, model_type) -> None:
     elif not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise ConfigError(f"{where}: no weights (model.safetensors or pytorch_model.bin); the folder is half-written: "
                           f"download or build it again")
+    build = BUILDERS.get(path.name)
+    for f in [path / sh for sh in shards] if index is not None else sorted(path.glob("*.safetensors")):
+        cut = _cut_safetensors(f) if f.suffix == ".safetensors" else None
+        if cut:
+            raise ConfigError(f"{f}: cut short ({cut}); the download or build was interrupted: "
+                              + (f"build it again: {build}" if build else "download it again (or copy it whole)"))
     if model_type and isinstance(config, dict) and config.get("model_type") != model_type:
         raise ConfigError(
             f"{where} holds a {config.get('model_type')!r} model, but the named target expects {model_type!r} "
             f"(target.model_type; its chat template and settings are for that family); choose the target that "
             f"matches the folder (conf/target/*.yaml), or set target.model_type=null to use the folder as it is")
+
+
+def _cut_safetensors(f: Path) -> str | None:
+    """Why a safetensors file is cut short (it holds fewer bytes than its header describes), or
+    None; read from the header alone (no tensor, no torch)."""
+    import json
+    import struct
+
+    size = f.stat().st_size
+    try:
+        with open(f, "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            if 8 + n > size:
+                return f"{size} bytes, shorter than its own header"
+            header = json.loads(fh.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, struct.error, UnicodeDecodeError):
+        return "its header cannot be read"
+    return f"{size} bytes, its header describes {8 + n + end}" if 8 + n + end > size else None
 
 
 def _cuda_available() -> bool:
@@ -343,11 +368,13 @@ def check_generate(cfg) -> None:
         raise ConfigError("features.path is not set; give the folder to write the store into: features.path=DIR")
     from msd_train.outputs import check_output, feature_store
 
+    check_target(_get(cfg, "target"))  # a missing, half-written or cut target: before it loads
     # the guard every writer takes; a store (even a damaged one, or one begun) is resumed
     check_output(user_path(_get(cfg, "features.path")), "scripts/generate_features.py", setting="features.path",
                  recognise=lambda p: feature_store(p) or (p / "manifest.json").exists() or (p / "progress").is_dir())
     from msd_train.config import SPLITS
 
     for split in _get(cfg, "splits") or []:
-        if split in SPLITS:
-            _sources(cfg, split, need_images=split.endswith("multimodal"))
+        if split not in SPLITS:
+            raise ConfigError(f"splits: unknown {split!r}; choose from {', '.join(SPLITS)}")
+        _sources(cfg, split, need_images=split.endswith("multimodal"))

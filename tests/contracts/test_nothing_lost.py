@@ -622,7 +622,7 @@ def test_overwrite_through_a_link_and_killed_writers_leave_no_litter(tmp_path):
 def test_exports_that_take_a_target_check_the_head_against_it(tmp_path, monkeypatch, capsys):
     """format=reference of a head of another hidden size wrote a folder that could not be
     imported back (`"warnings": []`, exit 0)."""
-    from builders.heads import H, VOCAB
+    from builders.heads import VOCAB, H
 
     head = tmp_path / "head"
     msd_head().save_pretrained(head)  # hidden 32, vocabulary 40, a LLaVA-family head; the tiny target: 256, 2048
@@ -640,3 +640,73 @@ def test_exports_that_take_a_target_check_the_head_against_it(tmp_path, monkeypa
     other = TargetInfo(name="qwen", model_type=qwen, vocab_size=VOCAB, hidden_size=H, read_embedding=None)
     with pytest.raises(ValueError, match="family .*, the target's"):
         other.refuse_misfit(msd_head().config, "the head")
+
+
+# safetensors' writer does not raise OSError(ENOSPC) on a full disk but its own error, worded so
+SAFETENSORS_FULL = ('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left '
+                    'on device" })')
+
+
+def raising(err):
+    def fail(*args, **kwargs):
+        raise err
+    return fail
+
+
+def test_a_full_disk_is_one_message_whatever_the_writer(tmp_path, monkeypatch, capsys):
+    """export.py and generate_features.py on a full disk were raw SafetensorError tracebacks."""
+    from safetensors import SafetensorError
+
+    from msd_train.features import generate
+    from msd_train.hub import formats
+
+    head = tmp_path / "head"
+    msd_head().save_pretrained(head)
+    out = tmp_path / "out"
+    script_main("scripts/export.py", [f"checkpoint={head}", f"out={out}"], monkeypatch)
+    before = listing(out)
+    capsys.readouterr()
+    monkeypatch.setattr("safetensors.torch.serialize_file", raising(SafetensorError(SAFETENSORS_FULL)))
+    refused_in_process(capsys, lambda: script_main("scripts/export.py", [f"checkpoint={head}", f"out={out}"],
+                                                   monkeypatch), "the disk is full", "out= left as it was",
+                       "run the same command again")
+    assert listing(out) == before and not outputs.staging_path(out).exists()
+    # generate_features: what is kept (the finished shards) and how to go on
+    monkeypatch.setattr(generate, "write_shard", raising(SafetensorError(SAFETENSORS_FULL)))
+    store = tmp_path / "store"
+    refused_in_process(capsys, lambda: script_main("scripts/generate_features.py", [
+        f"features.path={store}", "target.device=cpu", "splits=[text]", "data.max_train=2"], monkeypatch),
+        "the disk is full", f"every finished shard in {store} is kept", "run the same command again")
+    refused_in_process(capsys, lambda: script_main("scripts/generate_features.py", [
+        f"features.path={store}", "splits=[text_train]"], monkeypatch), "splits: unknown 'text_train'")
+    # torch.save says it in words of its own: a failed write with no room left is a full disk too
+    torch_full = RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0")
+    monkeypatch.setattr(formats, "FORMATS", {**formats.FORMATS, "msd": formats.HeadFormat(
+        **{**formats.FORMATS["msd"].__dict__, "write": raising(torch_full)})})
+    monkeypatch.setattr("shutil.disk_usage", lambda p: type("U", (), {"free": 1 << 20})())
+    refused_in_process(capsys, lambda: script_main("scripts/export.py", [f"checkpoint={head}", f"out={out}"],
+                                                   monkeypatch), "the disk is full", "(1 MiB free)")
+    assert listing(out) == before
+
+
+def test_a_cut_target_weight_file_is_named_with_the_fix(tmp_path, monkeypatch, capsys):
+    """A target whose model.safetensors was cut short was a SafetensorError naming no file."""
+    import shutil
+
+    cut = tmp_path / "tiny-llava"
+    shutil.copytree(TINY, cut)
+    weights = cut / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+    monkeypatch.setattr("msd_train.targets.load_target", lambda *a, **k: pytest.fail("the target loaded"))
+    for script, args in (("scripts/generate_features.py", [f"features.path={tmp_path / 'store'}"]),
+                         ("scripts/regenerate_data.py", [f"out={tmp_path / 'regen'}"])):
+        refused_in_process(capsys, lambda script=script, args=args: script_main(script, [
+            f"target.name_or_path={cut}", *args], monkeypatch),
+            f"{weights}: cut short", "its header describes", "build it again: python lab/scripts/make_tiny_target.py")
+    from omegaconf import OmegaConf
+
+    from msd_train.validate import check_train
+
+    with pytest.raises(ConfigError, match="model.safetensors: cut short"):
+        check_train(OmegaConf.to_container(train_cfg(tmp_path, f"target.name_or_path={cut}"), resolve=True))
