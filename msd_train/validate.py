@@ -204,7 +204,7 @@ def check_eval(cfg, method: str) -> None:
     _wandb(cfg, "wandb")
     check_target(_get(cfg, "target"))
     if method != "ar":
-        check_head(_get(cfg, "draft"))
+        check_head(_get(cfg, "draft"), draft_vocab)
 
 
 #: how to make the folders of the named targets that are built, not downloaded
@@ -319,8 +319,9 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def check_head(draft) -> None:
-    """``draft=`` names a head (an export or a released MSD head), checked before the target loads."""
+def check_head(draft, draft_vocab=None) -> None:
+    """``draft=`` names a head (an export or a released MSD head), checked before the target
+    loads; ``draft_vocab`` (``decoding.draft_vocab``) only with a head that takes it."""
     if draft is None or draft is _MISSING or str(draft) == "":
         raise ConfigError("decoding=tree|chain needs a head: draft=PATH (an export folder, e.g. "
                           "runs/tiny/stage2/final, a released MSD head or a Hub repo id)")
@@ -336,9 +337,17 @@ def check_head(draft) -> None:
     if not path.is_dir():
         raise ConfigError(f"draft={draft} is a file; a head is a folder (config.json + model.safetensors)")
     try:
-        detect_layout(path)
+        layout = detect_layout(path)
     except IncompleteHeadError as e:
         raise ConfigError(f"draft={draft} is not a draft head: {e}") from e
+    if draft_vocab is not None:
+        from msd_train.hub.folders import read_config
+
+        config = read_config(path)
+        if layout == "eagle3" or config.get("model_type") == "msd3_draft":
+            raise ConfigError(f"decoding.draft_vocab={draft_vocab}: draft={draft} is an msd3 head, which drafts over "
+                              f"the {config.get('draft_vocab_size')}-token vocabulary it was trained with "
+                              f"(draft.draft_vocab_size at training); decoding.draft_vocab is for msd heads: drop it")
 
 
 def check_out_dir(out: str | Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -710,3 +711,43 @@ def test_a_cut_target_weight_file_is_named_with_the_fix(tmp_path, monkeypatch, c
 
     with pytest.raises(ConfigError, match="model.safetensors: cut short"):
         check_train(OmegaConf.to_container(train_cfg(tmp_path, f"target.name_or_path={cut}"), resolve=True))
+
+
+@pytest.mark.parametrize("edit,phrase", [
+    ({"draft_vocab_size": 100}, "draft_vocab_size=100 is larger than the target's vocab_size=40"),
+    ({"hidden_size": "32"}, "hidden_size='32' is not a positive whole number"),
+    ({"num_attention_heads": 5}, "num_attention_heads=5 does not divide hidden_size=32"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads=3 does not divide num_attention_heads=4"),
+])
+def test_third_party_eagle3_sizes_are_refused_before_the_weights_load(tmp_path, monkeypatch, edit, phrase):
+    """A draft vocabulary larger than the target's, a string hidden_size or heads that do not
+    divide it were tracebacks from deep inside the head's construction."""
+    from msd_train.hub import IncompleteHeadError, eagle3
+
+    folder = tmp_path / "eagle3"
+    eagle3.export_eagle3(msd3_head(), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("msd")
+    config.pop("head_dim", None)
+    config.update(edit)
+    (folder / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(eagle3, "load_file", lambda *a: pytest.fail("the weights loaded"))
+    with pytest.raises(IncompleteHeadError, match=re.escape(f"{folder / 'config.json'}: {phrase}")):
+        eagle3.import_eagle3(folder)
+
+
+def test_draft_vocab_with_an_msd3_head_is_refused_before_the_models_load(tmp_path):
+    """`decoding.draft_vocab` with an msd3 head failed only once both models had loaded."""
+    from msd_train.hub.eagle3 import export_eagle3
+    from msd_train.validate import check_eval
+
+    msd3_head().save_pretrained(tmp_path / "ours")
+    export_eagle3(msd3_head(), tmp_path / "eagle3")
+    for folder in ("ours", "eagle3"):
+        cfg = {"target": {"name_or_path": TINY}, "decoding": {"method": "chain", "draft_vocab": 8},
+               "draft": str(tmp_path / folder)}
+        with pytest.raises(ConfigError, match=r"decoding.draft_vocab=8: draft=.* is an msd3 head.*drop it"):
+            check_eval(cfg, "chain")
+    msd_head().save_pretrained(tmp_path / "msd")
+    check_eval({"target": {"name_or_path": TINY}, "decoding": {"method": "chain", "draft_vocab": 8},
+                "draft": str(tmp_path / "msd")}, "chain")  # an msd head takes it
