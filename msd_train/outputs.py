@@ -17,7 +17,10 @@ directly:
   would delete for them, a few levels deep;
 - two writers of one ``out`` are refused like two training launches into one ``run_dir``:
   :class:`OwnerLock` (``.NAME.lock`` beside it, the owner's pid and host; a lock whose
-  owner is gone is taken over with a warning).
+  owner is gone is taken over with a warning); a writer that finished while this one ran
+  (``out`` made after this process started, :func:`made_since_start`) is not replaced;
+- what killed writers leave (the staging folder, ``.old-NAME-PID``) is removed at the next
+  write of that ``out`` (:func:`clean_litter`).
 
 Light (no torch): the hub scripts and the evaluation import it.
 """
@@ -310,6 +313,20 @@ def made_by(out: Path) -> str | None:
         return None
 
 
+def made_since_start(out: Path) -> dict | None:
+    """The record of ``out`` when another process made it after this one started (a writer
+    that ran beside this one and finished first), else None."""
+    try:
+        record = json.loads(record_path(out).read_text())
+    except (OSError, ValueError):
+        return None
+    started = process_start(os.getpid())
+    made = record.get("made_at") if isinstance(record, dict) else None
+    if not isinstance(made, (int, float)) or started is None or started < 0 or record.get("pid") == os.getpid():
+        return None
+    return record if made >= started else None
+
+
 def _inside(a: Path, b: Path) -> bool:
     """Whether ``a`` is ``b`` or inside it."""
     try:
@@ -388,6 +405,12 @@ def output_dir(out: str | Path, kind: str, overwrite: bool = False, sources: Ite
         owner.acquire()
     tmp = staging_path(out)
     try:
+        rival = made_since_start(out) if owner is not None else None
+        if rival is not None:
+            raise OutputBusy(f"out={out} was written by another command while this one ran: pid {rival.get('pid')} "
+                             f"on {rival.get('host')}, finished {rival.get('made')} ({rival.get('command')}). Two "
+                             f"writers of one folder: this one would replace that one's; nothing was written. Look at "
+                             f"what is there, then run this command again to replace it, or choose another out=")
         try:
             if owner is not None:
                 clean_litter(out)  # a killed writer's (the lock says no live one is writing)
@@ -443,7 +466,7 @@ def _into_place(tmp: Path, out: Path, kind: str) -> None:
         os.replace(out, old)
     os.replace(tmp, out)
     record = {"kind": kind, "command": " ".join(sys.argv), "made": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "pid": os.getpid(), "host": socket.gethostname()}
+              "made_at": time.time(), "pid": os.getpid(), "host": socket.gethostname()}
     try:
         record_path(out).write_text(json.dumps(record) + "\n")
     except OSError as e:  # the folder is whole; without the record a rerun needs overwrite=true

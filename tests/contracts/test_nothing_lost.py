@@ -751,3 +751,24 @@ def test_draft_vocab_with_an_msd3_head_is_refused_before_the_models_load(tmp_pat
     msd_head().save_pretrained(tmp_path / "msd")
     check_eval({"target": {"name_or_path": TINY}, "decoding": {"method": "chain", "draft_vocab": 8},
                 "draft": str(tmp_path / "msd")}, "chain")  # an msd head takes it
+
+
+def test_a_writer_that_finished_first_is_not_replaced_by_a_second(tmp_path, monkeypatch, capsys):
+    """Two exports started together into one folder both reported success; the last one won."""
+    head = tmp_path / "head"
+    msd_head().save_pretrained(head)
+    out = tmp_path / "out"
+    script_main("scripts/export.py", [f"checkpoint={head}", f"out={out}"], monkeypatch)
+    record = json.loads(outputs.record_path(out).read_text())
+    # as another export, launched beside this one, leaves it when it ends first
+    outputs.record_path(out).write_text(json.dumps({**record, "pid": os.getpid() + 1, "made_at": time.time(),
+                                                    "command": "scripts/export.py ... (the other one)"}))
+    before = listing(out)
+    refused_in_process(capsys, lambda: script_main("scripts/export.py", [
+        f"checkpoint={head}", "format=vllm", f"out={out}"], monkeypatch),
+        f"out={out} was written by another command while this one ran", "(the other one)", "run this command again")
+    assert listing(out) == before and not outputs.lock_path(out).exists()
+    # run again (a process started after that one ended): replaced, as the same command's own folder
+    outputs.record_path(out).write_text(json.dumps({**record, "pid": os.getpid() + 1, "made_at": 0.0}))
+    script_main("scripts/export.py", [f"checkpoint={head}", "format=vllm", f"out={out}"], monkeypatch)
+    assert '"format": "vllm"' in capsys.readouterr().out and listing(out) != before
