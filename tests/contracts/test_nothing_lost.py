@@ -408,17 +408,22 @@ def test_train_py_names_missing_and_half_written_targets_and_bad_types_before_lo
     assert not (tmp_path / "run" / "stage1").exists()
 
 
+def an_export(tmp_path, monkeypatch, capsys) -> tuple[Path, Path, dict]:
+    """A head, its export by scripts/export.py (out/), and that folder's listing."""
+    head = tmp_path / "head"
+    msd_head().save_pretrained(head)
+    out = tmp_path / "out"
+    script_main("scripts/export.py", [f"checkpoint={head}", f"out={out}"], monkeypatch)
+    capsys.readouterr()
+    return head, out, listing(out)
+
+
 def test_the_known_failure_classes_are_one_paragraph(tmp_path, monkeypatch, capsys):
     """A full disk, Ctrl-C and a wrong-shaped third-party head, through scripts/export.py."""
     from msd_train.hub import formats
     from msd_train.hub.eagle3 import export_eagle3
 
-    head = tmp_path / "head"
-    msd_head().save_pretrained(head)
-    out = tmp_path / "out"
-    script_main("scripts/export.py", [f"checkpoint={head}", f"out={out}"], monkeypatch)
-    before = listing(out)
-    capsys.readouterr()
+    head, out, before = an_export(tmp_path, monkeypatch, capsys)
     fmt = formats.get("msd")
 
     def failing(err):
@@ -661,12 +666,7 @@ def test_a_full_disk_is_one_message_whatever_the_writer(tmp_path, monkeypatch, c
     from msd_train.features import generate
     from msd_train.hub import formats
 
-    head = tmp_path / "head"
-    msd_head().save_pretrained(head)
-    out = tmp_path / "out"
-    script_main("scripts/export.py", [f"checkpoint={head}", f"out={out}"], monkeypatch)
-    before = listing(out)
-    capsys.readouterr()
+    head, out, before = an_export(tmp_path, monkeypatch, capsys)
     monkeypatch.setattr("safetensors.torch.serialize_file", raising(SafetensorError(SAFETENSORS_FULL)))
     refused_in_process(capsys, lambda: script_main("scripts/export.py", [f"checkpoint={head}", f"out={out}"],
                                                    monkeypatch), "the disk is full", "out= left as it was",
