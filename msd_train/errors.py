@@ -37,8 +37,9 @@ def _chain(err: BaseException) -> Iterator[BaseException]:
         e = e.__cause__ or e.__context__
 
 
-#: how a full disk reads where it is not an OSError: safetensors' writer raises its own
-#: SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, ... })")
+#: how a full disk reads where it is not an OSError(ENOSPC): safetensors' writer raises its own
+#: SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, ... })"),
+#: Arrow (the datasets cache) an OSError with no errno and the system's words in its message
 FULL_DISK_WORDS = ("StorageFull", "QuotaExceeded", "No space left on device", "Disk quota exceeded")
 
 
@@ -49,8 +50,8 @@ def disk_full(err: BaseException, where=None) -> BaseException | None:
     for e in _chain(err):
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return e
-        if not isinstance(e, OSError) and any(w in str(e) for w in FULL_DISK_WORDS):
-            return e
+        if (not isinstance(e, OSError) or e.errno is None) and any(w in str(e) for w in FULL_DISK_WORDS):
+            return e  # safetensors' error; Arrow's OSError carries no errno, only the words
     if where is not None and isinstance(err, (OSError, RuntimeError)):  # a failed write, not Ctrl-C or a bug
         import shutil
 

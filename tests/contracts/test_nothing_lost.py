@@ -527,6 +527,10 @@ def test_overwrite_never_replaces_the_working_folders_ancestors(tmp_path, monkey
     for out in ("..", str(work), "."):
         refused_in_process(capsys, lambda out=out: script_main("scripts/export.py", [
             f"checkpoint={head}", f"out={out}", "overwrite=true"], monkeypatch), "current", "out=./export-out")
+    monkeypatch.setattr("msd_train.targets.load_target", lambda *a, **k: pytest.fail("the target loaded"))
+    for script, args in (("scripts/import_reference.py", [f"src={head}"]), ("eval.py", ["decoding=ar"])):
+        refused_in_process(capsys, lambda script=script, args=args: script_main(script, [
+            *args, f"out={work}", "overwrite=true"], monkeypatch), f"out={work} is a folder holding the current one")
     assert (work / "notes.txt").read_text() == "keep" and (work / "sub").is_dir()
 
 
@@ -680,6 +684,13 @@ def test_a_full_disk_is_one_message_whatever_the_writer(tmp_path, monkeypatch, c
         "the disk is full", f"every finished shard in {store} is kept", "run the same command again")
     refused_in_process(capsys, lambda: script_main("scripts/generate_features.py", [
         f"features.path={store}", "splits=[text_train]"], monkeypatch), "splits: unknown 'text_train'")
+    # Arrow (the datasets cache): an OSError with no errno, the words only
+    from pyarrow.lib import ArrowIOError
+
+    from msd_train.errors import describe
+
+    arrow = describe(ArrowIOError("Failed to write cache-1.arrow: No space left on device"), kept="the cache so far")
+    assert arrow.startswith("the disk is full") and "the cache so far; free space" in arrow
     # torch.save says it in words of its own: a failed write with no room left is a full disk too
     torch_full = RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0")
     monkeypatch.setattr(formats, "FORMATS", {**formats.FORMATS, "msd": formats.HeadFormat(
