@@ -230,8 +230,8 @@ def _is(path: Path, marks) -> str | None:
     return None
 
 
-def _holds(path: str | Path, marks) -> str | None:
-    """What ``marks`` name ``path`` or a folder one level below it, or None."""
+def _holds(path: str | Path, marks, outer: str) -> str | None:
+    """What ``marks`` name ``path`` or a folder one level below it (then ``outer``, holding it), or None."""
     path = Path(path)
     if not path.is_dir():
         return None
@@ -243,7 +243,7 @@ def _holds(path: str | Path, marks) -> str | None:
             if child.is_dir() and not child.is_symlink():
                 what = _is(child, marks)
                 if what:
-                    return f"a folder of your work ({child.name}/ is {what})"
+                    return f"{outer} ({child.name}/ is {what})"
     except OSError:
         return None
     return None
@@ -264,13 +264,12 @@ def holds_run(path: str | Path) -> str | None:
             stage = None
         if stage:
             return f"a run's {path.name}/ export (its parent is {stage}; training takes a complete final/ as the finished stage)"
-    what = _holds(path, RUN_MARKS)
-    return what.replace("a folder of your work", "a run", 1) if what else None
+    return _holds(path, RUN_MARKS, "a run")
 
 
 def holds_data(path: str | Path) -> str | None:
     """Why ``path`` holds a feature store or regenerated conversations (at it or one level below), or None."""
-    return _holds(path, DATA_MARKS)
+    return _holds(path, DATA_MARKS, "a folder of your work")
 
 
 #: a folder replaced with overwrite=true is searched this deep for a run or data before anything moves
