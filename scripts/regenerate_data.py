@@ -31,9 +31,11 @@ def main(cfg: DictConfig) -> None:
     from msd_train import runtime
     from msd_train.data.engines import EngineError, HFEngine, Sampling
     from msd_train.data.regenerate import RegenerateError, regenerate
+    from msd_train.outputs import check_output, regeneration_folder
+    from msd_train.paths import user_path
     from msd_train.serving.regenerate import VLLMEngine, vllm_version
     from msd_train.targets import load_target
-    from msd_train.validate import ConfigError, _number, user_errors
+    from msd_train.validate import ConfigError, _number, check_target, user_errors
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     settings = OmegaConf.to_container(cfg, resolve=True)
@@ -55,6 +57,12 @@ def main(cfg: DictConfig) -> None:
         _number(cfg, "dist.timeout_minutes", float, lo=0, lo_open=True)
         if not settings.get("inputs"):
             raise ConfigError("inputs is empty; give inputs='[{path: FILE}]' (ShareGPT, LLaVA-Instruct or messages JSONL)")
+        # the guard every writer takes: a file, the current folder, a run, a feature store, a folder of
+        # the user's, or one holding the inputs is refused; a regeneration folder is resumed
+        check_target(settings["target"])  # a missing, half-written or cut target: before it loads
+        check_output(user_path(settings["out"]), "scripts/regenerate_data.py",
+                     sources=[user_path(i["path"]) for i in settings["inputs"] if i.get("path")],
+                     recognise=regeneration_folder)
         group = runtime.setup_group(runtime.local_device(cfg.target.device), timeout_minutes=cfg.dist.timeout_minutes)
         try:
             tc = cfg.target

@@ -9,12 +9,21 @@
 # Needs: python scripts/make_smollm2_llava.py, python scripts/sharegpt_prefix.py,
 # bash scripts/vllm_env.sh (-> .venv-vllm). About 45 minutes; every part is skipped when its
 # output exists, so a relaunch goes on where it stopped.
-set -euo pipefail
+set -Eeuo pipefail  # -E: the ERR trap below also fires inside the functions
 cd "$(dirname "$0")/../.."
 W=${1:-/tmp/data-path}
 OUT=${2:-benchmarks/train/data_path}
 VPY=${VLLM_PYTHON:-.venv-vllm/bin/python}
+# what it needs, checked before any work; a failed step says which, with the end of its log
+fail() { echo "error: $*" >&2; exit 1; }
+[ -f data/smollm2-llava/config.json ] ||
+  fail "no target in data/smollm2-llava: build it first with python scripts/make_smollm2_llava.py (data/README.md)"
+[ -f data/sharegpt-v3-prefix.jsonl ] ||
+  fail "no data/sharegpt-v3-prefix.jsonl: write it first with python scripts/sharegpt_prefix.py"
+[ -x "$VPY" ] || fail "no vLLM environment at $VPY: build it first with bash scripts/vllm_env.sh (or set VLLM_PYTHON)"
 mkdir -p "$W" "$OUT"
+trap 'rc=$?; log=$(ls -t "$W"/*.log 2>/dev/null | head -1); echo "error: a step failed (exit $rc): $BASH_COMMAND" >&2
+      [ -z "$log" ] || { echo "the end of $log:" >&2; tail -n 15 "$log" >&2; }' ERR
 export OMP_NUM_THREADS=2 VLLM_CPU_KVCACHE_SPACE=${KV_GB:-4}
 SRC="[{path: data/sharegpt-v3-prefix.jsonl}]"
 REGEN=(target=smollm2_llava max_turns=1 max_new_tokens=128 max_prompt_tokens=384 progress=false "inputs=$SRC")

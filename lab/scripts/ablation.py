@@ -45,6 +45,8 @@ import threading
 import time
 from pathlib import Path
 
+from lab.cli import at_least
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -147,10 +149,10 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "ablation"))
     ap.add_argument("--heads", nargs="+", default=["msd"], choices=["msd", "msd3"], help="head architectures")
     ap.add_argument("--decoders", nargs="+", default=["tree"], choices=["tree", "chain"])
-    ap.add_argument("--steps1", type=int, default=None, help="stage-1 steps (default: the config's)")
-    ap.add_argument("--steps2", type=int, default=None, help="stage-2 steps (default: the config's)")
-    ap.add_argument("--jobs", type=int, default=1, help="independent runs at once")
-    ap.add_argument("--seeds", nargs="+", type=int, default=[0], help="train every head with each seed")
+    ap.add_argument("--steps1", type=at_least(1), default=None, help="stage-1 steps (default: the config's)")
+    ap.add_argument("--steps2", type=at_least(1), default=None, help="stage-2 steps (default: the config's)")
+    ap.add_argument("--jobs", type=at_least(1), default=1, help="independent runs at once")
+    ap.add_argument("--seeds", nargs="+", type=at_least(0), default=[0], help="train every head with each seed")
     ap.add_argument("--train", nargs="*", default=[], help="extra train.py overrides, every stage")
     ap.add_argument("--eval", nargs="*", default=[], help="extra eval.py overrides (e.g. bench.max_per_category=4)")
     ap.add_argument("--reuse", default=None,

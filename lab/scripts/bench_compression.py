@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from lab.cli import at_least, counts
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -125,15 +127,15 @@ def alternating_draft_ms(target, heads: dict, items, config, rounds: int) -> dic
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", choices=("tiny", "qwen"), default="tiny")
-    ap.add_argument("--qwen-pixels", type=int, default=96, help="--target qwen: image side after resizing")
-    ap.add_argument("--ks", default="all,64,32,16", help="visual slots per image to keep (all: no compression)")
+    ap.add_argument("--qwen-pixels", type=at_least(1), default=96, help="--target qwen: image side after resizing")
+    ap.add_argument("--ks", type=counts(words=("all",)), default="all,64,32,16", help="visual slots per image to keep (all: no compression)")
     ap.add_argument("--method", choices=("kmeans", "pool"), default="kmeans")
-    ap.add_argument("--steps1", type=int, default=None, help="stage-1 steps (default: the stage's own)")
-    ap.add_argument("--steps2", type=int, default=None, help="stage-2 steps (default: the stage's own)")
-    ap.add_argument("--prompts", type=int, default=4, help="first turns per image category of the benchmark")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=15, help="turns of each head in the alternating draft timing")
+    ap.add_argument("--steps1", type=at_least(1), default=None, help="stage-1 steps (default: the stage's own)")
+    ap.add_argument("--steps2", type=at_least(1), default=None, help="stage-2 steps (default: the stage's own)")
+    ap.add_argument("--prompts", type=at_least(1), default=4, help="first turns per image category of the benchmark")
+    ap.add_argument("--max-new-tokens", type=at_least(1), default=64)
+    ap.add_argument("--warmup", type=at_least(0), default=2)
+    ap.add_argument("--rounds", type=at_least(1), default=15, help="turns of each head in the alternating draft timing")
     ap.add_argument("--run-dir", default=None, help="default runs/compression/<target>")
     ap.add_argument("--out", default=None, help="default benchmarks/compression/<target>.json")
     ap.add_argument("--train", nargs="*", default=[], help="extra train.py overrides (every stage)")
@@ -167,7 +169,7 @@ def main(argv=None) -> dict:
     if not (stage1 / "config.json").is_file():
         wall["stage1"] = run([py, "train.py", "stage=1", f"run_dir={run_dir / 'base'}", *common,
                               *([f"train.max_steps={args.steps1}"] if args.steps1 else [])], run_dir / "stage1.log")
-    ks = [k if k == "all" else int(k) for k in args.ks.split(",")]
+    ks = args.ks
     heads = {}
     for k in ks:
         name = "all" if k == "all" or k >= n_visual else f"k{k}"

@@ -36,6 +36,7 @@ import torch
 import transformers
 from omegaconf import OmegaConf
 
+from lab.cli import at_least
 from msd_train.config import CONF_DIR
 from msd_train.decoding import DecodeConfig
 from msd_train.evaluation import evaluate, load_bench, summarize
@@ -107,18 +108,18 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="tiny", help="conf/target name, model folder or Hub id")
     ap.add_argument("--random-shape", action="store_true", help="a random model of the target's published shape")
-    ap.add_argument("--num-layers", type=int, default=None, help="random shapes: language-model layers")
+    ap.add_argument("--num-layers", type=at_least(1), default=None, help="random shapes: language-model layers")
     ap.add_argument("--draft", default=None, help="head folder / Hub id; 'random' for a random head")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--threads", type=int, default=None,
+    ap.add_argument("--threads", type=at_least(1), default=None,
                     help="CPU threads (default 1 on CPU: small matmuls gain nothing from more, and shared "
                          "machines make multi-threaded timings erratic)")
     ap.add_argument("--tree", action="append", default=None, help="depth,top_k,total_tokens (repeatable)")
     ap.add_argument("--chain", action="append", default=None, help="k (repeatable)")
-    ap.add_argument("--prompts", type=int, default=3, help="first turns per category of the tiny benchmark")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--prompts", type=at_least(1), default=3, help="first turns per category of the tiny benchmark")
+    ap.add_argument("--max-new-tokens", type=at_least(1), default=64)
+    ap.add_argument("--warmup", type=at_least(0), default=2)
     ap.add_argument("--note", default=None, help="free text stored in the JSON (e.g. what the machine was doing)")
     ap.add_argument("--out", default=None, help="JSON file (default benchmarks/decode/<target>-<device>.json); "
                                                 "a Markdown table goes next to it")

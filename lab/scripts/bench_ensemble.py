@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from lab.cli import at_least
 from msd_train.config import CONF_DIR
 from msd_train.decoding import DecodeConfig
 from msd_train.evaluation import load_bench
@@ -45,14 +46,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", default=str(ROOT / "runs/tiny/stage2/final"))
     ap.add_argument("--method", choices=["chain", "tree"], default="chain")
-    ap.add_argument("--k", type=int, default=5, help="chain: draft tokens per cycle")
+    ap.add_argument("--k", type=at_least(1), default=5, help="chain: draft tokens per cycle")
     ap.add_argument("--tree", default="5,10,60", help="tree: depth,top_k,total_tokens (conf/decoding/tree.yaml's)")
     ap.add_argument("--variants", default="M,T,P")
-    ap.add_argument("--max-per-category", type=int, default=None, help="default: conf/bench/tiny.yaml's")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--tabed-window", type=int, default=32)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--max-per-category", type=at_least(1), default=None, help="default: conf/bench/tiny.yaml's")
+    ap.add_argument("--max-new-tokens", type=at_least(1), default=64)
+    ap.add_argument("--tabed-window", type=at_least(1), default=32)
+    ap.add_argument("--warmup", type=at_least(0), default=1)
+    ap.add_argument("--threads", type=at_least(1), default=None)
     ap.add_argument("--name", default="tiny")
     ap.add_argument("--per-turn", action="store_true",
                     help="also write each configuration's accepted-token sequence per turn (cycle by cycle)")

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from lab.cli import at_least
 from msd_train.config import CONF_DIR, REPO_ROOT
 
 
@@ -168,7 +169,7 @@ def time_loader(train_cfg, target, micro: int, steps: int) -> dict:
 def time_trainer(overrides: list[str], extra: list[str], steps: int, head: Path) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "t.json"
-        cmd = [sys.executable, str(REPO_ROOT / "lab" / "lab" / "scripts" / "bench_train.py"), "--steps", str(steps), "--out", str(out),
+        cmd = [sys.executable, str(REPO_ROOT / "lab" / "scripts" / "bench_train.py"), "--steps", str(steps), "--out", str(out),
                "stage=2", f"stage.init_from={head}", "stage.curriculum.start=0.5", "stage.curriculum.end=0.5",
                *overrides, *extra]
         res = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "disabled"})
@@ -224,8 +225,8 @@ def markdown(r: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=20, help="trainer steps and loader batches timed")
-    ap.add_argument("--micro-batch", type=int, default=None, help="default: train.micro_batch_size")
+    ap.add_argument("--steps", type=at_least(1), default=20, help="trainer steps and loader batches timed")
+    ap.add_argument("--micro-batch", type=at_least(1), default=None, help="default: train.micro_batch_size")
     ap.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "features"))
     ap.add_argument("--name", default="tiny_cpu")
     ap.add_argument("--no-online", action="store_true", help="skip the online trainer reference")

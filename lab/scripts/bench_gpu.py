@@ -44,6 +44,7 @@ from types import SimpleNamespace
 import torch
 import transformers
 
+from lab.cli import at_least
 from msd_train.targets import target_shapes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,6 +123,41 @@ def build_target(name: str, device: torch.device, dtype: torch.dtype):
     proc = SimpleNamespace(tokenizer=tok, image_token="<image>" if family == "llava" else "<|image_pad|>",
                            image_processor=None)
     return wrap_target(model, proc, f"random-{name}")
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory free for the model on ``device``: the GPU's, or the machine's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        import psutil
+
+        return psutil.virtual_memory().available
+    except ImportError:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_room(args, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse, before anything is built, a full-size shape without a GPU (``--device auto`` found
+    none) and any shape whose weights do not fit in the memory free on ``device``."""
+    from msd_train.errors import ConfigError
+
+    dry = "for the CPU dry run: --config small --device cpu --repeats 3"
+    if device.type != "cuda" and args.device == "auto" and not args.config.startswith("small"):
+        raise ConfigError(f"no CUDA device is visible here, and --config {args.config} is a GPU measurement "
+                          f"(its weights alone are {model_bytes(args.config, dtype) / 1e9:.0f} GB in "
+                          f"{str(dtype).replace('torch.', '')}); run it on a GPU, or {dry}")
+    need, free = model_bytes(args.config, dtype), free_bytes(device)
+    if need * 1.2 > free:
+        raise ConfigError(f"--config {args.config} in {str(dtype).replace('torch.', '')} needs about "
+                          f"{need * 1.2 / 1e9:.1f} GB on {device} (weights and activations), and {free / 1e9:.1f} GB "
+                          f"is free there; use a larger device, --dtype bf16, or {dry}")
+
+
+def model_bytes(name: str, dtype: torch.dtype) -> int:
+    """What the target of ``CONFIGS[name]`` weighs in ``dtype`` (built on the meta device: no memory)."""
+    target = build_target(name, torch.device("meta"), dtype)
+    return sum(p.numel() for p in target.model.parameters()) * torch.finfo(dtype).bits // 8
 
 
 def build_draft(target, device, dtype):
@@ -585,12 +621,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--config", choices=sorted(CONFIGS), default="llava15_7b")
     ap.add_argument("--device", default="auto", help="cuda, cuda:N, cpu (auto: cuda when available)")
     ap.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32")
-    ap.add_argument("--repeats", type=int, default=20, help="timed repeats per measurement (medians)")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed warm-up runs per measurement")
+    ap.add_argument("--repeats", type=at_least(1), default=20, help="timed repeats per measurement (medians)")
+    ap.add_argument("--warmup", type=at_least(0), default=3, help="untimed warm-up runs per measurement")
     ap.add_argument("--new-tokens", type=int, default=64, help="plain decoding: new tokens per run")
     ap.add_argument("--hf-caches", default="dynamic,static",
                     help="generate() caches to time: dynamic, static or both (static may compile the model first)")
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default 1 on CPU)")
+    ap.add_argument("--threads", type=at_least(1), default=None, help="CPU threads (default 1 on CPU)")
     ap.add_argument("--note", default=None)
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/gpu/<config>-<device>.json); "
                                                 "the Markdown goes next to it")
@@ -609,6 +645,7 @@ def main(argv=None) -> dict:
     if args.threads or device.type == "cpu":  # CPU: one thread, as bench_decode (steadier on shared machines)
         torch.set_num_threads(args.threads or 1)
     dtype = resolve_dtype(args.dtype, device)
+    check_room(args, device, dtype)
     t0 = time.time()
     target = build_target(args.config, device, dtype)
     draft = build_draft(target, device, dtype)
@@ -675,4 +712,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from msd_train.errors import run_main
+
+    run_main(main)  # a refused argument or device (no GPU, too little memory): one line, exit 1

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from lab.cli import at_least
 from msd_train.evaluation.run import describe_device
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,8 +45,8 @@ def _median_ms(fns: dict, repeats: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", default=str(ROOT / "runs/tiny/stage2/final"))
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=300)
+    ap.add_argument("--threads", type=at_least(1), default=1)
+    ap.add_argument("--repeats", type=at_least(1), default=300)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not Path(args.draft).is_dir():

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from lab.cli import at_least
+
 
 def peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
@@ -55,12 +57,12 @@ def one(args) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[512, 2048], help="loss positions per micro-batch")
-    ap.add_argument("--vocab", type=int, default=152064, help="Qwen2-VL / Qwen2.5-VL")
-    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--tokens", type=at_least(1), nargs="+", default=[512, 2048], help="loss positions per micro-batch")
+    ap.add_argument("--vocab", type=at_least(1), default=152064, help="Qwen2-VL / Qwen2.5-VL")
+    ap.add_argument("--hidden", type=at_least(1), default=1024)
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    ap.add_argument("--chunk", type=int, default=None, help="msd_loss's chunk (default: the library's)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--chunk", type=at_least(1), default=None, help="msd_loss's chunk (default: the library's)")
+    ap.add_argument("--threads", type=at_least(1), default=2)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

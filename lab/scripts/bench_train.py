@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from lab.cli import at_least, counts
 from msd_train.config import CONF_DIR, REPO_ROOT, strip_launcher_args
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -323,14 +324,14 @@ def markdown(r: dict) -> str:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=None, help="target.name_or_path (a folder from make_large_target.py)")
-    ap.add_argument("--micro-batches", default=None, help="e.g. 1,2,4 (default: the config's)")
-    ap.add_argument("--seq-len", type=int, default=None, help="synthetic one-image samples of this many tokens")
-    ap.add_argument("--samples", type=int, default=32, help="synthetic samples (the curriculum cycles over them)")
-    ap.add_argument("--vision-tokens", type=int, default=577, help="vision tower tokens per image (FLOPs)")
+    ap.add_argument("--micro-batches", type=counts(), default=None, help="e.g. 1,2,4 (default: the config's)")
+    ap.add_argument("--seq-len", type=at_least(1), default=None, help="synthetic one-image samples of this many tokens")
+    ap.add_argument("--samples", type=at_least(1), default=32, help="synthetic samples (the curriculum cycles over them)")
+    ap.add_argument("--vision-tokens", type=at_least(1), default=577, help="vision tower tokens per image (FLOPs)")
     ap.add_argument("--gradient-checkpointing", action="store_true")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--split-steps", type=int, default=5)
+    ap.add_argument("--steps", type=at_least(1), default=20)
+    ap.add_argument("--warmup", type=at_least(0), default=3)
+    ap.add_argument("--split-steps", type=at_least(1), default=5)
     ap.add_argument("--profile", action="store_true", help="also write a torch.profiler table per size")
     ap.add_argument("--note", default=None)
     ap.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "train" / "tiny_cpu.json"))
@@ -346,7 +347,7 @@ def main(argv=None) -> dict:
         print("BENCH_ROW " + json.dumps(run_one(args, overrides)), flush=True)
         return {}
 
-    sizes = [int(x) for x in args.micro_batches.split(",")] if args.micro_batches else [None]
+    sizes = args.micro_batches or [None]
     rows = []
     for mb in sizes:
         child = [sys.executable, str(Path(__file__).resolve()), "--one", "--steps", str(args.steps),

@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from lab.cli import at_least
 from lab.targets.tiny_qwen import save_tiny_qwen2vl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,11 +94,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run-dir", default=str(ROOT / "runs" / "qwen_positions"))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "qwen_positions"))
-    ap.add_argument("--steps1", type=int, default=150, help="stage-1 optimizer steps")
-    ap.add_argument("--steps2", type=int, default=150, help="stage-2 optimizer steps")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="training seeds (head init, data order)")
-    ap.add_argument("--target-seed", type=int, default=0, help="seeds the target's random vision tower")
-    ap.add_argument("--max-per-category", type=int, default=8, help="bench items per category for eval.py")
+    ap.add_argument("--steps1", type=at_least(1), default=150, help="stage-1 optimizer steps")
+    ap.add_argument("--steps2", type=at_least(1), default=150, help="stage-2 optimizer steps")
+    ap.add_argument("--seeds", type=at_least(0), nargs="+", default=[0], help="training seeds (head init, data order)")
+    ap.add_argument("--target-seed", type=at_least(0), default=0, help="seeds the target's random vision tower")
+    ap.add_argument("--max-per-category", type=at_least(1), default=8, help="bench items per category for eval.py")
     ap.add_argument("--reuse", action="store_true",
                     help="keep stages and evals already finished under --run-dir (same arguments; runs are "
                          "deterministic) instead of running them again")

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from lab.cli import at_least
 from msd_train.targets import chat, target_shapes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -149,10 +150,10 @@ def main(argv=None) -> Path:
     ap.add_argument("out")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llava15_7b")
     ap.add_argument("--scale", default="full", help="full (the published shape) or small (CPU checks)")
-    ap.add_argument("--layers", type=int, default=None, help="depth of both towers (default: the shape's)")
+    ap.add_argument("--layers", type=at_least(1), default=None, help="depth of both towers (default: the shape's)")
     ap.add_argument("--device", default="auto", help="where the weights are generated (auto: cuda if present)")
     ap.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=at_least(0), default=0)
     args = ap.parse_args(argv)
 
     from lab.targets.random import random_model

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from lab.cli import at_least
 from lab.tiny.data import N_IMAGE, N_TEXT, make_data, write_captions
 from lab.tiny.model import TrainSettings, train
 from lab.tiny.quality import evaluate
@@ -39,22 +40,22 @@ def main(argv=None) -> None:
     p.add_argument("--captions-only", action="store_true",
                    help="only (re)write the held-out image captions from images/meta.json")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation after training")
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--steps", type=at_least(1), default=d.steps)
+    p.add_argument("--batch-size", type=at_least(1), default=d.batch_size)
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate of the LM")
     p.add_argument("--vision-lr-mult", type=float, default=d.vision_lr_mult,
                    help="vision tower and projector learning rate, relative to --lr")
-    p.add_argument("--vision-steps", type=int, default=d.vision_steps,
+    p.add_argument("--vision-steps", type=at_least(1), default=d.vision_steps,
                    help="vision tower pretraining steps before the LLaVA training")
-    p.add_argument("--vocab-size", type=int, default=d.vocab_size)
-    p.add_argument("--n-text", type=int, default=N_TEXT, help="training text conversations")
-    p.add_argument("--n-image", type=int, default=N_IMAGE, help="training image conversations")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--vocab-size", type=at_least(1), default=d.vocab_size)
+    p.add_argument("--n-text", type=at_least(1), default=N_TEXT, help="training text conversations")
+    p.add_argument("--n-image", type=at_least(1), default=N_IMAGE, help="training image conversations")
+    p.add_argument("--seed", type=at_least(0), default=d.seed)
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=d.bf16,
                    help="bf16 autocast for the LLaVA training forward (fp32 weights and "
                         "optimizer state): quality alike, little faster here, slow on CPUs "
                         "without BF16 instructions; the committed weights are fp32-trained")
-    p.add_argument("--threads", type=int, default=d.threads,
+    p.add_argument("--threads", type=at_least(1), default=d.threads,
                    help="torch threads; 1 is faster than 2 on a shared 2-core machine and "
                         "the committed weights were made with 1")
     args = p.parse_args(argv)

@@ -114,13 +114,13 @@ def read_done(out: Path) -> dict[str, dict]:
     """Records of every complete line of every rank file, by conversation key."""
     done: dict[str, dict] = {}
     for f in sorted(out.glob("rank-*.jsonl")):
-        with open(f, encoding="utf-8") as fh:
+        with open(f, "rb") as fh:  # bytes: a damaged line is named, whatever it holds
             for lineno, line in enumerate(fh, 1):
-                if not line.endswith("\n"):
+                if not line.endswith(b"\n"):
                     break  # cut short by a kill: not done
                 try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
+                    rec = json.loads(line.decode("utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError):
                     raise RegenerateError(
                         f"{f}, line {lineno}: not a JSON record (damaged by hand or by a disk error); delete that "
                         "line (its conversation is answered again on the next launch) and relaunch") from None

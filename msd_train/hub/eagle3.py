@@ -168,6 +168,31 @@ def _field(config: dict, key: str, path: Path):
     return config[key]
 
 
+def _check_sizes(config: dict, path: Path) -> None:
+    """Refuse sizes that make no draft layer for the target, before any weight is read: a
+    size that is not a positive whole number, heads that do not divide the width (or the
+    key/value heads the heads), a draft vocabulary larger than the target's."""
+    sizes = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+             "vocab_size", "draft_vocab_size")
+    for key in sizes:
+        v = config.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise IncompleteHeadError(f"{path}: {key}={v!r} is not a positive whole number; fix config.json "
+                                      f"(the folder's own sizes), or get the folder again")
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    if config.get("head_dim") is None and hidden % heads:
+        raise IncompleteHeadError(f"{path}: num_attention_heads={heads} does not divide hidden_size={hidden}; the "
+                                  f"sizes come from different heads or were edited: fix config.json or get it again")
+    if heads % kv:
+        raise IncompleteHeadError(f"{path}: num_key_value_heads={kv} does not divide num_attention_heads={heads}; "
+                                  f"fix config.json or get it again")
+    if config["draft_vocab_size"] > config["vocab_size"]:
+        raise IncompleteHeadError(f"{path}: draft_vocab_size={config['draft_vocab_size']} is larger than the target's "
+                                  f"vocab_size={config['vocab_size']}; a draft vocabulary is a part of the target's: "
+                                  f"fix config.json or get the folder again")
+
+
 def import_eagle3(folder: str | Path, target_num_layers: int | None = None) -> MSD3DraftModel:
     """An msd3 head from an EAGLE-3-layout folder, its tensors bit for bit.
 
@@ -188,6 +213,7 @@ def import_eagle3(folder: str | Path, target_num_layers: int | None = None) -> M
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "rms_norm_eps", "vocab_size",
                 "draft_vocab_size"):
         _field(config, key, path)
+    _check_sizes(config, path)
     try:
         state = load_file(str(folder / "model.safetensors"))
     except Exception as e:  # cut short, not safetensors

@@ -40,6 +40,8 @@ def export_msd(checkpoint, out: str | Path, target: TargetInfo | None = None, dt
             counts = load_counts(folder)
         else:
             model = _load_other(layout, folder, checkpoint)
+    if target is not None:
+        target.refuse_misfit(model.config, "the head" if isinstance(checkpoint, DraftHead) else checkpoint)
     if dtype:
         model = cast_head(model, dtype=resolve_dtype(dtype, "cpu"))
 

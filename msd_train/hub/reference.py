@@ -482,6 +482,8 @@ def export_reference(
         record_path = folder / IMPORT_RECORD
         record = json.loads(record_path.read_text()) if record_path.is_file() else None
     FORMAT.check_holds(model, folder)
+    if target is not None:
+        target.refuse_misfit(model.config, folder)
     warnings = _check_released_layout(folder, model.config)
     embed, embed_source = _reference_embedding(folder, record, target, embed_from, vocab_size)
     embed = embed.to(model.dtype)

@@ -50,6 +50,29 @@ class TargetInfo:
         """[vocab, H], the target's input embedding table."""
         return self.read_embedding()
 
+    def refuse_misfit(self, config, where) -> None:
+        """Refuse a head (its config) that drafts for another target: its hidden size, the
+        vocabulary it was trained over and its family against this target's, before anything
+        is written (a folder that mixes them cannot be imported back, nor served)."""
+        from msd_train.targets import head_family
+
+        diffs = []
+        if config.hidden_size != self.hidden_size:
+            diffs.append(f"hidden size {config.hidden_size}, the target's {self.hidden_size}")
+        if config.target_vocab_size not in (None, self.vocab_size):
+            diffs.append(f"vocabulary {config.target_vocab_size}, the target's {self.vocab_size}")
+        family, theirs = head_family(config), FAMILIES.get(self.model_type)
+        # heads saved before they recorded their family are known by their layer family only
+        recorded = config.target_model_type in FAMILIES
+        if theirs is not None and (family is not theirs if recorded
+                                   else family.draft_layer_family != theirs.draft_layer_family):
+            diffs.append(f"family {family.display_name}, the target's {theirs.display_name}")
+        if diffs:
+            trained = f" ({config.target_name_or_path})" if config.target_name_or_path else ""
+            raise ValueError(f"{where} drafts for another target than {self.name}: " + "; ".join(diffs)
+                             + f". Give target= the target it was trained for{trained}, or export the head "
+                               f"trained for {self.name}; nothing was written")
+
     @classmethod
     def of(cls, target) -> TargetInfo:
         """A loaded `msd_train.targets.Target` (any object with `config` and `embed_tokens`)."""

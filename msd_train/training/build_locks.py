@@ -13,9 +13,11 @@ The file names no owner, so staleness is decided from what can be observed:
 - nothing on this host has it open and nothing in the build folder changed for
   ``STALE_AFTER`` seconds: its builder is gone; remove it (a compiler writes objects and
   ninja's log as it goes, and no build of these ops takes that long);
-- nothing on this host has it open but the folder changed recently: maybe another machine
-  that shares the cache is building; wait for that (saying which file it is) until it goes
-  away or turns stale.
+- nothing on this host has it open and the cache is on a local disk (no other machine can
+  reach it): its builder is gone; remove it at once;
+- nothing on this host has it open, the cache is on a network file system (or where it lies
+  cannot be told) and the folder changed recently: maybe another machine that shares the
+  cache is building; wait for that (saying which file it is) until it goes away or turns stale.
 """
 
 from __future__ import annotations
@@ -54,6 +56,27 @@ def _held_here(lock: Path) -> bool | None:
     return False
 
 
+#: file systems other machines may mount too: a build lock there may be another host's
+SHARED_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs", "fuse.sshfs",
+             "fuse.glusterfs", "fuse.ceph", "fuse.gcsfuse", "fuse.s3fs", "fuse.juicefs", "9p", "afs", "orangefs"}
+
+
+def on_shared_disk(path: Path) -> bool:
+    """Whether ``path`` lies on a file system other machines may share (True when it cannot be told)."""
+    try:
+        mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return True
+    real, best, fstype = os.path.realpath(path), "", None
+    for m in mounts:
+        if len(m) < 3:
+            continue
+        point = m[1].replace("\\040", " ")
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+            best, fstype = point, m[2]
+    return fstype is None or fstype in SHARED_FS
+
+
 def _last_activity(lock: Path) -> float:
     """The newest modification time in the lock's build folder (the lock's own included)."""
     times = [lock.stat().st_mtime]
@@ -81,14 +104,16 @@ def clear_stale_build_locks(root: Path | None = None, poll: float = 1.0) -> list
                 break  # the build it guarded finished
             if _held_here(lock) is not False:
                 break  # a live build on this host (torch waits for it), or no way to tell
-            if idle >= STALE_AFTER:
+            local = not on_shared_disk(lock)
+            if idle >= STALE_AFTER or local:
                 try:
                     lock.unlink()
                 except FileNotFoundError:
                     break
-                log.warning("removed the stale build lock %s: no process holds it and nothing was built in %s for "
-                            "%.0f s (a launch was killed while DeepSpeed compiled an op; it is built again now)",
-                            lock, lock.parent, idle)
+                why = ("the cache is on a local disk, which no other machine builds in" if local else
+                       f"nothing was built in {lock.parent} for {idle:.0f} s")
+                log.warning("removed the stale build lock %s: no process holds it and %s (a launch was killed while "
+                            "DeepSpeed compiled an op; it is built again now)", lock, why)
                 removed.append(lock)
                 break
             if lock not in told:

@@ -251,9 +251,31 @@ def test_a_build_lock_held_by_a_live_build_is_left_alone(tmp_path, monkeypatch):
         builder.wait()
 
 
+def test_a_fresh_unheld_build_lock_on_a_local_disk_is_removed_at_once(tmp_path, monkeypatch, caplog):
+    """A launch killed while DeepSpeed compiled made every later launch wait 300 s, on a disk
+    no other machine could be building on."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(build_locks, "on_shared_disk", lambda path: False)
+    lock = _build_lock(tmp_path, age=0)
+    t0 = time.perf_counter()
+    with caplog.at_level("WARNING"):
+        assert build_locks.clear_stale_build_locks(poll=0.1) == [lock]
+    assert time.perf_counter() - t0 < 2 and not lock.exists()
+    assert f"removed the stale build lock {lock}" in caplog.text and "on a local disk" in caplog.text
+    assert "waiting for" not in caplog.text
+
+
+def test_where_a_build_cache_lies_is_read_from_the_mounts(tmp_path, monkeypatch):
+    mounts = "overlay / overlay rw 0 0\nserver:/home /home nfs4 rw 0 0\n"
+    monkeypatch.setattr(build_locks.Path, "read_text", lambda self, *a, **k: mounts)
+    assert build_locks.on_shared_disk(Path("/home/me/.cache/torch_extensions/py311_cpu/op/lock"))
+    assert not build_locks.on_shared_disk(Path("/tmp/torch_extensions/op/lock"))
+
+
 def test_a_fresh_unheld_build_lock_is_waited_for_with_its_name_then_taken_as_stale(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(build_locks, "STALE_AFTER", 1.0)
+    monkeypatch.setattr(build_locks, "on_shared_disk", lambda path: True)  # another machine may build there
     lock = _build_lock(tmp_path, age=0)  # another machine sharing the cache may be building
     t0 = time.perf_counter()
     with caplog.at_level("WARNING"):

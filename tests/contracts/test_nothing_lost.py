@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -407,17 +408,22 @@ def test_train_py_names_missing_and_half_written_targets_and_bad_types_before_lo
     assert not (tmp_path / "run" / "stage1").exists()
 
 
+def an_export(tmp_path, monkeypatch, capsys) -> tuple[Path, Path, dict]:
+    """A head, its export by scripts/export.py (out/), and that folder's listing."""
+    head = tmp_path / "head"
+    msd_head().save_pretrained(head)
+    out = tmp_path / "out"
+    script_main("scripts/export.py", [f"checkpoint={head}", f"out={out}"], monkeypatch)
+    capsys.readouterr()
+    return head, out, listing(out)
+
+
 def test_the_known_failure_classes_are_one_paragraph(tmp_path, monkeypatch, capsys):
     """A full disk, Ctrl-C and a wrong-shaped third-party head, through scripts/export.py."""
     from msd_train.hub import formats
     from msd_train.hub.eagle3 import export_eagle3
 
-    head = tmp_path / "head"
-    msd_head().save_pretrained(head)
-    out = tmp_path / "out"
-    script_main("scripts/export.py", [f"checkpoint={head}", f"out={out}"], monkeypatch)
-    before = listing(out)
-    capsys.readouterr()
+    head, out, before = an_export(tmp_path, monkeypatch, capsys)
     fmt = formats.get("msd")
 
     def failing(err):
@@ -489,3 +495,291 @@ def test_entry_points_as_users_run_them(tmp_path):
                "MASTER_PORT": str(port)}
         refused(run("train.py", f"run_dir={tmp_path / 'run'}", "logging.wandb.mode=disabled", env=env),
                 f"the port {port} is already in use", "--master_port")
+
+
+# ----------------------------------------------------------------------------- issue 39: every writer guarded
+
+
+def a_feature_store(folder: Path) -> Path:
+    """What scripts/generate_features.py leaves: its manifest (FORMAT), a shard, its progress."""
+    (folder / "progress").mkdir(parents=True)
+    (folder / "manifest.json").write_text(json.dumps({"format": "msd-train-features", "version": 1, "complete": True}))
+    (folder / "text_train-00000.safetensors").write_bytes(b"x" * 64)
+    return folder
+
+
+def a_regeneration(folder: Path) -> Path:
+    """What scripts/regenerate_data.py leaves: its settings, a rank's records, the merge."""
+    folder.mkdir(parents=True)
+    (folder / "settings.json").write_text(json.dumps({"target": "tiny", "max_new_tokens": 8}))
+    (folder / "rank-0.jsonl").write_text('{"id": "a"}\n')
+    return folder
+
+
+def test_overwrite_never_replaces_the_working_folders_ancestors(tmp_path, monkeypatch, capsys):
+    """`overwrite=true out=..` moved the working folder aside and deleted it, exit 0."""
+    head = tmp_path / "head"
+    msd_head().save_pretrained(head)
+    work = tmp_path / "work"
+    (work / "sub").mkdir(parents=True)
+    (work / "notes.txt").write_text("keep")
+    monkeypatch.chdir(work / "sub")
+    for out in ("..", str(work), "."):
+        refused_in_process(capsys, lambda out=out: script_main("scripts/export.py", [
+            f"checkpoint={head}", f"out={out}", "overwrite=true"], monkeypatch), "current", "out=./export-out")
+    monkeypatch.setattr("msd_train.targets.load_target", lambda *a, **k: pytest.fail("the target loaded"))
+    for script, args in (("scripts/import_reference.py", [f"src={head}"]), ("eval.py", ["decoding=ar"])):
+        refused_in_process(capsys, lambda script=script, args=args: script_main(script, [
+            *args, f"out={work}", "overwrite=true"], monkeypatch), f"out={work} is a folder holding the current one")
+    assert (work / "notes.txt").read_text() == "keep" and (work / "sub").is_dir()
+
+
+def test_overwrite_never_replaces_a_runs_exports_or_another_commands_data(tmp_path, monkeypatch, capsys):
+    """A run's final/ replaced by another head was then taken as the finished stage; a feature
+    store or regeneration folder, or a folder holding a run deeper down, were deleted."""
+    stage = a_run(tmp_path)
+    before = listing(stage)
+    other = tmp_path / "other"
+    msd3_head().save_pretrained(other)
+    store = a_feature_store(tmp_path / "store")
+    regen = a_regeneration(tmp_path / "regen")
+    deep = tmp_path / "projects"
+    (deep / "a" / "b").mkdir(parents=True)
+    (deep / "a" / "b" / "metrics.jsonl").write_text("{}\n")
+    cases = ((stage / "final", "a run's final/ export"), (stage / "best", "a run's best/ export"),
+             (store, "a feature store"), (regen, "a regeneration folder"),
+             (deep, "a/b/ is a stage folder"))
+    for out, phrase in cases:
+        kept = listing(out)
+        refused_in_process(capsys, lambda out=out: script_main("scripts/export.py", [
+            f"checkpoint={other}", "format=eagle3", f"out={out}", "overwrite=true"], monkeypatch),
+            f"out={out}", phrase, "choose another out=")
+        assert listing(out) == kept
+    refused_in_process(capsys, lambda: script_main("scripts/import_reference.py", [
+        f"src={other}", f"out={store}", "overwrite=true"], monkeypatch), "a feature store")
+    assert listing(stage) == before
+
+
+def test_regenerate_data_takes_the_output_guard_before_the_target_loads(tmp_path, monkeypatch, capsys):
+    """regenerate_data.py had none of the guards: out= a feature store or a user's folder
+    overwrote its manifest.json, out=. wrote into the current folder, out= a file was a traceback."""
+    monkeypatch.setattr("msd_train.targets.load_target", lambda *a, **k: pytest.fail("the target loaded"))
+    store = a_feature_store(tmp_path / "store")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "manifest.json").write_text('{"mine": true}')
+    (tmp_path / "file").write_text("x")
+    stage = a_run(tmp_path)
+    cases = ((store, "a feature store"), (mine, "not empty"), (tmp_path / "file", "is a file"), (".", "current folder"),
+             (stage, "never replaces a training run"))
+    monkeypatch.chdir(tmp_path)
+    for out, phrase in cases:
+        refused_in_process(capsys, lambda out=out: script_main("scripts/regenerate_data.py", [
+            f"out={out}", "limit=1"], monkeypatch), f"out={out}", phrase)
+    assert json.loads((mine / "manifest.json").read_text()) == {"mine": True}
+    assert json.loads((store / "manifest.json").read_text())["format"] == "msd-train-features"
+    assert (tmp_path / "file").read_text() == "x" and not (tmp_path / "settings.json").exists()
+    # the inputs inside out=: refused; its own folder: resumed
+    (mine / "in.jsonl").write_text("{}\n")
+    refused_in_process(capsys, lambda: script_main("scripts/regenerate_data.py", [
+        f"out={mine}", f"inputs=[{{path: {mine / 'in.jsonl'}}}]"], monkeypatch), "holds this command's input")
+    regen = a_regeneration(tmp_path / "regen")
+    assert outputs.check_output(regen, "scripts/regenerate_data.py", recognise=outputs.regeneration_folder) == regen
+
+
+def test_generate_features_and_training_take_the_output_guard(tmp_path, monkeypatch):
+    from omegaconf import OmegaConf
+
+    from msd_train.validate import check_generate, check_train
+
+    def gen_cfg(path):
+        from builders.runs import compose
+
+        return OmegaConf.to_container(compose("generate_features", [f"features.path={path}"]), resolve=True)
+
+    stage = a_run(tmp_path)
+    regen = a_regeneration(tmp_path / "regen")
+    monkeypatch.chdir(stage)
+    for path, phrase in ((stage, "the current folder"), (stage.parent, "holding the current one"),
+                         (regen, "a regeneration folder")):
+        with pytest.raises(ConfigError, match=f"features.path={path}.*{phrase}"):
+            check_generate(gen_cfg(path))
+    check_generate(gen_cfg(a_feature_store(tmp_path / "store")))  # its own store: resumed
+    cfg = OmegaConf.to_container(train_cfg(tmp_path, f"run_dir={tmp_path / 'store'}"), resolve=True)
+    with pytest.raises(ConfigError, match="run_dir=.*store is a feature store"):
+        check_train(cfg)
+
+
+def test_overwrite_through_a_link_and_killed_writers_leave_no_litter(tmp_path):
+    """Each overwrite through a symlink left a `.old-link-PID`; a killed writer's folders stayed."""
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "a").write_text("theirs")
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with outputs.output_dir(link, "test", overwrite=True) as tmp:
+        (tmp / "a").write_text("mine")
+    assert (link / "a").read_text() == "mine" and (real / "a").read_text() == "theirs"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    killed = tmp_path / f".old-link-{int(dead.stdout)}"
+    killed.mkdir()
+    outputs.staging_path(link).mkdir()
+    with outputs.output_dir(link, "test") as tmp:
+        (tmp / "a").write_text("again")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".link.msd-output", "link", "real"]
+
+
+def test_exports_that_take_a_target_check_the_head_against_it(tmp_path, monkeypatch, capsys):
+    """format=reference of a head of another hidden size wrote a folder that could not be
+    imported back (`"warnings": []`, exit 0)."""
+    from builders.heads import VOCAB, H
+
+    head = tmp_path / "head"
+    msd_head().save_pretrained(head)  # hidden 32, vocabulary 40, a LLaVA-family head; the tiny target: 256, 2048
+    for fmt in ("reference", "msd"):
+        out = tmp_path / f"out-{fmt}"
+        refused_in_process(capsys, lambda fmt=fmt, out=out: script_main("scripts/export.py", [
+            f"checkpoint={head}", f"format={fmt}", "target=tiny", f"out={out}"], monkeypatch),
+            f"hidden size {H}, the target's 256", f"vocabulary {VOCAB}, the target's 2048", "Give target=",
+            "nothing was written")
+        assert not out.exists() and not outputs.staging_path(out).exists()
+    from msd_train.hub import TargetInfo
+    from msd_train.targets import FAMILIES
+
+    qwen = next(t for t in FAMILIES if FAMILIES[t].draft_layer_family == "qwen2")
+    other = TargetInfo(name="qwen", model_type=qwen, vocab_size=VOCAB, hidden_size=H, read_embedding=None)
+    with pytest.raises(ValueError, match="family .*, the target's"):
+        other.refuse_misfit(msd_head().config, "the head")
+
+
+# safetensors' writer does not raise OSError(ENOSPC) on a full disk but its own error, worded so
+SAFETENSORS_FULL = ('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left '
+                    'on device" })')
+
+
+def raising(err):
+    def fail(*args, **kwargs):
+        raise err
+    return fail
+
+
+def test_a_full_disk_is_one_message_whatever_the_writer(tmp_path, monkeypatch, capsys):
+    """export.py and generate_features.py on a full disk were raw SafetensorError tracebacks."""
+    from safetensors import SafetensorError
+
+    from msd_train.features import generate
+    from msd_train.hub import formats
+
+    head, out, before = an_export(tmp_path, monkeypatch, capsys)
+    monkeypatch.setattr("safetensors.torch.serialize_file", raising(SafetensorError(SAFETENSORS_FULL)))
+    refused_in_process(capsys, lambda: script_main("scripts/export.py", [f"checkpoint={head}", f"out={out}"],
+                                                   monkeypatch), "the disk is full", "out= left as it was",
+                       "run the same command again")
+    assert listing(out) == before and not outputs.staging_path(out).exists()
+    # generate_features: what is kept (the finished shards) and how to go on
+    monkeypatch.setattr(generate, "write_shard", raising(SafetensorError(SAFETENSORS_FULL)))
+    store = tmp_path / "store"
+    refused_in_process(capsys, lambda: script_main("scripts/generate_features.py", [
+        f"features.path={store}", "target.device=cpu", "splits=[text]", "data.max_train=2"], monkeypatch),
+        "the disk is full", f"every finished shard in {store} is kept", "run the same command again")
+    refused_in_process(capsys, lambda: script_main("scripts/generate_features.py", [
+        f"features.path={store}", "splits=[text_train]"], monkeypatch), "splits: unknown 'text_train'")
+    # Arrow (the datasets cache): an OSError with no errno, the words only
+    from pyarrow.lib import ArrowIOError
+
+    from msd_train.errors import describe
+
+    arrow = describe(ArrowIOError("Failed to write cache-1.arrow: No space left on device"), kept="the cache so far")
+    assert arrow.startswith("the disk is full") and "the cache so far; free space" in arrow
+    # torch.save says it in words of its own: a failed write with no room left is a full disk too
+    torch_full = RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0")
+    monkeypatch.setattr(formats, "FORMATS", {**formats.FORMATS, "msd": formats.HeadFormat(
+        **{**formats.FORMATS["msd"].__dict__, "write": raising(torch_full)})})
+    monkeypatch.setattr("shutil.disk_usage", lambda p: type("U", (), {"free": 1 << 20})())
+    refused_in_process(capsys, lambda: script_main("scripts/export.py", [f"checkpoint={head}", f"out={out}"],
+                                                   monkeypatch), "the disk is full", "(1 MiB free)")
+    assert listing(out) == before
+
+
+def test_a_cut_target_weight_file_is_named_with_the_fix(tmp_path, monkeypatch, capsys):
+    """A target whose model.safetensors was cut short was a SafetensorError naming no file."""
+    import shutil
+
+    cut = tmp_path / "tiny-llava"
+    shutil.copytree(TINY, cut)
+    weights = cut / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+    monkeypatch.setattr("msd_train.targets.load_target", lambda *a, **k: pytest.fail("the target loaded"))
+    for script, args in (("scripts/generate_features.py", [f"features.path={tmp_path / 'store'}"]),
+                         ("scripts/regenerate_data.py", [f"out={tmp_path / 'regen'}"])):
+        refused_in_process(capsys, lambda script=script, args=args: script_main(script, [
+            f"target.name_or_path={cut}", *args], monkeypatch),
+            f"{weights}: cut short", "its header describes", "build it again: python lab/scripts/make_tiny_target.py")
+    from omegaconf import OmegaConf
+
+    from msd_train.validate import check_train
+
+    with pytest.raises(ConfigError, match="model.safetensors: cut short"):
+        check_train(OmegaConf.to_container(train_cfg(tmp_path, f"target.name_or_path={cut}"), resolve=True))
+
+
+@pytest.mark.parametrize("edit,phrase", [
+    ({"draft_vocab_size": 100}, "draft_vocab_size=100 is larger than the target's vocab_size=40"),
+    ({"hidden_size": "32"}, "hidden_size='32' is not a positive whole number"),
+    ({"num_attention_heads": 5}, "num_attention_heads=5 does not divide hidden_size=32"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads=3 does not divide num_attention_heads=4"),
+])
+def test_third_party_eagle3_sizes_are_refused_before_the_weights_load(tmp_path, monkeypatch, edit, phrase):
+    """A draft vocabulary larger than the target's, a string hidden_size or heads that do not
+    divide it were tracebacks from deep inside the head's construction."""
+    from msd_train.hub import IncompleteHeadError, eagle3
+
+    folder = tmp_path / "eagle3"
+    eagle3.export_eagle3(msd3_head(), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("msd")
+    config.pop("head_dim", None)
+    config.update(edit)
+    (folder / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(eagle3, "load_file", lambda *a: pytest.fail("the weights loaded"))
+    with pytest.raises(IncompleteHeadError, match=re.escape(f"{folder / 'config.json'}: {phrase}")):
+        eagle3.import_eagle3(folder)
+
+
+def test_draft_vocab_with_an_msd3_head_is_refused_before_the_models_load(tmp_path):
+    """`decoding.draft_vocab` with an msd3 head failed only once both models had loaded."""
+    from msd_train.hub.eagle3 import export_eagle3
+    from msd_train.validate import check_eval
+
+    msd3_head().save_pretrained(tmp_path / "ours")
+    export_eagle3(msd3_head(), tmp_path / "eagle3")
+    for folder in ("ours", "eagle3"):
+        cfg = {"target": {"name_or_path": TINY}, "decoding": {"method": "chain", "draft_vocab": 8},
+               "draft": str(tmp_path / folder)}
+        with pytest.raises(ConfigError, match=r"decoding.draft_vocab=8: draft=.* is an msd3 head.*drop it"):
+            check_eval(cfg, "chain")
+    msd_head().save_pretrained(tmp_path / "msd")
+    check_eval({"target": {"name_or_path": TINY}, "decoding": {"method": "chain", "draft_vocab": 8},
+                "draft": str(tmp_path / "msd")}, "chain")  # an msd head takes it
+
+
+def test_a_writer_that_finished_first_is_not_replaced_by_a_second(tmp_path, monkeypatch, capsys):
+    """Two exports started together into one folder both reported success; the last one won."""
+    head = tmp_path / "head"
+    msd_head().save_pretrained(head)
+    out = tmp_path / "out"
+    script_main("scripts/export.py", [f"checkpoint={head}", f"out={out}"], monkeypatch)
+    record = json.loads(outputs.record_path(out).read_text())
+    # as another export, launched beside this one, leaves it when it ends first
+    outputs.record_path(out).write_text(json.dumps({**record, "pid": os.getpid() + 1, "made_at": time.time(),
+                                                    "command": "scripts/export.py ... (the other one)"}))
+    before = listing(out)
+    refused_in_process(capsys, lambda: script_main("scripts/export.py", [
+        f"checkpoint={head}", "format=vllm", f"out={out}"], monkeypatch),
+        f"out={out} was written by another command while this one ran", "(the other one)", "run this command again")
+    assert listing(out) == before and not outputs.lock_path(out).exists()
+    # run again (a process started after that one ended): replaced, as the same command's own folder
+    outputs.record_path(out).write_text(json.dumps({**record, "pid": os.getpid() + 1, "made_at": 0.0}))
+    script_main("scripts/export.py", [f"checkpoint={head}", "format=vllm", f"out={out}"], monkeypatch)
+    assert '"format": "vllm"' in capsys.readouterr().out and listing(out) != before

@@ -268,3 +268,84 @@ def test_unpack_puts_what_came_back_under_benchmarks_gpu_by_gpu_name(tmp_path):
     assert got == ["decode-llava15_7b-h100.json", "decode-llava15_7b-h100.md", "readme-h100/log.txt",
                    "readme-h100/report.json", "readme-h100/resume.json", "session-h100-env.txt",
                    "session-h100-summary.json"]
+
+
+def test_unpack_of_nothing_is_an_error_and_a_killed_unpacks_folder_is_removed(tmp_path):
+    """`unpack` of a missing or empty folder copied nothing, exited 0 and said to commit; a
+    killed unpack left its temporary folder in /tmp for good."""
+    dest, tmpdir = tmp_path / "bench", tmp_path / "tmp"
+    tmpdir.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    killed = tmpdir / f"gpu-unpack.{int(dead.stdout)}.abcdef"
+    (killed / "decode").mkdir(parents=True)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("x")
+    for src, phrase in ((tmp_path / "missing", "no such folder, or nothing in it"),
+                        (tmp_path / "empty", "no such folder, or nothing in it"),
+                        (tmp_path / "other", "no results in it")):
+        r = _session("unpack", str(src), tmp_path=tmp_path, env={"DEST": str(dest), "TMPDIR": str(tmpdir)})
+        assert r.returncode == 1 and f"error: unpack {src}: {phrase}" in r.stderr, r.stdout + r.stderr
+        assert "git commit" not in r.stdout
+    assert not killed.exists() and not any(tmpdir.iterdir())
+
+
+# ----- developer programs behave like user commands: arguments, device and memory checked first -----
+
+
+@pytest.mark.parametrize("script, args, phrase", [
+    ("lab/scripts/bench_train.py", ["--steps", "0"], "argument --steps: 0 must be at least 1"),
+    ("lab/scripts/bench_compression.py", ["--ks", "all,0"], "argument --ks: 0 must be at least 1"),
+    ("lab/scripts/bench_train.py", ["--micro-batches", "2,x"], "argument --micro-batches: 'x' is not a whole number"),
+    ("lab/scripts/bench_features.py", ["--steps", "-1"], "argument --steps: -1 must be at least 1"),
+    ("lab/scripts/bench_gpu.py", ["--repeats", "0"], "argument --repeats: 0 must be at least 1"),
+    ("lab/scripts/ablation.py", ["--jobs", "0"], "argument --jobs: 0 must be at least 1"),
+])
+def test_lab_programs_refuse_bad_counts_before_any_work(script, args, phrase, tmp_path):
+    """`--steps 0` / `--ks 0` were accepted, and minutes of work went by before they failed."""
+    out = ["--out", str(tmp_path / "out")] + (["--run-dir", str(tmp_path / "runs")] if "compression" in script
+                                              or "ablation" in script else [])  # never the tree's, whatever happens
+    r = subprocess.run([sys.executable, str(ROOT / script), *args, *out], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2 and phrase in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_bench_gpu_checks_device_and_memory_before_building(monkeypatch, capsys):
+    """With no arguments on a machine without CUDA it built a 7B model in fp32 (~28 GB)."""
+    import torch
+
+    from msd_train.errors import run_main
+
+    bench = _load()
+    built = []
+    real = bench.build_target
+    monkeypatch.setattr(bench, "build_target", lambda name, device, dtype: (
+        built.append(device.type), real(name, device, dtype))[1])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv, phrase in (([], "no CUDA device is visible here, and --config llava15_7b is a GPU measurement"),
+                         (["--device", "cpu"], "needs about 33.9 GB on cpu (weights and activations), and 24.0 GB")):
+        monkeypatch.setattr(bench, "free_bytes", lambda device: 24 * 10**9)
+        with pytest.raises(SystemExit) as e:
+            run_main(lambda argv=argv: bench.main(argv))
+        err = capsys.readouterr().err
+        assert e.value.code == 1 and phrase in err and "--config small --device cpu" in err, err
+    assert set(built) == {"meta"}  # counted on the meta device, never built
+
+
+def test_data_path_benchmark_says_what_is_missing_and_which_step_failed(tmp_path):
+    """benchmarks/train/data_path.sh without a built target exited 1 with nothing on the terminal."""
+    import shutil
+
+    root = tmp_path / "repo"
+    (root / "benchmarks" / "train").mkdir(parents=True)
+    shutil.copy(ROOT / "benchmarks" / "train" / "data_path.sh", root / "benchmarks" / "train")
+    script = ["bash", str(root / "benchmarks" / "train" / "data_path.sh"), str(tmp_path / "w"), str(tmp_path / "o")]
+    r = subprocess.run(script, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "build it first with python scripts/make_smollm2_llava.py" in r.stderr, r.stderr
+    assert not (tmp_path / "w").exists()
+    (root / "data" / "smollm2-llava").mkdir(parents=True)
+    (root / "data" / "smollm2-llava" / "config.json").write_text("{}")
+    (root / "data" / "sharegpt-v3-prefix.jsonl").write_text("{}\n")
+    r = subprocess.run(script, capture_output=True, text=True, timeout=60, env={**os.environ, "VLLM_PYTHON": "/bin/true"})
+    assert r.returncode != 0 and "error: a step failed" in r.stderr and "regen-hf-decoder-16.log" in r.stderr, r.stderr
+    assert "scripts/regenerate_data.py" in r.stderr  # the end of the failed step's log: python's own complaint

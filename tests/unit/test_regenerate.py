@@ -165,6 +165,15 @@ def test_a_damaged_progress_line_is_named_with_the_fix(target, tmp_path):
         regenerate(target, settings(tmp_path, limit=2))
 
 
+def test_binary_garbage_in_a_progress_file_is_named_with_the_line(tmp_path):
+    """Bytes that are not UTF-8 in rank-*.jsonl (a disk error) were a UnicodeDecodeError naming no file."""
+    from msd_train.data.regenerate import read_done
+
+    (tmp_path / "rank-0.jsonl").write_bytes(b'{"id": "a", "key": "k1"}\n\xff\xfe\x00garbage\n')
+    with pytest.raises(RegenerateError, match=r"rank-0.jsonl, line 2: not a JSON record.*delete that line"):
+        read_done(tmp_path)
+
+
 def test_batched_hf_engine_answers_like_the_decoder_when_greedy(target, tmp_path):
     """engine=hf batch_size>1: text prompts through transformers' batched generate(),
     left-padded; greedy answers equal the project's decoder one prompt at a time."""
