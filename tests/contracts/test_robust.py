@@ -175,9 +175,25 @@ def test_target_identity_and_world_size_differences_are_named(llava_target):
     assert any(d.startswith("name:") and "other/target" in d for d in diffs)
     assert any(d.startswith("chat_template_sha1") for d in diffs)
     assert rundir.identity_differences(a, dict(a)) == []
-    msg = rundir.world_size_refusal(Path("ck"), {"world_size": 2}, 1)
+
+
+def test_another_world_size_continues_where_it_can_and_names_what_cannot_carry_over(tmp_path):
+    """Issue 41: a checkpoint of 2 processes continues on 1 or 4 with its global batch; what
+    cannot carry over (no portable state, ZeRO-3, a global batch that does not split) is named."""
+    ck = fake_checkpoint(tmp_path, 2)
+    state = {"world_size": 2, "global_batch": 8}
+    msg = rundir.world_size_refusal(ck, state, 1, 2, 2)
     assert "written by 2 process(es) and this launch has 1" in msg and "--nproc_per_node 2" in msg
-    assert rundir.world_size_refusal(Path("ck"), {"world_size": 1}, 1) is None
+    assert ckpt.PORTABLE_FILE in msg and "resume=false" in msg
+    assert rundir.world_size_refusal(ck, {"world_size": 1}, 1, 2, 2) is None
+    (ck / ckpt.PORTABLE_FILE).write_bytes(b"")
+    for world, accum in ((1, 4), (2, 2), (4, 1)):
+        assert rundir.world_size_refusal(ck, state, world, 2, 2) is None
+        assert rundir.resumed_grad_accum(state, world, 2) == accum
+    assert "deepspeed=zero3" in rundir.world_size_refusal(ck, state, 1, 2, 3)
+    msg = rundir.world_size_refusal(ck, state, 3, 2, 1)
+    assert "global batch of 8" in msg and "3 process(es) x train.micro_batch_size=2 = 6" in msg
+    assert "a number of processes in [1, 2, 4]" in msg and "resume=false" in msg
 
 
 # ----------------------------------------------------------------------------- 9, 13: config checks
@@ -444,10 +460,11 @@ def test_resume_refuses_another_target_and_another_world_size(mini_run, tmp_path
     out = train([*common, "train.max_steps=6", f"target.name_or_path={other}"])
     refused(out, "was trained on another target than this launch's", "resume=false")
     assert not (run / "stage1" / "checkpoints" / "step-000006").exists()
-    # another number of processes: refused before anything loads (RANK/WORLD_SIZE as a launcher sets them)
+    # another number of processes whose global batch cannot be kept (2 samples, 2 x 2 per accumulation
+    # step): refused before anything loads (RANK/WORLD_SIZE as a launcher sets them)
     out = train([*common, "train.max_steps=6"], env={**ENV, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
                                                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
-    refused(out, "written by 1 process(es) and this launch has 2", "--nproc_per_node 1")
+    refused(out, "global batch of 2 (1 process(es))", "a number of processes in [1]", "resume=false")
     # 6: a newest checkpoint that passes the cheap checks but does not load (its optimizer file is gone)
     for f in (run / "stage1" / "checkpoints" / "step-000004" / "engine").glob("*optim_states.pt"):
         f.unlink()
