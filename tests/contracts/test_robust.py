@@ -196,6 +196,56 @@ def test_another_world_size_continues_where_it_can_and_names_what_cannot_carry_o
     assert "a number of processes in [1, 2, 4]" in msg and "resume=false" in msg
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_portable_state_continues_the_optimizer_exactly(in_process, tmp_path, stage):
+    """portable.pt into a fresh engine (how another world size resumes), without ZeRO and with
+    ZeRO-1/2: the next step equals the step the original engine takes (moments, Adam's step count,
+    the schedule's position, frozen weights and buffers all carried over)."""
+    import deepspeed
+    from deepspeed.utils import groups
+
+    from msd_train import runtime
+    from msd_train.training.recipe import lr_lambda
+
+    group = runtime.setup_group(torch.device("cpu"), deepspeed=True, timeout_minutes=1)
+
+    def engine():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
+        m.register_buffer("scale", torch.ones(3))
+        m[1].bias.requires_grad_(False)
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2, betas=(0.9, 0.95))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(2, 10, 0.1))
+        return deepspeed.initialize(model=m, optimizer=opt, lr_scheduler=sched, config={
+            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
+            "steps_per_print": 10**9})[0]
+
+    def step(e, i):
+        x = torch.randn(1, 5, generator=torch.Generator().manual_seed(i))
+        e.backward(e(x).pow(2).sum() * e.module.scale.sum())
+        e.step()
+
+    try:
+        a = engine()
+        for i in range(3):
+            step(a, i)
+        with torch.no_grad():
+            a.module[1].bias.add_(1.0)  # a frozen weight and a buffer unlike a fresh head's
+            a.module.scale.mul_(2.0)
+        ckpt.save_portable(ckpt.portable_state(a), tmp_path)
+        b = engine()
+        ckpt.load_portable(b, tmp_path)
+        assert b.global_steps == a.global_steps == 3 and b.get_lr() == a.get_lr()
+        step(a, 3)
+        step(b, 3)
+        for (n, pa), pb in zip(a.module.named_parameters(), b.module.parameters()):
+            torch.testing.assert_close(pb, pa, rtol=0, atol=0, msg=n)
+        assert b.get_lr() == a.get_lr()
+    finally:
+        group.destroy()
+        groups._WORLD_GROUP = None
+
+
 # ----------------------------------------------------------------------------- 9, 13: config checks
 
 
