@@ -280,13 +280,13 @@ class TrainRecipe:
         global batch / (micro_batch_size x processes), so each step takes the same samples
         (refused, naming the numbers, when that is not whole)."""
         state = ckpt.read_state(path)
-        saved = state.get("world_size")
-        if saved is None or int(saved) == self.world:
-            return
         tc = self.cfg.train
         refusal = rundir.world_size_refusal(path, state, self.world, int(tc.micro_batch_size), self._zero_stage())
         if refusal:
             raise TrainingError(refusal)
+        saved = state.get("world_size")
+        if saved is None or int(saved) == self.world:
+            return
         accum = rundir.resumed_grad_accum(state, self.world, int(tc.micro_batch_size))
         if self.main:
             log.warning("resume: %s was written by %s process(es), this launch has %d: train.grad_accum=%d (was %s) "
@@ -309,11 +309,13 @@ class TrainRecipe:
         """Load the newest candidate that loads; a damaged one is skipped with the reason."""
         for cand in self._candidates[self._candidates.index(path):]:
             state = ckpt.read_state(cand)
-            # written by another number of processes: its portable state, not DeepSpeed's per-process one
-            portable = state.get("world_size") is not None and int(state["world_size"]) != self.world
+            # written by another number of processes or ZeRO stage: its portable state, not DeepSpeed's
+            # per-process one
+            portable = rundir.needs_portable(state, self.world, self._zero_stage())
             if portable and not (cand / ckpt.PORTABLE_FILE).is_file():
-                log.warning("rank %d: skipping checkpoint %s: written by %s process(es) without %s, it cannot be "
-                            "loaded by %d", self.rank, cand, state["world_size"], ckpt.PORTABLE_FILE, self.world)
+                log.warning("rank %d: skipping checkpoint %s: written by %s process(es) (ZeRO stage %s) without %s, "
+                            "it cannot be loaded by %d (stage %d)", self.rank, cand, state.get("world_size"),
+                            state.get("zero_stage"), ckpt.PORTABLE_FILE, self.world, self._zero_stage())
                 continue
             if state.get("target") is not None:
                 diffs = rundir.identity_differences(state["target"], self.target_identity())
@@ -343,7 +345,8 @@ class TrainRecipe:
                 f"no checkpoint in {self.ckpt_root} loads (reasons above); move the folder aside to start over, "
                 f"or set resume=false (which moves it aside for you)")
         if self.main:
-            log.info("resuming from %s%s", path, f" (written by {state['world_size']} process(es))" if portable else "")
+            log.info("resuming from %s%s", path, f" (written by {state['world_size']} process(es), ZeRO stage "
+                                                 f"{state.get('zero_stage')})" if portable else "")
         self.step = state["step"]
         self.curriculum.load_state_dict(state["curriculum"])
         self.bad_total = state["bad_total"]
@@ -630,7 +633,7 @@ class TrainRecipe:
                     ckpt.save_portable(portable, tmp)
             state = {"step": self.step, "stage": self.stage, "curriculum": self.curriculum.state_dict(),
                      "bad_total": self.bad_total, "best_tau": self.best_tau, "global_batch": self.global_batch,
-                     "world_size": self.world, "target": self.target_identity()}
+                     "world_size": self.world, "zero_stage": self._zero_stage(), "target": self.target_identity()}
             with ckpt.writing(self.ckpt_root, tmp, f"checkpoint step {self.step}"):
                 ckpt.finish(tmp, ckpt.step_dir(self.ckpt_root, self.step), state)
             ckpt.rotate(self.ckpt_root, self.cfg.checkpoint.keep)

@@ -99,28 +99,41 @@ def identity_differences(saved: dict, current: dict) -> list[str]:
     return diffs
 
 
+def needs_portable(state: dict, world: int, zero_stage: int) -> bool:
+    """Whether a checkpoint (its recipe state) was written by another number of processes or
+    another ZeRO stage than this launch's: DeepSpeed's per-process files do not load then, its
+    portable state (``checkpoint.PORTABLE_FILE``) does."""
+    saved, saved_zero = state.get("world_size"), state.get("zero_stage")
+    return (saved is not None and int(saved) != world) or (saved_zero is not None and int(saved_zero) != zero_stage)
+
+
 def world_size_refusal(ckpt: Path, state: dict, world: int, micro_batch_size: int, zero_stage: int) -> str | None:
-    """Why ``ckpt``, written by another number of processes, cannot continue at ``world``
-    (None when it can, or when it was written at this one). It can when it holds the portable
-    state (``checkpoint.PORTABLE_FILE``), this launch does not partition the weights (ZeRO-3),
-    and its global batch splits into ``micro_batch_size`` x ``world`` x a whole grad_accum."""
+    """Why ``ckpt``, written by another number of processes or another ZeRO stage, cannot
+    continue at ``world`` and ``zero_stage`` (None when it can, or when it was written by
+    this layout). It can when it holds the portable state (``checkpoint.PORTABLE_FILE``),
+    this launch does not partition the weights (ZeRO-3), and its global batch splits into
+    ``micro_batch_size`` x ``world`` x a whole grad_accum."""
     from msd_train.training.checkpoint import PORTABLE_FILE
 
-    saved = state.get("world_size")
-    if saved is None or int(saved) == world:
+    if not needs_portable(state, world, zero_stage):
         return None
-    saved = int(saved)
+    saved = int(state.get("world_size") or world)
+    saved_zero = state.get("zero_stage")
+    layout = (f"{saved} process(es)" + (f" with ZeRO stage {saved_zero}" if saved_zero is not None else "")
+              + f" and this launch has {world}" + (f" with stage {zero_stage}" if saved_zero is not None else ""))
     same = (f"Relaunch with {saved} process(es) (`deepspeed --num_gpus {saved}` or `torchrun --nproc_per_node "
-            f"{saved}`), or start this stage over with resume=false (the old outputs are moved aside, not deleted).")
+            f"{saved}`)" + (f" and deepspeed=zero{saved_zero}" if saved_zero is not None and saved_zero != zero_stage
+                            else "")
+            + ", or start this stage over with resume=false (the old outputs are moved aside, not deleted).")
     if not (ckpt / PORTABLE_FILE).is_file():
-        return (f"{ckpt} was written by {saved} process(es) and this launch has {world}, but it holds only "
-                f"DeepSpeed's per-process state (no {PORTABLE_FILE}: written with deepspeed=zero3, or by a version "
-                f"from before checkpoints kept the state any number of processes loads); ZeRO splits that state "
-                f"per process and it cannot be loaded into another number. {same}")
+        return (f"{ckpt} was written by {layout}, but it holds only DeepSpeed's per-process state (no "
+                f"{PORTABLE_FILE}: written with deepspeed=zero3, or by a version from before checkpoints kept the "
+                f"state any number of processes loads); ZeRO splits that state per process and it cannot be loaded "
+                f"into another layout. {same}")
     if zero_stage >= 3:
-        return (f"{ckpt} was written by {saved} process(es) and this launch has {world} with deepspeed=zero3, which "
-                f"partitions the weights too: a checkpoint continues at another number of processes with zero1 or "
-                f"zero2 (deepspeed=zero2, the default). Relaunch with deepspeed=zero2, or: {same}")
+        return (f"{ckpt} was written by {layout}; this launch's deepspeed=zero3 partitions the weights too: a "
+                f"checkpoint continues at another number of processes or stage with zero1 or zero2 "
+                f"(deepspeed=zero2, the default). Relaunch with deepspeed=zero2, or: {same}")
     global_batch = int(state["global_batch"])
     if global_batch % (micro_batch_size * world):
         fits = [w for w in range(1, global_batch + 1) if global_batch % (micro_batch_size * w) == 0]

@@ -194,6 +194,14 @@ def test_another_world_size_continues_where_it_can_and_names_what_cannot_carry_o
     msg = rundir.world_size_refusal(ck, state, 3, 2, 1)
     assert "global batch of 8" in msg and "3 process(es) x train.micro_batch_size=2 = 6" in msg
     assert "a number of processes in [1, 2, 4]" in msg and "resume=false" in msg
+    # another ZeRO stage at the same number of processes: the portable state too; not into ZeRO-3
+    state = {"world_size": 2, "zero_stage": 2, "global_batch": 8}
+    assert not rundir.needs_portable(state, 2, 2) and rundir.needs_portable(state, 2, 1)
+    assert rundir.world_size_refusal(ck, state, 2, 2, 1) is None
+    assert "deepspeed=zero3" in rundir.world_size_refusal(ck, state, 2, 2, 3)
+    (ck / ckpt.PORTABLE_FILE).unlink()
+    msg = rundir.world_size_refusal(ck, state, 2, 2, 1)
+    assert "ZeRO stage 2 and this launch has 2 with stage 1" in msg and "deepspeed=zero2" in msg
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
