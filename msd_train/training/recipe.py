@@ -276,9 +276,10 @@ class TrainRecipe:
         return int(OmegaConf.select(self.cfg, "deepspeed.zero_optimization.stage", default=0) or 0)
 
     def _keep_global_batch(self, path: Path) -> None:
-        """Resuming a checkpoint written by another number of processes: grad_accum becomes
-        global batch / (micro_batch_size x processes), so each step takes the same samples
-        (refused, naming the numbers, when that is not whole)."""
+        """Resuming a checkpoint written by another number of processes (or ZeRO stage): what
+        cannot carry over is refused before the engine is built, naming it; else grad_accum
+        becomes global batch / (micro_batch_size x processes), so each step takes the same
+        samples."""
         state = ckpt.read_state(path)
         tc = self.cfg.train
         refusal = rundir.world_size_refusal(path, state, self.world, int(tc.micro_batch_size), self._zero_stage())

@@ -145,7 +145,7 @@ def world_size_refusal(ckpt: Path, state: dict, world: int, micro_batch_size: in
                 f"processes) must be whole. Relaunch with "
                 + (f"a number of processes in {fits} (at micro_batch_size {micro_batch_size}), or " if fits else "")
                 + (f"train.micro_batch_size in {micro} (at {world} process(es)), or " if micro else "")
-                + f"with resume=false to start this stage over (the old outputs are moved aside, not deleted).")
+                + "with resume=false to start this stage over (the old outputs are moved aside, not deleted).")
     return None
 
 
