@@ -222,21 +222,31 @@ def _partitioned(p) -> bool:
     return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
 
 
+def _masters(engine) -> dict:
+    """Module parameter -> the fp32 copy the optimizer steps, for wrappers that keep whole
+    copies rather than ZeRO's partitions (DeepSpeed's fp16/bf16 optimizers without ZeRO); a
+    parameter not listed is its own master."""
+    opt = engine.optimizer
+    return {lp: hp for low, high in zip(getattr(opt, "fp16_groups", None) or [], getattr(opt, "fp32_groups", None) or [])
+            for lp, hp in zip(low, high)}
+
+
 def portable_state(engine) -> dict:
     """The engine's training state, whole (every rank must call: ZeRO gathers each tensor)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     inner = _inner_optimizer(engine)
     module = engine.module
+    masters = _masters(engine)
     stepped = len(inner.state) > 0  # AdamW creates its state at the first step
     weights, moments = {}, {k: {} for k in MOMENTS}
     for name, p in module.named_parameters():
         master = safe_get_full_fp32_param(p) if p.requires_grad else None
-        weights[name] = (p if master is None else master).detach().to("cpu", torch.float32).clone()
+        weights[name] = (masters.get(p, p) if master is None else master).detach().to("cpu", torch.float32).clone()
         if not (p.requires_grad and stepped):
             continue
         for key in MOMENTS:
-            v = safe_get_full_optimizer_state(p, key) if _partitioned(p) else inner.state[p][key]
+            v = safe_get_full_optimizer_state(p, key) if _partitioned(p) else inner.state[masters.get(p, p)][key]
             moments[key][name] = v.detach().to("cpu", torch.float32).clone()
     steps = {float(st["step"]) for st in inner.state.values() if "step" in st}
     return {
@@ -265,6 +275,7 @@ def load_portable(engine, ckpt: Path) -> None:
     state = torch.load(ckpt / PORTABLE_FILE, map_location="cpu", weights_only=True)
     inner = _inner_optimizer(engine)
     module = engine.module
+    masters = _masters(engine)
     if state["moments"] is not None:
         # AdamW creates its state at the first step: create it as that step would, then link
         # DeepSpeed's per-parameter views into it (what it does itself after its first step).
@@ -283,12 +294,14 @@ def load_portable(engine, ckpt: Path) -> None:
                 continue
             if _partitioned(p):
                 safe_set_full_fp32_param(p, value.to(p.device))
+            elif p in masters:
+                masters[p].data.copy_(value.to(masters[p].device).view_as(masters[p]))
             for key in MOMENTS if state["moments"] is not None else ():
                 moment = state["moments"][key][name].to(p.device)
                 if _partitioned(p):
                     safe_set_full_optimizer_state(p, moment, key)
                 else:
-                    inner.state[p][key].copy_(moment.view_as(p))
+                    inner.state[masters.get(p, p)][key].copy_(moment.view_as(p))
         for name, b in module.named_buffers():
             if name in state["buffers"]:
                 b.copy_(state["buffers"][name].to(b.device, b.dtype))

@@ -204,8 +204,8 @@ def test_another_world_size_continues_where_it_can_and_names_what_cannot_carry_o
     assert "ZeRO stage 2 and this launch has 2 with stage 1" in msg and "deepspeed=zero2" in msg
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_portable_state_continues_the_optimizer_exactly(in_process, tmp_path, stage):
+@pytest.mark.parametrize("stage,bf16", [(0, False), (1, False), (2, False), (0, True), (2, True)])
+def test_portable_state_continues_the_optimizer_exactly(in_process, tmp_path, stage, bf16):
     """portable.pt into a fresh engine (how another world size resumes), without ZeRO and with
     ZeRO-1/2: the next step equals the step the original engine takes (moments, Adam's step count,
     the schedule's position, frozen weights and buffers all carried over)."""
@@ -225,11 +225,11 @@ def test_portable_state_continues_the_optimizer_exactly(in_process, tmp_path, st
         opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2, betas=(0.9, 0.95))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(2, 10, 0.1))
         return deepspeed.initialize(model=m, optimizer=opt, lr_scheduler=sched, config={
-            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
+            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16},
             "steps_per_print": 10**9})[0]
 
     def step(e, i):
-        x = torch.randn(1, 5, generator=torch.Generator().manual_seed(i))
+        x = torch.randn(1, 5, generator=torch.Generator().manual_seed(i)).to(next(e.module.parameters()).dtype)
         e.backward(e(x).pow(2).sum() * e.module.scale.sum())
         e.step()
 
