@@ -59,7 +59,9 @@ def run(cfg) -> None:
             newest = [] if ckpt.resume_disabled(cfg) else \
                 ckpt.loadable_checkpoints(stage_dir / "checkpoints", log_skipped=False)[:1]
             state = ckpt.read_state(newest[0]) if newest else {}
-            refusal = newest and rundir.world_size_refusal(newest[0], state, world)
+            refusal = newest and rundir.world_size_refusal(
+                newest[0], state, world, int(cfg.train.micro_batch_size),
+                int(OmegaConf.select(cfg, "deepspeed.zero_optimization.stage", default=0) or 0))
             if refusal:
                 raise TrainingError(refusal)
             # what the checkpoint was trained with vs this launch: a change it cannot take is refused

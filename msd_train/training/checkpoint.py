@@ -3,6 +3,7 @@
 Layout of a stage folder::
 
     stage1/checkpoints/step-000100/   DeepSpeed engine state (tag "engine") + recipe_state.json
+                                      + portable.pt (the same state in a form any world size loads)
     stage1/checkpoints/.tmp-...       a write in progress (ignored, removed on the next save)
     stage1/final/, stage1/best/       exports: config.json + model.safetensors (written like
                                       checkpoints: into .tmp-final, then renamed)
@@ -25,6 +26,8 @@ import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
+
 from msd_train.draft.vocabulary import save_counts
 from msd_train.runtime import atomic_dir, replace_dir
 
@@ -33,6 +36,11 @@ log = logging.getLogger(__name__)
 STATE_FILE = "recipe_state.json"
 ENGINE_TAG = "engine"
 STATE_KEYS = ("step", "curriculum", "bad_total", "best_tau", "global_batch")
+#: the head's full fp32 master weights, optimizer moments and schedule, independent of the number
+#: of processes and of how ZeRO partitioned them (see :func:`portable_state`)
+PORTABLE_FILE = "portable.pt"
+#: AdamW's per-parameter state besides its step count
+MOMENTS = ("exp_avg", "exp_avg_sq")
 _STEP_NAME = re.compile(r"^step-(\d+)$")
 
 
@@ -193,3 +201,113 @@ def export_atomic(model, out: Path, extra_files: dict[str, str] | None = None,
                 save_counts(tmp, token_counts)
 
     atomic_dir(out, write)
+
+
+# ------------------------------------------------------------------ resuming at another world size
+# DeepSpeed's own checkpoint splits ZeRO's optimizer state per process, so it loads only into the
+# number of processes that wrote it. A draft head is small (one decoder layer): every checkpoint
+# also keeps it whole, gathered from the partitions through DeepSpeed's public accessors
+# (``safe_get_full_*``), and a launch with another number of processes loads that into its own
+# partitions (``safe_set_full_*``). The data order needs nothing: the curriculum plans global
+# batches in samples, and each rank takes its rows of the same global batch.
+
+
+def _inner_optimizer(engine):
+    """The torch optimizer holding the state (ZeRO and bf16 wrap it; without them it is the engine's)."""
+    return getattr(engine.optimizer, "optimizer", engine.optimizer)
+
+
+def _partitioned(p) -> bool:
+    """Whether DeepSpeed keeps ``p``'s fp32 master and optimizer state apart from ``p`` (ZeRO, bf16)."""
+    return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
+
+
+def _masters(engine) -> dict:
+    """Module parameter -> the fp32 copy the optimizer steps, for wrappers that keep whole
+    copies rather than ZeRO's partitions (DeepSpeed's fp16/bf16 optimizers without ZeRO); a
+    parameter not listed is its own master."""
+    opt = engine.optimizer
+    return {lp: hp for low, high in zip(getattr(opt, "fp16_groups", None) or [], getattr(opt, "fp32_groups", None) or [])
+            for lp, hp in zip(low, high)}
+
+
+def portable_state(engine) -> dict:
+    """The engine's training state, whole (every rank must call: ZeRO gathers each tensor)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    inner = _inner_optimizer(engine)
+    module = engine.module
+    masters = _masters(engine)
+    stepped = len(inner.state) > 0  # AdamW creates its state at the first step
+    weights, moments = {}, {k: {} for k in MOMENTS}
+    for name, p in module.named_parameters():
+        master = safe_get_full_fp32_param(p) if p.requires_grad else None
+        weights[name] = (masters.get(p, p) if master is None else master).detach().to("cpu", torch.float32).clone()
+        if not (p.requires_grad and stepped):
+            continue
+        for key in MOMENTS:
+            v = safe_get_full_optimizer_state(p, key) if _partitioned(p) else inner.state[masters.get(p, p)][key]
+            moments[key][name] = v.detach().to("cpu", torch.float32).clone()
+    steps = {float(st["step"]) for st in inner.state.values() if "step" in st}
+    return {
+        "format": 1,
+        "weights": weights,
+        "buffers": {n: b.detach().cpu().clone() for n, b in module.named_buffers()},
+        "moments": moments if stepped else None,
+        "optimizer_step": max(steps) if steps else 0.0,
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups],
+        "scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "engine": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                   "skipped_steps": engine.skipped_steps},
+    }
+
+
+def save_portable(state: dict, folder: Path) -> None:
+    torch.save(state, folder / PORTABLE_FILE)
+
+
+def load_portable(engine, ckpt: Path) -> None:
+    """Load ``ckpt``'s :data:`PORTABLE_FILE` into ``engine``, built for this launch's number of
+    processes: weights (the module's and the fp32 masters), AdamW's moments and step count,
+    the learning-rate schedule and the engine's counters. Every rank reads the whole file."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    state = torch.load(ckpt / PORTABLE_FILE, map_location="cpu", weights_only=True)
+    inner = _inner_optimizer(engine)
+    module = engine.module
+    masters = _masters(engine)
+    if state["moments"] is not None:
+        # AdamW creates its state at the first step: create it as that step would, then link
+        # DeepSpeed's per-parameter views into it (what it does itself after its first step).
+        for group in inner.param_groups:
+            for hp in group["params"]:
+                inner.state[hp] = {"step": torch.tensor(state["optimizer_step"], dtype=torch.float32),
+                                   **{k: torch.zeros_like(hp, memory_format=torch.preserve_format) for k in MOMENTS}}
+        if hasattr(engine.optimizer, "_hp_optimizer_states_linked"):
+            engine.optimizer._hp_optimizer_states_linked = False
+            engine.optimizer._lazy_init_hp_params_optimizer_state()
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            value = state["weights"][name]
+            p.data.copy_(value.to(p.device, p.dtype))
+            if not p.requires_grad:
+                continue
+            if _partitioned(p):
+                safe_set_full_fp32_param(p, value.to(p.device))
+            elif p in masters:
+                masters[p].data.copy_(value.to(masters[p].device).view_as(masters[p]))
+            for key in MOMENTS if state["moments"] is not None else ():
+                moment = state["moments"][key][name].to(p.device)
+                if _partitioned(p):
+                    safe_set_full_optimizer_state(p, moment, key)
+                else:
+                    inner.state[masters.get(p, p)][key].copy_(moment.view_as(p))
+        for name, b in module.named_buffers():
+            if name in state["buffers"]:
+                b.copy_(state["buffers"][name].to(b.device, b.dtype))
+    for group, saved in zip(inner.param_groups, state["param_groups"]):
+        group["lr"] = saved["lr"]
+    if state["scheduler"] is not None and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(state["scheduler"])
+    for key, value in state["engine"].items():
+        setattr(engine, key, value)

@@ -12,10 +12,13 @@ memory on CUDA); a step's metrics accumulate on the device and cost one all-redu
 host read per optimizer step; every collective goes through ``msd_train.runtime.Group``,
 which puts its inputs on the process group's communication device (CUDA for NCCL).
 
-Reproducibility: the data order comes from the curriculum (a function of seed and step),
-and the feature noise of each micro-batch from a generator seeded by (seed, step, rank,
-micro-step). A resumed run therefore needs only the step, the two stream positions and
-the engine state to continue bit-for-bit where it stopped.
+Reproducibility: the data order comes from the curriculum (a function of seed and step, in
+samples of the global batch), and the feature noise of each micro-batch from a generator
+seeded by (seed, step, the micro-batch's place in the global batch). A resumed run therefore
+needs only the step, the two stream positions and the engine state to continue bit-for-bit
+where it stopped; on another number of processes (grad_accum recomputed to keep the global
+batch, the engine state loaded from its portable form) it takes the same samples and noise
+at every step, equal up to the order of floating-point sums.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from msd_train.features import make_feature_source
 from msd_train.paths import portable_name
 from msd_train.targets import load_target
 from msd_train.training import checkpoint as ckpt
-from msd_train.training import rundir
+from msd_train.training import resume, rundir
 from msd_train.training.loss import draft_loss_mask, loss_index
 from msd_train.training.objective import Objective, objective_for
 from msd_train.training.validation import evaluate_split
@@ -105,6 +108,8 @@ class TrainRecipe:
         self._setup_data()
 
         resume_from = self._resume_point()
+        if resume_from is not None:
+            self._keep_global_batch(resume_from)
         self.draft, self.objective = self._build_draft(resume_from is not None)
         self.features = make_feature_source(cfg, self.target, self.draft.feature_layers)
         tc = cfg.train
@@ -269,6 +274,33 @@ class TrainRecipe:
             rundir.truncate_metrics(self.stage_dir / "metrics.jsonl", 0)
         return self._candidates[0] if self._candidates else None
 
+    def _zero_stage(self) -> int:
+        return int(OmegaConf.select(self.cfg, "deepspeed.zero_optimization.stage", default=0) or 0)
+
+    def _keep_global_batch(self, path: Path) -> None:
+        """Resuming a checkpoint written by another number of processes (or ZeRO stage): what
+        cannot carry over is refused before the engine is built, naming it; else grad_accum
+        becomes global batch / (micro_batch_size x processes), so each step takes the same
+        samples."""
+        state = ckpt.read_state(path)
+        tc = self.cfg.train
+        refusal = rundir.world_size_refusal(path, state, self.world, int(tc.micro_batch_size), self._zero_stage())
+        if refusal:
+            raise TrainingError(refusal)
+        saved = state.get("world_size")
+        if saved is None or int(saved) == self.world:
+            return
+        accum = rundir.resumed_grad_accum(state, self.world, int(tc.micro_batch_size))
+        if self.main:
+            log.warning("resume: %s was written by %s process(es), this launch has %d: train.grad_accum=%d (was %s) "
+                        "keeps its global batch of %d", path, saved, self.world, accum, tc.grad_accum,
+                        state["global_batch"])
+            resume.record_change(self.stage_dir, state["step"], {
+                "world_size": {"checkpoint": int(saved), "now": self.world},
+                "train.grad_accum": {"checkpoint": int(state["global_batch"]) // (int(saved) * tc.micro_batch_size),
+                                     "now": accum}})
+        OmegaConf.update(self.cfg, "train.grad_accum", accum)
+
     def target_identity(self) -> dict:
         if getattr(self, "_target_identity", None) is None:
             from msd_train.features.generate import target_identity
@@ -280,9 +312,14 @@ class TrainRecipe:
         """Load the newest candidate that loads; a damaged one is skipped with the reason."""
         for cand in self._candidates[self._candidates.index(path):]:
             state = ckpt.read_state(cand)
-            refusal = rundir.world_size_refusal(cand, state, self.world)
-            if refusal:
-                raise TrainingError(refusal)
+            # written by another number of processes or ZeRO stage: its portable state, not DeepSpeed's
+            # per-process one
+            portable = rundir.needs_portable(state, self.world, self._zero_stage())
+            if portable and not (cand / ckpt.PORTABLE_FILE).is_file():
+                log.warning("rank %d: skipping checkpoint %s: written by %s process(es) (ZeRO stage %s) without %s, "
+                            "it cannot be loaded by %d (stage %d)", self.rank, cand, state.get("world_size"),
+                            state.get("zero_stage"), ckpt.PORTABLE_FILE, self.world, self._zero_stage())
+                continue
             if state.get("target") is not None:
                 diffs = rundir.identity_differences(state["target"], self.target_identity())
                 if diffs:
@@ -292,8 +329,11 @@ class TrainRecipe:
                         f"are moved aside).")
             failed = 0.0
             try:
-                self.engine.load_checkpoint(str(cand), tag=ckpt.ENGINE_TAG, load_optimizer_states=True,
-                                            load_lr_scheduler_states=True)
+                if portable:
+                    ckpt.load_portable(self.engine, cand)
+                else:
+                    self.engine.load_checkpoint(str(cand), tag=ckpt.ENGINE_TAG, load_optimizer_states=True,
+                                                load_lr_scheduler_states=True)
             except Exception as e:  # a torch zip error, a missing rank's file, DeepSpeed's assertions
                 log.warning("rank %d: skipping checkpoint %s: it does not load (%s: %s)", self.rank, cand,
                             type(e).__name__, e)
@@ -308,7 +348,8 @@ class TrainRecipe:
                 f"no checkpoint in {self.ckpt_root} loads (reasons above); move the folder aside to start over, "
                 f"or set resume=false (which moves it aside for you)")
         if self.main:
-            log.info("resuming from %s", path)
+            log.info("resuming from %s%s", path, f" (written by {state['world_size']} process(es), ZeRO stage "
+                                                 f"{state.get('zero_stage')})" if portable else "")
         self.step = state["step"]
         self.curriculum.load_state_dict(state["curriculum"])
         self.bad_total = state["bad_total"]
@@ -354,8 +395,11 @@ class TrainRecipe:
             return hidden
         # Drawn on the device (no host-made tensor to copy per micro-batch); on CPU this is
         # the same stream as ever, on CUDA a different but equally reproducible one.
+        # Keyed on the micro-batch's place in the global batch (rank r's micro-step a takes its
+        # rows (a * world + r) * micro_batch_size on: StepBatches), so a resume on another number
+        # of processes draws the same noise for the same samples; one process: (0, a) as before.
         g = torch.Generator(device=hidden.device).manual_seed(
-            hash((self.cfg.seed, self.step, self.rank, micro)) & 0x7FFFFFFF)
+            hash((self.cfg.seed, self.step, 0, micro * self.world + self.rank)) & 0x7FFFFFFF)
         if tc.noise == "uniform":  # EAGLE/MSD: amplitude scale * 512 / L
             amp = tc.noise_scale * 512 / hidden.shape[1]
             n = (torch.rand(hidden.shape, generator=g, device=hidden.device) - 0.5) * amp
@@ -582,11 +626,17 @@ class TrainRecipe:
         tmp = self.ckpt_root / f".tmp-step-{self.step:06d}"
         with ckpt.writing(self.ckpt_root, tmp, f"checkpoint step {self.step}"):
             self.engine.save_checkpoint(str(tmp), tag=ckpt.ENGINE_TAG)
+        # the same state whole, for a resume on another number of processes (every rank gathers;
+        # ZeRO-3 partitions the module too: its checkpoints resume at their own world size only)
+        portable = ckpt.portable_state(self.engine) if self._zero_stage() < 3 else None
         self.group.barrier()
         if self.main:
+            if portable is not None:
+                with ckpt.writing(self.ckpt_root, tmp, f"checkpoint step {self.step}"):
+                    ckpt.save_portable(portable, tmp)
             state = {"step": self.step, "stage": self.stage, "curriculum": self.curriculum.state_dict(),
                      "bad_total": self.bad_total, "best_tau": self.best_tau, "global_batch": self.global_batch,
-                     "world_size": self.world, "target": self.target_identity()}
+                     "world_size": self.world, "zero_stage": self._zero_stage(), "target": self.target_identity()}
             with ckpt.writing(self.ckpt_root, tmp, f"checkpoint step {self.step}"):
                 ckpt.finish(tmp, ckpt.step_dir(self.ckpt_root, self.step), state)
             ckpt.rotate(self.ckpt_root, self.cfg.checkpoint.keep)

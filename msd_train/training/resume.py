@@ -14,6 +14,11 @@ checkpoint compares its own settings with that record, before anything loads:
   and recorded: one log line per key, and a ``history`` entry in ``settings.json`` (step,
   key, old and new value), so no record claims a setting the steps before did not have.
 
+The record also holds each training data file's size, modification time and digest
+(``data_files``): a relaunch whose data file was edited in place (same path, other content)
+is refused naming the file. Size and time are compared first; only when they differ is the
+file read again, so a file that was merely touched (or copied back) still resumes.
+
 Stages written before this record existed fall back to the configuration in their
 ``best/`` or ``final/`` export's ``training.json``; with neither, the launch's settings
 are recorded as they are, with a warning.
@@ -114,6 +119,46 @@ def settings(cfg) -> dict:
     return out
 
 
+def data_files(current: dict) -> dict[str, dict]:
+    """Size, modification time (ns) and sha1 of each training data file ``settings()`` names
+    (folders and Hub names are passed over: only files are fingerprinted)."""
+    from msd_train.data.dataset import file_digest
+
+    out = {}
+    for split in TRAIN_SPLITS:
+        for source in current.get(f"data.{split}") or []:
+            path = source[0] if isinstance(source, list) else None
+            if not path or path in out or not Path(path).is_file():
+                continue
+            st = Path(path).stat()
+            out[path] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha1": file_digest(path)}
+    return out
+
+
+def changed_data_files(saved: dict, current: dict) -> list[str]:
+    """The files of ``saved`` (from :func:`data_files`) that ``current`` names too and whose
+    content differs now: one line each. Size and time first; the digest only when they differ."""
+    from msd_train.data.dataset import file_digest
+
+    changed = []
+    for path, was in sorted(saved.items()):
+        if not any(isinstance(s, list) and s and s[0] == path
+                   for split in TRAIN_SPLITS for s in current.get(f"data.{split}") or []):
+            continue  # a file this launch does not read: a path change, refused by the settings
+        try:
+            st = Path(path).stat()
+        except OSError:
+            continue  # gone: the data loading names it
+        if st.st_size == was.get("size") and st.st_mtime_ns == was.get("mtime_ns"):
+            continue
+        if st.st_size == was.get("size") and file_digest(path) == was.get("sha1"):
+            continue  # touched or copied back: the same content
+        changed.append(f"{path} (was {was.get('size')} bytes, modified "
+                       f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(was.get('mtime_ns', 0) / 1e9))}; now "
+                       f"{st.st_size} bytes, modified {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(st.st_mtime))})")
+    return changed
+
+
 def _why(key: str) -> str:
     for prefix, why in REFUSED:
         if key == prefix or key.startswith(prefix + "."):
@@ -161,16 +206,29 @@ def check_resume(cfg, stage_dir: Path, checkpoint: Path | None, step: int | None
     path = stage_dir / RECORD
     if checkpoint is None:  # nothing to resume: this launch's settings are the stage's
         if write:
-            _write(path, {"settings": current, "history": []})
+            _write(path, {"settings": current, "history": [], "data_files": data_files(current)})
         return []
     saved = recorded(stage_dir)
     if saved is None:
         log.warning("%s has no record of the settings its checkpoints were trained with (a run from before "
                     "%s existed); resuming with this launch's, which are recorded now", stage_dir, RECORD)
         if write:
-            _write(path, {"settings": current, "history": []})
+            _write(path, {"settings": current, "history": [], "data_files": data_files(current)})
         return []
     refused, applied = differences(saved, current)
+    record = _read(path)
+    if isinstance(record.get("data_files"), dict):
+        edited = changed_data_files(record["data_files"], current)
+        if edited:
+            raise ResumeRefused(
+                f"this launch would resume {checkpoint} (step {step}), but its training data changed since the stage "
+                f"began: {'; '.join(edited)}. The steps so far were taken on the old content and the data order "
+                f"indexes its samples, so continuing would repeat or skip conversations. Restore the file (the "
+                f"same content resumes), or start this stage over with resume=false (the old outputs are moved "
+                f"aside, not deleted), or use another run_dir.")
+    elif write and path.exists():  # a record from before the fingerprints: they start now
+        record["data_files"] = data_files(current)
+        _write(path, record)
     if refused:
         raise ResumeRefused(
             f"this launch would resume {checkpoint} (step {step}) with other settings than its checkpoints were "
@@ -180,17 +238,32 @@ def check_resume(cfg, stage_dir: Path, checkpoint: Path | None, step: int | None
             f"another run_dir.")
     lines = [f"{key}={new}: " + APPLIED[key].format(old=old, new=new, step=step) for key, (old, new) in applied.items()]
     if applied and write:
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
-            record = {"history": []}
-        history = record.get("history") if isinstance(record.get("history"), list) else []
-        history.append({"step": step, "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-                        "changed": {k: {"checkpoint": old, "now": new} for k, (old, new) in applied.items()}})
-        _write(path, {"settings": current, "history": history})
+        record_change(stage_dir, step, {k: {"checkpoint": old, "now": new} for k, (old, new) in applied.items()},
+                      current)
     for line in lines:
         log.warning("resume: %s", line)
     return lines
+
+
+def record_change(stage_dir: Path, step: int | None, changed: dict, current: dict | None = None) -> None:
+    """Append a ``history`` entry (step, time, ``changed``: key -> {checkpoint, now}) to the
+    stage's record; ``current``: this launch's settings, recorded as the stage's from now on."""
+    path = stage_dir / RECORD
+    record = _read(path)
+    history = record.get("history") if isinstance(record.get("history"), list) else []
+    history.append({"step": step, "when": time.strftime("%Y-%m-%d %H:%M:%S"), "changed": changed})
+    record["history"] = history
+    if current is not None:
+        record["settings"] = current
+    _write(path, record)
+
+
+def _read(path: Path) -> dict:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def _write(path: Path, record: dict) -> None:

@@ -8,7 +8,8 @@
   exports, metrics, evaluation reports) into ``stageN/replaced-<time>/``, so two runs are
   never mixed and nothing is deleted.
 - :func:`identity_differences` / :func:`world_size_refusal`: what must match between a
-  checkpoint and the launch resuming it.
+  checkpoint and the launch resuming it; another number of processes continues with the
+  checkpoint's global batch (:func:`resumed_grad_accum`).
 - :func:`truncate_metrics`: ``metrics.jsonl`` keeps only the steps of the run that continues.
 - :func:`exit_with_launcher`: the trainer stops (through its SIGTERM path: checkpoint, exit)
   when the launcher that started it is gone, instead of training on as an orphan.
@@ -98,16 +99,60 @@ def identity_differences(saved: dict, current: dict) -> list[str]:
     return diffs
 
 
-def world_size_refusal(ckpt: Path, state: dict, world: int) -> str | None:
-    """A message when ``ckpt`` was written by another number of processes: ZeRO partitions
-    the optimizer state per rank, and DeepSpeed cannot load it into another world size."""
-    saved = state.get("world_size")
-    if saved is None or int(saved) == world:
+def needs_portable(state: dict, world: int, zero_stage: int) -> bool:
+    """Whether a checkpoint (its recipe state) was written by another number of processes or
+    another ZeRO stage than this launch's: DeepSpeed's per-process files do not load then, its
+    portable state (``checkpoint.PORTABLE_FILE``) does."""
+    saved, saved_zero = state.get("world_size"), state.get("zero_stage")
+    return (saved is not None and int(saved) != world) or (saved_zero is not None and int(saved_zero) != zero_stage)
+
+
+def world_size_refusal(ckpt: Path, state: dict, world: int, micro_batch_size: int, zero_stage: int) -> str | None:
+    """Why ``ckpt``, written by another number of processes or another ZeRO stage, cannot
+    continue at ``world`` and ``zero_stage`` (None when it can, or when it was written by
+    this layout). It can when it holds the portable state (``checkpoint.PORTABLE_FILE``),
+    this launch does not partition the weights (ZeRO-3), and its global batch splits into
+    ``micro_batch_size`` x ``world`` x a whole grad_accum."""
+    from msd_train.training.checkpoint import PORTABLE_FILE
+
+    if not needs_portable(state, world, zero_stage):
         return None
-    return (f"{ckpt} was written by {saved} process(es) and this launch has {world}; ZeRO's optimizer state is "
-            f"split per process and cannot be loaded into another number. Relaunch with {saved} process(es) "
-            f"(`deepspeed --num_gpus {saved}` or `torchrun --nproc_per_node {saved}`), or start this stage over "
-            f"with resume=false (the old outputs are moved aside, not deleted).")
+    saved = int(state.get("world_size") or world)
+    saved_zero = state.get("zero_stage")
+    layout = (f"{saved} process(es)" + (f" with ZeRO stage {saved_zero}" if saved_zero is not None else "")
+              + f" and this launch has {world}" + (f" with stage {zero_stage}" if saved_zero is not None else ""))
+    same = (f"Relaunch with {saved} process(es) (`deepspeed --num_gpus {saved}` or `torchrun --nproc_per_node "
+            f"{saved}`)" + (f" and deepspeed=zero{saved_zero}" if saved_zero is not None and saved_zero != zero_stage
+                            else "")
+            + ", or start this stage over with resume=false (the old outputs are moved aside, not deleted).")
+    if not (ckpt / PORTABLE_FILE).is_file():
+        return (f"{ckpt} was written by {layout}, but it holds only DeepSpeed's per-process state (no "
+                f"{PORTABLE_FILE}: written with deepspeed=zero3, or by a version from before checkpoints kept the "
+                f"state any number of processes loads); ZeRO splits that state per process and it cannot be loaded "
+                f"into another layout. {same}")
+    if zero_stage >= 3:
+        return (f"{ckpt} was written by {layout}; this launch's deepspeed=zero3 partitions the weights too: a "
+                f"checkpoint continues at another number of processes or stage with zero1 or zero2 "
+                f"(deepspeed=zero2, the default). Relaunch with deepspeed=zero2, or: {same}")
+    global_batch = int(state["global_batch"])
+    if global_batch % (micro_batch_size * world):
+        fits = [w for w in range(1, global_batch + 1) if global_batch % (micro_batch_size * w) == 0]
+        micro = [m for m in range(1, global_batch + 1) if global_batch % (m * world) == 0]
+        return (f"{ckpt} was trained with a global batch of {global_batch} ({saved} process(es)); this launch has "
+                f"{world} process(es) x train.micro_batch_size={micro_batch_size} = {world * micro_batch_size} "
+                f"samples per accumulation step, which does not divide {global_batch}, so the global batch (and with "
+                f"it the data order and the loss) cannot be kept: grad_accum = global batch / (micro_batch_size x "
+                f"processes) must be whole. Relaunch with "
+                + (f"a number of processes in {fits} (at micro_batch_size {micro_batch_size}), or " if fits else "")
+                + (f"train.micro_batch_size in {micro} (at {world} process(es)), or " if micro else "")
+                + "with resume=false to start this stage over (the old outputs are moved aside, not deleted).")
+    return None
+
+
+def resumed_grad_accum(state: dict, world: int, micro_batch_size: int) -> int:
+    """The grad_accum that keeps a checkpoint's global batch at ``world`` processes
+    (after :func:`world_size_refusal` found none)."""
+    return int(state["global_batch"]) // (micro_batch_size * world)
 
 
 def truncate_metrics(path: Path, step: int) -> None:

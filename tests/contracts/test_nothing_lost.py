@@ -246,6 +246,34 @@ def test_resume_refuses_a_changed_learning_rate_naming_it(tmp_path):
     assert a == b
 
 
+def test_resume_refuses_a_training_data_file_edited_in_place_naming_it(tmp_path):
+    """Issue 39: a resume after the data file was edited in place (same path) went on without a word."""
+    from msd_train.training import resume
+
+    data = tmp_path / "text.json"
+    data.write_text(json.dumps([{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}]))
+    cfg = lambda: train_cfg(tmp_path, f"data.text=[{{path: {data}}}]")  # noqa: E731
+    stage = tmp_path / "run" / "stage1"
+    ckpt = stage / "checkpoints" / "step-000004"
+    resume.check_resume(cfg(), stage, None, None, write=True)
+    assert str(data) in json.loads((stage / "settings.json").read_text())["data_files"]
+    assert resume.check_resume(cfg(), stage, ckpt, 4, write=True) == []
+    st = data.stat()
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched, same content: resumes
+    assert resume.check_resume(cfg(), stage, ckpt, 4, write=True) == []
+    original = data.read_bytes()
+    data.write_bytes(original.replace(b'"yo"', b'"ya"'))  # same size, other content
+    with pytest.raises(resume.ResumeRefused) as e:
+        resume.check_resume(cfg(), stage, ckpt, 4, write=True)
+    msg = str(e.value)
+    assert str(data) in msg and "training data changed" in msg and "resume=false" in msg and "Restore the file" in msg
+    data.write_bytes(original + b"\n")  # another size: refused without reading it again
+    with pytest.raises(resume.ResumeRefused, match="text.json"):
+        resume.check_resume(cfg(), stage, ckpt, 4, write=False)
+    data.write_bytes(original)  # restored: resumes
+    assert resume.check_resume(cfg(), stage, ckpt, 4, write=True) == []
+
+
 def test_a_stage_from_before_the_record_is_compared_with_its_exports_config(tmp_path):
     from omegaconf import OmegaConf
 

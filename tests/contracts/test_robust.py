@@ -175,9 +175,83 @@ def test_target_identity_and_world_size_differences_are_named(llava_target):
     assert any(d.startswith("name:") and "other/target" in d for d in diffs)
     assert any(d.startswith("chat_template_sha1") for d in diffs)
     assert rundir.identity_differences(a, dict(a)) == []
-    msg = rundir.world_size_refusal(Path("ck"), {"world_size": 2}, 1)
+
+
+def test_another_world_size_continues_where_it_can_and_names_what_cannot_carry_over(tmp_path):
+    """Issue 41: a checkpoint of 2 processes continues on 1 or 4 with its global batch; what
+    cannot carry over (no portable state, ZeRO-3, a global batch that does not split) is named."""
+    ck = fake_checkpoint(tmp_path, 2)
+    state = {"world_size": 2, "global_batch": 8}
+    msg = rundir.world_size_refusal(ck, state, 1, 2, 2)
     assert "written by 2 process(es) and this launch has 1" in msg and "--nproc_per_node 2" in msg
-    assert rundir.world_size_refusal(Path("ck"), {"world_size": 1}, 1) is None
+    assert ckpt.PORTABLE_FILE in msg and "resume=false" in msg
+    assert rundir.world_size_refusal(ck, {"world_size": 1}, 1, 2, 2) is None
+    (ck / ckpt.PORTABLE_FILE).write_bytes(b"")
+    for world, accum in ((1, 4), (2, 2), (4, 1)):
+        assert rundir.world_size_refusal(ck, state, world, 2, 2) is None
+        assert rundir.resumed_grad_accum(state, world, 2) == accum
+    assert "deepspeed=zero3" in rundir.world_size_refusal(ck, state, 1, 2, 3)
+    msg = rundir.world_size_refusal(ck, state, 3, 2, 1)
+    assert "global batch of 8" in msg and "3 process(es) x train.micro_batch_size=2 = 6" in msg
+    assert "a number of processes in [1, 2, 4]" in msg and "resume=false" in msg
+    # another ZeRO stage at the same number of processes: the portable state too; not into ZeRO-3
+    state = {"world_size": 2, "zero_stage": 2, "global_batch": 8}
+    assert not rundir.needs_portable(state, 2, 2) and rundir.needs_portable(state, 2, 1)
+    assert rundir.world_size_refusal(ck, state, 2, 2, 1) is None
+    assert "deepspeed=zero3" in rundir.world_size_refusal(ck, state, 2, 2, 3)
+    (ck / ckpt.PORTABLE_FILE).unlink()
+    msg = rundir.world_size_refusal(ck, state, 2, 2, 1)
+    assert "ZeRO stage 2 and this launch has 2 with stage 1" in msg and "deepspeed=zero2" in msg
+
+
+@pytest.mark.parametrize("stage,bf16", [(0, False), (1, False), (2, False), (0, True), (2, True)])
+def test_portable_state_continues_the_optimizer_exactly(in_process, tmp_path, stage, bf16):
+    """portable.pt into a fresh engine (how another world size resumes), without ZeRO and with
+    ZeRO-1/2: the next step equals the step the original engine takes (moments, Adam's step count,
+    the schedule's position, frozen weights and buffers all carried over)."""
+    import deepspeed
+    from deepspeed.utils import groups
+
+    from msd_train import runtime
+    from msd_train.training.recipe import lr_lambda
+
+    group = runtime.setup_group(torch.device("cpu"), deepspeed=True, timeout_minutes=1)
+
+    def engine():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
+        m.register_buffer("scale", torch.ones(3))
+        m[1].bias.requires_grad_(False)
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2, betas=(0.9, 0.95))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(2, 10, 0.1))
+        return deepspeed.initialize(model=m, optimizer=opt, lr_scheduler=sched, config={
+            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16},
+            "steps_per_print": 10**9})[0]
+
+    def step(e, i):
+        x = torch.randn(1, 5, generator=torch.Generator().manual_seed(i)).to(next(e.module.parameters()).dtype)
+        e.backward(e(x).pow(2).sum() * e.module.scale.sum())
+        e.step()
+
+    try:
+        a = engine()
+        for i in range(3):
+            step(a, i)
+        with torch.no_grad():
+            a.module[1].bias.add_(1.0)  # a frozen weight and a buffer unlike a fresh head's
+            a.module.scale.mul_(2.0)
+        ckpt.save_portable(ckpt.portable_state(a), tmp_path)
+        b = engine()
+        ckpt.load_portable(b, tmp_path)
+        assert b.global_steps == a.global_steps == 3 and b.get_lr() == a.get_lr()
+        step(a, 3)
+        step(b, 3)
+        for (n, pa), pb in zip(a.module.named_parameters(), b.module.parameters()):
+            torch.testing.assert_close(pb, pa, rtol=0, atol=0, msg=n)
+        assert b.get_lr() == a.get_lr()
+    finally:
+        group.destroy()
+        groups._WORLD_GROUP = None
 
 
 # ----------------------------------------------------------------------------- 9, 13: config checks
@@ -444,10 +518,11 @@ def test_resume_refuses_another_target_and_another_world_size(mini_run, tmp_path
     out = train([*common, "train.max_steps=6", f"target.name_or_path={other}"])
     refused(out, "was trained on another target than this launch's", "resume=false")
     assert not (run / "stage1" / "checkpoints" / "step-000006").exists()
-    # another number of processes: refused before anything loads (RANK/WORLD_SIZE as a launcher sets them)
+    # another number of processes whose global batch cannot be kept (2 samples, 2 x 2 per accumulation
+    # step): refused before anything loads (RANK/WORLD_SIZE as a launcher sets them)
     out = train([*common, "train.max_steps=6"], env={**ENV, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
                                                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
-    refused(out, "written by 1 process(es) and this launch has 2", "--nproc_per_node 1")
+    refused(out, "global batch of 2 (1 process(es))", "a number of processes in [1]", "resume=false")
     # 6: a newest checkpoint that passes the cheap checks but does not load (its optimizer file is gone)
     for f in (run / "stage1" / "checkpoints" / "step-000004" / "engine").glob("*optim_states.pt"):
         f.unlink()
