@@ -1,6 +1,6 @@
 """Image prompts for stage 2 on the SmolLM2 target, and held-out image questions.
 
-    python benchmarks/real_lm/make_image_data.py OUT_DIR [--n-train 120] [--questions]
+    python benchmarks/real_lm/make_image_data.py OUT_DIR [--n-train 120] [--questions | --describe]
 
 OUT_DIR gets
   train_prompts.jsonl  easy-VQA training images (the first --n-train, one per image) with an
@@ -24,6 +24,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from make_smollm2_llava import vqa_pairs  # noqa: E402
 
+#: --describe: requests for a description and an explanation, which the target answers at length
+#: (its answers to REQUESTS and easy-VQA's questions average 8.8 tokens: little to draft)
+DESCRIBE = ("Describe this image in detail, then explain where one might see a shape like this.",
+            "What shape and colour do you see in this picture? Write a few sentences about them.",
+            "Look at the image and describe it. Then explain what the colour of the shape could mean.",
+            "Describe the shape in this image, then name three everyday objects that have the same shape and say why.",
+            "Write a short paragraph describing this image for someone who cannot see it.")
 REQUESTS = ("Describe this image.", "What do you see in this picture?", "Describe the shape in the image in detail.",
             "What is in this image? Explain.")
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "camera", "coins")  # shipped with scikit-image (no download)
@@ -51,6 +58,8 @@ def main() -> None:
     ap.add_argument("--n-shapes", type=int, default=4, help="held-out easy-VQA test images")
     ap.add_argument("--questions", action="store_true",
                     help="every other training image gets its own easy-VQA question instead of an open request")
+    ap.add_argument("--describe", action="store_true",
+                    help="every training image gets a request for a description and an explanation (DESCRIBE)")
     ap.add_argument("--easy-vqa", default=str(EASY_VQA), help="the unpacked easy-vqa wheel (scripts/make_smollm2_llava.py)")
     a = ap.parse_args()
     out = Path(a.out)
@@ -58,10 +67,13 @@ def main() -> None:
     root = Path(a.easy_vqa)
     with open(out / "train_prompts.jsonl", "w", encoding="utf-8") as fh:
         for k, (path, question, answer) in enumerate(images_with_questions(root, "train")[: a.n_train]):
-            ask = question if a.questions and k % 2 else REQUESTS[(k // 2 if a.questions else k) % len(REQUESTS)]
+            if a.describe:
+                ask = DESCRIBE[k % len(DESCRIBE)]
+            else:
+                ask = question if a.questions and k % 2 else REQUESTS[(k // 2 if a.questions else k) % len(REQUESTS)]
             msgs = [{"role": "user", "content": "<image>\n" + ask},
                     {"role": "assistant", "content": answer}]
-            fh.write(json.dumps({"id": f"easyvqa-train-{k}", "messages": msgs, "images": [path]}) + "\n")
+            fh.write(json.dumps({"id": f"easyvqa-{'describe' if a.describe else 'train'}-{k}", "messages": msgs, "images": [path]}) + "\n")
 
     import skimage.data
     from PIL import Image

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The scale data of benchmarks/real_lm/README.md ("Heads at scale"): the target's own answers
 # to easy-VQA image prompts and to the first user turn of ShareGPT conversations, through vLLM
-# (scripts/regenerate_data.py engine=vllm, fp32 as the CPU target, greedy), in the background.
+# (scripts/regenerate_data.py engine=vllm, fp32 as the CPU target, greedy), in the background:
+# easy-VQA's own questions and short requests, descriptions with explanations, then ShareGPT.
 # Hours on a 2-core machine; relaunching resumes (a kill loses at most one chunk in flight).
 #
 #   benchmarks/real_lm/regen_scale.sh [WORK]      # WORK default /work/scale
@@ -19,5 +20,10 @@ run() { OMP_NUM_THREADS="${THREADS:-2}" VLLM_CPU_KVCACHE_SPACE="${KV_GB:-6}" nic
 # prompts over 384 tokens are dropped: training reads 512 tokens, 384 + 128 new
 common=(engine=vllm target=smollm2_llava max_turns=1 max_new_tokens=128 max_prompt_tokens=384 batch_size=256)
 run scripts/regenerate_data.py "${common[@]}" out="$W/regen_img" "inputs=[{path: $W/img/train_prompts.jsonl}]"
+# the same images with requests for a description and an explanation (answers worth drafting)
+[ -f "$W/img_describe/train_prompts.jsonl" ] || python benchmarks/real_lm/make_image_data.py "$W/img_describe" \
+    --n-train 4000 --describe --n-shapes 8
+run scripts/regenerate_data.py "${common[@]}" batch_size=64 out="$W/regen_img_describe" \
+    "inputs=[{path: $W/img_describe/train_prompts.jsonl}]"
 run scripts/regenerate_data.py "${common[@]}" out="$W/regen_text" \
     "inputs=[{path: data/sharegpt-v3-prefix.jsonl}]" limit="${TEXT_LIMIT:-14000}"

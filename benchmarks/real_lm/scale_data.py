@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "data" / "smollm2-llava-regen"
 EASY_VQA = Path("~/.cache/msd-train/smollm2/easy_vqa-1.0-py3-none-any").expanduser()
-PARTS = {"regen_img": "images.jsonl.xz", "regen_text": "text.jsonl.xz"}
+PARTS = {"regen_img": "images.jsonl.xz", "regen_img_describe": "images-describe.jsonl.xz", "regen_text": "text.jsonl.xz"}
 KEEP = ("id", "n", "key", "messages", "images", "source", "index", "regenerated")
 
 

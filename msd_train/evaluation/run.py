@@ -207,15 +207,12 @@ def _load_models(cfg: dict, config: DecodeConfig, device: torch.device):
     from msd_train.targets import load_target
 
     from msd_train.evaluation.cpu_setting import choose
-    from msd_train.targets.cpu_linear import pack_linears
 
     tc = cfg["target"]
     setting = choose(tc, device)
     target = load_target(tc["name_or_path"], setting.dtype, device, tc.get("adapter"),
                          tc.get("chat_template"), bool(tc.get("trust_remote_code", False)),
-                         setting.attn_implementation)
-    if setting.linear == "onednn":
-        pack_linears(target.model)
+                         setting.attn_implementation, onednn_linears=setting.linear == "onednn")
     target.decoding_setting = setting
     log.info("target setting: %s", setting.why)
     draft = None

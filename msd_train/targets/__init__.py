@@ -97,11 +97,14 @@ def load_target(
     chat_template: str | None = None,
     trust_remote_code: bool = False,
     attn_implementation: str = "auto",
+    onednn_linears: bool = False,
 ) -> Target:
     """Load a frozen target by Hub id or local path, optionally merging a LoRA adapter.
 
     The adapter (a peft folder) is merged into the weights at load, so every later
     forward (features, verification) sees the tuned target at no extra cost.
+    ``onednn_linears``: fp32 linear layers on the CPU run oneDNN over packed weights
+    (``cpu_linear.pack_linears``; for decoding, inference only).
     """
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -129,6 +132,10 @@ def load_target(
         log.info("merging LoRA adapter %s into %s", adapter, name_or_path)
         model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     model.to(device)
+    if onednn_linears:
+        from msd_train.targets.cpu_linear import pack_linears
+
+        pack_linears(model)
     target = wrap_target(model, processor, name_or_path, chat_template)
     target.adapter = adapter
     return target

@@ -64,13 +64,14 @@ def test_packed_linear_rows_do_not_depend_on_the_row_count():
 def test_packing_the_tiny_target_keeps_its_logits():
     from msd_train.targets import load_target
 
-    target = load_target(str(Path(__file__).resolve().parents[2] / "data" / "tiny-llava"), "float32", "cpu")
+    folder = str(Path(__file__).resolve().parents[2] / "data" / "tiny-llava")
+    plain, packed = load_target(folder, "float32", "cpu"), load_target(folder, "float32", "cpu", onednn_linears=True)
     ids = torch.tensor([[1, 50, 60, 70, 80]])
     with torch.inference_mode():
-        before = target.model(input_ids=ids).logits
-        n = pack_linears(target.model)
-        after = target.model(input_ids=ids).logits
-    assert n > 0 and isinstance(target.lm_head, PackedLinear)
+        before = plain.model(input_ids=ids).logits
+        after = packed.model(input_ids=ids).logits
+    assert isinstance(packed.lm_head, PackedLinear) and not isinstance(plain.lm_head, PackedLinear)
+    assert pack_linears(packed.model) == 0  # nothing left to pack
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
 
 
