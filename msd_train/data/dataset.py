@@ -311,12 +311,9 @@ def _row_features():
         "missing": datasets.Value("bool")})
 
 
-def _tokenise(rows: list[dict], target, max_length: int, num_proc: int, out: Path, name: str, hint: str):
-    """Tokenise ``rows`` into Arrow files under ``out`` (``num_proc`` processes)."""
-    import datasets
-
-    ds = datasets.Dataset.from_list(rows)
-    return ds.map(
+def _tokenise(rows, target, max_length: int, num_proc: int, out: Path, name: str, hint: str):
+    """Tokenise ``rows`` (a ``datasets.Dataset``) into Arrow files under ``out`` (``num_proc`` processes)."""
+    return rows.map(
         _encode_row,
         fn_kwargs={"target": target.tokenizing_view(), "max_length": max_length, "image_root_hint": hint},
         remove_columns=["messages"], features=_row_features(),
@@ -330,7 +327,7 @@ def _build(sources: list[dict], target, max_length: int, on_bad_sample: str, num
     """Read, tokenise and write one split into the folder ``out`` (its manifest last)."""
     import datasets
 
-    rows, skipped = [], []  # skipped: (usable rows before it, BadSample)
+    rows, skipped, image_dirs = [], [], set()  # skipped: (usable rows before it, BadSample)
     for src in sources:
         for rec in read_conversations(src["path"], src.get("format", "auto"), src.get("image_root")):
             if isinstance(rec, BadSample):
@@ -339,11 +336,15 @@ def _build(sources: list[dict], target, max_length: int, on_bad_sample: str, num
                 skipped.append((len(rows), rec))
                 continue
             rows.append(rec)
+            image_dirs.update(os.path.dirname(p) for p in rec["images"])
     hint = ",".join(str(s.get("image_root")) for s in sources)
-    parts, start, wanted = [], 0, limit if limit else len(rows)
+    n = len(rows)
+    if n:  # one Arrow table; the Python records are let go before tokenising
+        rows = datasets.Dataset.from_list(rows)
+    parts, start, wanted = [], 0, limit if limit else n
     # ``limit``: the first ``limit`` usable conversations; tokenise just enough of the file.
-    while start < len(rows) and wanted > 0:
-        chunk = rows[start:start + wanted] if limit else rows
+    while start < n and wanted > 0:
+        chunk = rows.select(range(start, min(start + wanted, n))) if limit else rows
         ds = _tokenise(chunk, target, max_length, num_proc, out, f"part{len(parts)}", hint)
         parts.append(ds)
         start += len(chunk)
@@ -355,9 +356,8 @@ def _build(sources: list[dict], target, max_length: int, on_bad_sample: str, num
     # a conversation that cannot be tokenised raises before anything is written to the cache
     if ds is not None and on_bad_sample == "error":
         _select_usable(ds, "error")
-    image_dirs = sorted({os.path.dirname(p) for r in rows[:start or len(rows)] for p in r["images"]})
     manifest = {"identity": identity, "files": [_file_stamp(s["path"]) for s in sources], "arrow": arrow,
-                "skipped": [b.to_dict() for pos, b in skipped if pos < start or not limit], "image_dirs": image_dirs,
+                "skipped": [b.to_dict() for pos, b in skipped if pos < start or not limit], "image_dirs": sorted(image_dirs),
                 "rows": 0 if ds is None else len(ds)}
     (out / MANIFEST).write_text(json.dumps(manifest))
 
