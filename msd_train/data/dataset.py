@@ -21,6 +21,7 @@ says so and tokenises anew.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -205,6 +206,17 @@ def _target_identity(target) -> dict:
             "image_token_id": target.image_token_id}
 
 
+@functools.lru_cache(maxsize=1)
+def _code_digest() -> str:
+    """A digest of the code that turns a conversation into a row (readers, tokenisation,
+    chat templates, the target adapters): a cache written by other code is not used."""
+    h = hashlib.sha1()
+    for folder in (Path(__file__).parent, Path(__file__).parent.parent / "targets"):
+        for f in sorted(folder.glob("*.py")):
+            h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def _digest(obj) -> str:
     return hashlib.sha1(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -258,27 +270,31 @@ class _SplitCache:
         return all((entry / f).is_file() for f in manifest["arrow"])
 
     def _explain_rebuild(self) -> None:
-        """One log line saying why an earlier cache of these files is not used."""
+        """One log line saying why an earlier cache of these files is not used (the one
+        written for this target and code when there is one)."""
         paths = [s["path"] for s in self.stamps]
+        candidates = []
         for manifest_path in sorted(self.dir.glob(f"split-*/{MANIFEST}")):
             try:
                 old = json.loads(manifest_path.read_text())
             except (OSError, ValueError):
                 continue
-            if [f["path"] for f in old.get("files", [])] != paths:
-                continue
-            ident, now = old.get("identity") or {}, self.identity
-            data_keys = ("max_length", "limit", "sources")
-            if ident.get("version") != now["version"]:
-                why = f"written by another version of this code (cache version {ident.get('version')}, now {now['version']})"
-            elif any(ident.get(k) != now[k] for k in now if k not in data_keys):
-                why = f"written for another target or tokenizer ({ident.get('target')}, now {now['target']})"
-            elif any(ident.get(k) != now[k] for k in data_keys):
-                why = "written with other data settings (max_length, max_train/max_heldout, format or image_root)"
-            else:
-                why = "the data files changed since"
-            log.warning("the tokenised cache %s is not reused: %s; tokenising again", manifest_path.parent, why)
+            if [f["path"] for f in old.get("files", [])] == paths:
+                candidates.append((old.get("identity") != self.identity, manifest_path.parent, old.get("identity") or {}))
+        if not candidates:
             return
+        _, entry, ident = min(candidates)
+        now, data_keys = self.identity, ("max_length", "limit", "sources")
+        if ident.get("version") != now["version"] or ident.get("code") != now["code"]:
+            why = (f"written by another version of this code (cache version {ident.get('version')}, "
+                   f"now {now['version']}; code {ident.get('code')}, now {now['code']})")
+        elif any(ident.get(k) != now[k] for k in now if k not in data_keys):
+            why = f"written for another target or tokenizer ({ident.get('target')}, now {now['target']})"
+        elif any(ident.get(k) != now[k] for k in data_keys):
+            why = "written with other data settings (max_length, max_train/max_heldout, format or image_root)"
+        else:
+            why = "the data files changed since"
+        log.warning("the tokenised cache %s is not reused: %s; tokenising again", entry, why)
 
     def _write_index(self, key: str) -> None:
         index = self.dir / "index" / self.stat_key
@@ -290,12 +306,14 @@ class _SplitCache:
     def commit(self, built: Path, key: str) -> Path:
         """Move a finished build into place (a rank that lost a race keeps the winner's)."""
         entry = self._entry(key)
-        if entry.exists():
-            shutil.rmtree(entry)  # an unfinished or unusable folder of the same key
-        try:
-            built.replace(entry)
-        except OSError:
-            shutil.rmtree(built, ignore_errors=True)
+        if (entry / MANIFEST).is_file() and self._usable(entry):
+            shutil.rmtree(built, ignore_errors=True)  # another process finished the same first
+        else:
+            shutil.rmtree(entry, ignore_errors=True)  # an unfinished or unusable folder of the same key
+            try:
+                built.replace(entry)
+            except OSError:  # another process moved its build in meanwhile
+                shutil.rmtree(built, ignore_errors=True)
         self._write_index(key)
         return entry
 
@@ -431,7 +449,7 @@ def build_split(
         raise ValueError(f"data.on_bad_sample={on_bad_sample}: use skip or error")
     if not sources:
         return Split(datasets.Dataset.from_dict({}), [])
-    identity = {"version": CACHE_VERSION, **_target_identity(target), "max_length": max_length, "limit": limit,
+    identity = {"version": CACHE_VERSION, "code": _code_digest(), **_target_identity(target), "max_length": max_length, "limit": limit,
                 "sources": [[str(user_path(s["path"])), s.get("format", "auto"), str(s.get("image_root"))]
                             for s in sources]}
     identity = json.loads(json.dumps(identity))  # as a manifest holds it
@@ -461,6 +479,7 @@ def build_split(
             shutil.rmtree(entry, ignore_errors=True)  # the rows stay mapped; nothing is left behind
         if attempt == 0 and cache is not None and _restored(ds, manifest["image_dirs"]):
             log.info("an image reported missing when %s was written is back: tokenising again", entry)
+            shutil.rmtree(entry, ignore_errors=True)
             entry = None
             continue
         break

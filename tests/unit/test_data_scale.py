@@ -211,6 +211,11 @@ def test_a_cache_of_another_target_or_version_is_not_used(llava_target, targets,
     with caplog.at_level(logging.INFO, logger="msd_train.data.dataset"):
         build_split(src, llava_target, 4096, cache_dir=cache)
     assert f"written by another version of this code (cache version {dataset.CACHE_VERSION - 1}" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(dataset, "_code_digest", lambda: "edited")  # the same version number, other code
+    with caplog.at_level(logging.INFO, logger="msd_train.data.dataset"):
+        build_split(src, llava_target, 4096, cache_dir=cache)
+    assert "written by another version of this code" in caplog.text and "now edited" in caplog.text
     # a manifest edited to claim another identity is refused, not used
     entry = sorted(Path(cache).glob("split-*"), key=lambda p: p.stat().st_mtime)[-1]
     manifest = json.loads((entry / "manifest.json").read_text())
