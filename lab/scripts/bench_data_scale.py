@@ -38,10 +38,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def one(args) -> None:
     """One measurement, in this process: prints a JSON line."""
+    import datasets  # noqa: F401  (imported before the clock starts: both codes import it)
+
     from msd_train.data.dataset import build_split
     from msd_train.targets import load_target
-
-    import datasets  # noqa: F401  (imported before the clock starts: both codes import it)
 
     data = Path(args.data)
     target = load_target(args.target)

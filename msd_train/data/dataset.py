@@ -418,7 +418,7 @@ def _select_usable(ds, on_bad_sample: str, image_dirs: list[str] | None = None, 
     return (ds if len(keep) == len(ds) else ds.select(keep)), out
 
 
-def _restored(ds, image_dirs: list[str]) -> bool:
+def _restored(ds) -> bool:
     """Whether an image reported missing when the cache was written is there now."""
     import pyarrow.compute as pc
 
@@ -449,8 +449,8 @@ def build_split(
         raise ValueError(f"data.on_bad_sample={on_bad_sample}: use skip or error")
     if not sources:
         return Split(datasets.Dataset.from_dict({}), [])
-    identity = {"version": CACHE_VERSION, "code": _code_digest(), **_target_identity(target), "max_length": max_length, "limit": limit,
-                "sources": [[str(user_path(s["path"])), s.get("format", "auto"), str(s.get("image_root"))]
+    identity = {"version": CACHE_VERSION, "code": _code_digest(), **_target_identity(target),
+                "max_length": max_length, "limit": limit, "sources": [[str(user_path(s["path"])), s.get("format", "auto"), str(s.get("image_root"))]
                             for s in sources]}
     identity = json.loads(json.dumps(identity))  # as a manifest holds it
     hint = ",".join(str(s.get("image_root")) for s in sources)
@@ -477,7 +477,7 @@ def build_split(
         ds = datasets.concatenate_datasets([datasets.Dataset.from_file(str(entry / f)) for f in manifest["arrow"]])
         if cache is None:
             shutil.rmtree(entry, ignore_errors=True)  # the rows stay mapped; nothing is left behind
-        if attempt == 0 and cache is not None and _restored(ds, manifest["image_dirs"]):
+        if attempt == 0 and cache is not None and _restored(ds):
             log.info("an image reported missing when %s was written is back: tokenising again", entry)
             shutil.rmtree(entry, ignore_errors=True)
             entry = None
