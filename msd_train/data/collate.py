@@ -33,10 +33,26 @@ def collate(rows: list[dict], target, pad_id: int = 0, pixels: bool = True) -> d
     images = [im for r in rows for im in load_images(r["images"])] if pixels else []
     pixel: dict[str, torch.Tensor] = {}
     if images:
-        pixel, _ = target.image_inputs(images)
+        pixel, counts = target.image_inputs(images)
+        check_visual_counts(rows, counts)
     return {"input_ids": ids, "loss_mask": loss, "attention_mask": attn, "pixel": pixel,
             "ids": [r["id"] for r in rows], "keys": [sample_key(r) for r in rows],
             "n_images": sum(len(r["images"]) for r in rows)}
+
+
+def check_visual_counts(rows: list[dict], counts: list[int]) -> None:
+    """The processor's visual tokens per image against the rows' ``n_visual`` (counted from
+    the image headers when the data was tokenised): an image replaced by one of another size
+    since then would feed the target the wrong number of visual embeddings."""
+    at = 0
+    for r in rows:
+        n = len(r["images"])
+        if "n_visual" in r and sum(counts[at:at + n]) != r["n_visual"]:
+            raise ValueError(
+                f"{r['source']}, sample {r['id']}: its images now give {sum(counts[at:at + n])} visual tokens, "
+                f"but {r['n_visual']} when the data was tokenised (an image changed: {', '.join(r['images'])}); "
+                "touch the data file or delete data.cache_dir to tokenise it again")
+        at += n
 
 
 # ----------------------------------------------------------------------------- training batches

@@ -1,24 +1,34 @@
 """Conversations -> tokenised ``datasets.Dataset`` with loss masks, cached on disk.
 
-Tokenisation goes through ``datasets.Dataset.map`` so a 665k-conversation file is
-tokenised once (in parallel with ``num_proc``) and reused from the Arrow cache on every
-later launch and on every rank. Images are opened here to count their visual tokens and
-to catch missing or corrupt files before training starts; pixels are computed again at
-collate time rather than stored.
+The first launch reads the data files, checks every image cheaply (its header gives the
+size, its last bytes say whether the file was cut short: :func:`image_size`), counts each
+image's visual tokens from that size by the target family's rule
+(``Target.image_token_counts``: no pixels are computed here; collate does that) and
+tokenises in parallel (``datasets.Dataset.map`` with ``num_proc``) into Arrow files under
+``data.cache_dir``, one folder per split (``split-<key>``) with a ``manifest.json`` written
+last.
 
-The cache key covers what the samples read: the data files' digests and every image's
-path, size and modification time (one ``stat`` per image per launch). Images are also
-checked for existence at every launch, before the cache is consulted, so an image deleted
-after caching is a skipped sample, and one restored after being reported missing is used.
+Every later launch finds that folder from the data files' path, size and mtime, the
+target's identity (name, tokenizer, chat template, image processor) and this code's
+``CACHE_VERSION``, without reading the files (their content digest is computed only when
+size or mtime changed: a touched but unchanged file keeps its cache). The rows are
+memory-mapped, not loaded. Images are checked against a listing of their folders (one
+``listdir`` per folder, not one ``stat`` per image): an image deleted after caching is a
+skipped sample, and one restored after being reported missing is tokenised again. A cache
+written by another version of this code or for another target is never used: the launch
+says so and tokenises anew.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
+import shutil
 import stat
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,7 +41,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 2  # 2: salvaged exchanges (formats.py) and image identity in the key
+# 3: visual counts from image headers, memory-mapped split folders with a manifest
+CACHE_VERSION = 3
+MANIFEST = "manifest.json"
 
 
 @dataclass
@@ -91,22 +103,65 @@ def _image_not_found(path: str, image_root) -> dict:
             "fix": f"check image_root={image_root} or remove the sample"}
 
 
-def _encode_row(row: dict, target, max_length: int, image_root_hint: str) -> dict:
-    """Tokenise one conversation, or say in ``bad`` why it cannot be used."""
-    empty = {"input_ids": [], "loss_mask": [], "n_visual": 0, "bad": "", "fix": ""}
+class DamagedImage(ValueError):
+    """An image file that cannot be used as it is (cut short, not an image)."""
+
+
+# The last bytes a complete file of each format holds (searched for in its tail: some
+# writers pad after them).
+_END_MARKERS = {"JPEG": b"\xff\xd9", "MPO": b"\xff\xd9", "PNG": b"IEND", "GIF": b"\x3b"}
+
+
+def image_size(path: str) -> tuple[int, int]:
+    """(width, height) of an image read from its header, and a cheap check that the file is
+    whole: a JPEG's end-of-image marker, a PNG's IEND chunk, a GIF's trailer in its last
+    bytes (a download cut short lacks them); other formats are decoded. Raises
+    FileNotFoundError for a missing file and :class:`DamagedImage` for a damaged one."""
+    from PIL import Image, UnidentifiedImageError
+
     try:
-        images = load_images(row["images"])
-    except FileNotFoundError as e:  # deleted since build_split checked it
-        return {**empty, **_image_not_found(str(e.filename or ""), image_root_hint)}
-    except Exception as e:  # PIL raises several types for broken files
-        return {**empty, "bad": f"image cannot be decoded ({type(e).__name__}: {e})",
-                "fix": "re-download or remove the image"}
-    enc = target.encode(row["messages"], images)
+        with open(path, "rb") as f:
+            try:
+                im = Image.open(f)
+            except UnidentifiedImageError as e:
+                raise DamagedImage(f"UnidentifiedImageError: {e}") from None
+            size, fmt = im.size, im.format
+            marker = _END_MARKERS.get(fmt)
+            if marker is None:
+                try:
+                    im.load()
+                except Exception as e:  # PIL raises several types for broken files
+                    raise DamagedImage(f"{type(e).__name__}: {e}") from None
+                return size
+            end = f.seek(0, os.SEEK_END)
+            f.seek(max(end - 1024, 0))
+            tail = f.read()
+    except IsADirectoryError:
+        raise DamagedImage("a folder, not an image file") from None
+    if marker not in tail.rstrip(b"\x00\r\n ") [-max(len(marker) + 16, 64):]:
+        raise DamagedImage(f"the file is cut short: no {fmt} end marker in its last bytes")
+    return size
+
+
+def _encode_row(row: dict, target, max_length: int, image_root_hint: str) -> dict:
+    """Tokenise one conversation, or say in ``bad`` why it cannot be used (``missing``: an
+    image file is not there, which a later launch checks again)."""
+    empty = {"input_ids": [], "loss_mask": [], "n_visual": 0, "bad": "", "fix": "", "missing": False}
+    sizes = []
+    for p in row["images"]:
+        try:
+            sizes.append(image_size(p))
+        except FileNotFoundError:
+            return {**empty, **_image_not_found(p, image_root_hint), "missing": True}
+        except Exception as e:  # DamagedImage, or an OSError reading it
+            return {**empty, "bad": f"image cannot be decoded ({Path(p).name}: {e})",
+                    "fix": f"re-download or remove the image {p}"}
+    enc = target.encode(row["messages"], counts=target.image_token_counts(sizes) if sizes else [])
     ids, mask, refused = truncate(enc.input_ids, enc.loss_mask, target.image_token_id, max_length)
     if refused:
         return {**empty, "bad": refused[0], "fix": refused[1]}
     return {"input_ids": ids.tolist(), "loss_mask": mask.tolist(), "n_visual": int((ids == target.image_token_id).sum()),
-            "bad": "", "fix": ""}
+            "bad": "", "fix": "", "missing": False}
 
 
 def truncate(ids: torch.Tensor, mask: torch.Tensor, image_token_id: int, max_length: int):
@@ -137,6 +192,241 @@ def split_limit(data_cfg, name: str) -> int | None:
     return None if n is None else int(n)
 
 
+def _target_identity(target) -> dict:
+    """What a tokenised row depends on besides the data: the tokenizer's vocabulary and
+    rules, the chat template, the image processor's settings (the visual counts)."""
+    tok = target.tokenizer
+    backend = getattr(tok, "backend_tokenizer", None)
+    vocab = backend.to_str() if backend is not None else json.dumps(sorted(tok.get_vocab().items()))
+    ip = getattr(target.processor, "image_processor", None)
+    images = ip.to_json_string() if hasattr(ip, "to_json_string") else repr(ip)
+    return {"target": target.name, "family": target.family, "template": target.chat_template,
+            "tokenizer": hashlib.sha1(vocab.encode()).hexdigest(), "vocab": len(tok),
+            "special": target.template_vars(), "image_processor": hashlib.sha1(images.encode()).hexdigest(),
+            "image_token_id": target.image_token_id}
+
+
+@functools.lru_cache(maxsize=1)
+def _code_digest() -> str:
+    """A digest of the code that turns a conversation into a row (readers, tokenisation,
+    chat templates, the target adapters): a cache written by other code is not used."""
+    h = hashlib.sha1()
+    for folder in (Path(__file__).parent, Path(__file__).parent.parent / "targets"):
+        for f in sorted(folder.glob("*.py")):
+            h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _digest(obj) -> str:
+    return hashlib.sha1(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _file_stamp(path: str) -> dict:
+    st = os.stat(user_path(path))
+    return {"path": str(user_path(path)), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+class _SplitCache:
+    """The split folders of ``cache_dir``: ``split-<content key>/`` (Arrow files and
+    ``manifest.json``) and ``index/<stat key>`` (the content key of the data files as they
+    were when that size and mtime were seen)."""
+
+    def __init__(self, cache_dir: str, sources: list[dict], identity: dict):
+        self.dir = Path(cache_dir)
+        self.sources, self.identity = sources, identity
+        for s in sources:
+            if not user_path(s["path"]).exists():
+                raise FileNotFoundError(f"{user_path(s['path'])}: data file not found; check data.*.path")
+        self.stamps = [_file_stamp(s["path"]) for s in sources]
+        self.stat_key = _digest({"identity": identity, "files": self.stamps})
+
+    def _entry(self, key: str) -> Path:
+        return self.dir / f"split-{key}"
+
+    def find(self) -> tuple[Path | None, str]:
+        """(the folder of a finished cache for these files and this target, or None; the content key)."""
+        index = self.dir / "index" / self.stat_key
+        if index.is_file():
+            key = index.read_text().strip()
+            if self._usable(self._entry(key)):
+                return self._entry(key), key
+        digests = [file_digest(s["path"]) for s in self.sources]
+        key = _digest({"identity": self.identity, "digests": digests})
+        if self._usable(self._entry(key)):
+            log.info("data files touched but unchanged: reusing the tokenised cache %s", self._entry(key))
+            self._write_index(key)
+            return self._entry(key), key
+        self._explain_rebuild()
+        return None, key
+
+    def _usable(self, entry: Path) -> bool:
+        try:
+            manifest = json.loads((entry / MANIFEST).read_text())
+        except (OSError, ValueError):
+            return False
+        if manifest.get("identity") != self.identity:
+            log.warning("%s does not belong to this launch (another code version or target): not used", entry)
+            return False
+        return all((entry / f).is_file() for f in manifest["arrow"])
+
+    def _explain_rebuild(self) -> None:
+        """One log line saying why an earlier cache of these files is not used (the one
+        written for this target and code when there is one)."""
+        paths = [s["path"] for s in self.stamps]
+        candidates = []
+        for manifest_path in sorted(self.dir.glob(f"split-*/{MANIFEST}")):
+            try:
+                old = json.loads(manifest_path.read_text())
+            except (OSError, ValueError):
+                continue
+            if [f["path"] for f in old.get("files", [])] == paths:
+                candidates.append((old.get("identity") != self.identity, manifest_path.parent, old.get("identity") or {}))
+        if not candidates:
+            return
+        _, entry, ident = min(candidates)
+        now, data_keys = self.identity, ("max_length", "limit", "sources")
+        if ident.get("version") != now["version"] or ident.get("code") != now["code"]:
+            why = (f"written by another version of this code (cache version {ident.get('version')}, "
+                   f"now {now['version']}; code {ident.get('code')}, now {now['code']})")
+        elif any(ident.get(k) != now[k] for k in now if k not in data_keys):
+            why = f"written for another target or tokenizer ({ident.get('target')}, now {now['target']})"
+        elif any(ident.get(k) != now[k] for k in data_keys):
+            why = "written with other data settings (max_length, max_train/max_heldout, format or image_root)"
+        else:
+            why = "the data files changed since"
+        log.warning("the tokenised cache %s is not reused: %s; tokenising again", entry, why)
+
+    def _write_index(self, key: str) -> None:
+        index = self.dir / "index" / self.stat_key
+        index.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index.with_name(f"{index.name}.tmp-{os.getpid()}")
+        tmp.write_text(key)
+        tmp.replace(index)
+
+    def commit(self, built: Path, key: str) -> Path:
+        """Move a finished build into place (a rank that lost a race keeps the winner's)."""
+        entry = self._entry(key)
+        if (entry / MANIFEST).is_file() and self._usable(entry):
+            shutil.rmtree(built, ignore_errors=True)  # another process finished the same first
+        else:
+            shutil.rmtree(entry, ignore_errors=True)  # an unfinished or unusable folder of the same key
+            try:
+                built.replace(entry)
+            except OSError:  # another process moved its build in meanwhile
+                shutil.rmtree(built, ignore_errors=True)
+        self._write_index(key)
+        return entry
+
+
+def _row_features():
+    import datasets
+
+    return datasets.Features({
+        "id": datasets.Value("string"), "images": datasets.Sequence(datasets.Value("string")),
+        "source": datasets.Value("string"), "index": datasets.Value("int64"),
+        "input_ids": datasets.Sequence(datasets.Value("int32")), "loss_mask": datasets.Sequence(datasets.Value("int8")),
+        "n_visual": datasets.Value("int32"), "bad": datasets.Value("string"), "fix": datasets.Value("string"),
+        "missing": datasets.Value("bool")})
+
+
+def _tokenise(rows, target, max_length: int, num_proc: int, out: Path, name: str, hint: str):
+    """Tokenise ``rows`` (a ``datasets.Dataset``) into Arrow files under ``out`` (``num_proc`` processes)."""
+    return rows.map(
+        _encode_row,
+        fn_kwargs={"target": target.tokenizing_view(), "max_length": max_length, "image_root_hint": hint},
+        remove_columns=["messages"], features=_row_features(),
+        num_proc=num_proc if num_proc > 1 and len(rows) > 1 else None,
+        cache_file_name=str(out / f"{name}.arrow"), new_fingerprint=f"{name}-{os.getpid()}", desc="tokenising",
+    )
+
+
+def _build(sources: list[dict], target, max_length: int, on_bad_sample: str, num_proc: int, limit: int | None,
+           identity: dict, out: Path) -> None:
+    """Read, tokenise and write one split into the folder ``out`` (its manifest last)."""
+    import datasets
+
+    rows, skipped, image_dirs = [], [], set()  # skipped: (usable rows before it, BadSample)
+    for src in sources:
+        for rec in read_conversations(src["path"], src.get("format", "auto"), src.get("image_root")):
+            if isinstance(rec, BadSample):
+                if on_bad_sample == "error":
+                    raise BadSampleError(rec)
+                skipped.append((len(rows), rec))
+                continue
+            rows.append(rec)
+            image_dirs.update(os.path.dirname(p) for p in rec["images"])
+    hint = ",".join(str(s.get("image_root")) for s in sources)
+    n = len(rows)
+    if n:  # one Arrow table; the Python records are let go before tokenising
+        rows = datasets.Dataset.from_list(rows)
+    parts, start, wanted = [], 0, limit if limit else n
+    # ``limit``: the first ``limit`` usable conversations; tokenise just enough of the file.
+    while start < n and wanted > 0:
+        chunk = rows.select(range(start, min(start + wanted, n))) if limit else rows
+        ds = _tokenise(chunk, target, max_length, num_proc, out, f"part{len(parts)}", hint)
+        parts.append(ds)
+        start += len(chunk)
+        if on_bad_sample == "error" or not limit:
+            break
+        wanted -= sum(1 for b in ds.data.column("bad").to_pylist() if not b)
+    ds = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0] if parts else None
+    arrow = [] if ds is None else [Path(f["filename"]).name for f in ds.cache_files]
+    # a conversation that cannot be tokenised raises before anything is written to the cache
+    if ds is not None and on_bad_sample == "error":
+        _select_usable(ds, "error")
+    manifest = {"identity": identity, "files": [_file_stamp(s["path"]) for s in sources], "arrow": arrow,
+                "skipped": [b.to_dict() for pos, b in skipped if pos < start or not limit], "image_dirs": sorted(image_dirs),
+                "rows": 0 if ds is None else len(ds)}
+    (out / MANIFEST).write_text(json.dumps(manifest))
+
+
+def _select_usable(ds, on_bad_sample: str, image_dirs: list[str] | None = None, hint: str = ""):
+    """(the rows that can be trained on, the BadSamples of the others); with ``image_dirs``,
+    a row whose image is no longer listed in its folder is one of the others."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    table = ds.data.table if hasattr(ds.data, "table") else ds.data
+    bad = np.asarray(pc.not_equal(table.column("bad"), "").to_numpy(zero_copy_only=False))
+    gone = np.zeros(len(ds), dtype=bool)
+    if image_dirs:
+        listed = []
+        for d in image_dirs:
+            try:
+                listed += [os.path.join(d, n) for n in os.listdir(d)]
+            except OSError:
+                pass
+        images = table.column("images").combine_chunks()
+        if len(pc.list_flatten(images)):
+            present = pc.is_in(pc.list_flatten(images), value_set=pa.array(listed, pa.string())).to_numpy(
+                zero_copy_only=False)
+            parents = pc.list_parent_indices(images).to_numpy()
+            gone[np.unique(parents[~present])] = True
+    out = []
+    for i in np.flatnonzero(bad | gone):
+        r = ds[int(i)]
+        if gone[i] and not r["bad"]:
+            missing = next(p for p in r["images"] if not os.path.exists(p))
+            why = _image_not_found(missing, hint)
+            r = {**r, **why}
+        b = BadSample(r["source"], r["index"], r["id"], r["bad"], r["fix"])
+        if on_bad_sample == "error":
+            raise BadSampleError(b)
+        out.append(b)
+    keep = np.flatnonzero(~(bad | gone))
+    return (ds if len(keep) == len(ds) else ds.select(keep)), out
+
+
+def _restored(ds) -> bool:
+    """Whether an image reported missing when the cache was written is there now."""
+    import pyarrow.compute as pc
+
+    table = ds.data.table if hasattr(ds.data, "table") else ds.data
+    idx = pc.indices_nonzero(table.column("missing")).to_numpy()
+    return any(os.path.exists(p) for i in idx[:10000] for p in ds[int(i)]["images"])
+
+
 def build_split(
     sources: list[dict],
     target,
@@ -146,7 +436,8 @@ def build_split(
     num_proc: int = 1,
     limit: int | None = None,
 ) -> Split:
-    """Read, validate and tokenise every source of one split.
+    """Read, validate and tokenise every source of one split, or map the cache of an
+    earlier launch (module docstring).
 
     ``sources`` are config entries ``{path, format, image_root}``. With
     ``on_bad_sample=error`` the first bad sample raises :class:`BadSampleError`;
@@ -156,61 +447,53 @@ def build_split(
 
     if on_bad_sample not in ("skip", "error"):
         raise ValueError(f"data.on_bad_sample={on_bad_sample}: use skip or error")
-    rows, skipped = [], []
-    images = hashlib.sha1()
-    for src in sources:
-        for rec in read_conversations(src["path"], src.get("format", "auto"), src.get("image_root")):
-            if not isinstance(rec, BadSample):
-                stamp, missing = stat_images(rec["images"])
-                if missing is not None:
-                    why = _image_not_found(missing, src.get("image_root"))
-                    rec = BadSample(rec["source"], rec["index"], rec["id"], why["bad"], why["fix"])
-                else:
-                    images.update(json.dumps(stamp).encode())
-            if isinstance(rec, BadSample):
-                if on_bad_sample == "error":
-                    raise BadSampleError(rec)
-                skipped.append(rec)
-                continue
-            rows.append(rec)
-            if limit and len(rows) >= limit:
-                break
-    if not rows:
-        return Split(datasets.Dataset.from_dict({}), skipped)
-
-    key = json.dumps({
-        "v": CACHE_VERSION, "files": [(s["path"], file_digest(s["path"]), str(s.get("image_root"))) for s in sources],
-        "target": target.name, "template": target.chat_template, "max_length": max_length,
-        "vocab": len(target.tokenizer), "limit": limit, "images": images.hexdigest(),
-    }, sort_keys=True)
-    fingerprint = hashlib.sha1(key.encode()).hexdigest()[:16]
-    ds = datasets.Dataset.from_list(rows)
-    kwargs = {}
+    if not sources:
+        return Split(datasets.Dataset.from_dict({}), [])
+    identity = {"version": CACHE_VERSION, "code": _code_digest(), **_target_identity(target),
+                "max_length": max_length, "limit": limit, "sources": [[str(user_path(s["path"])), s.get("format", "auto"), str(s.get("image_root"))]
+                            for s in sources]}
+    identity = json.loads(json.dumps(identity))  # as a manifest holds it
+    hint = ",".join(str(s.get("image_root")) for s in sources)
     if cache_dir:
-        Path(cache_dir).mkdir(parents=True, exist_ok=True)
-        kwargs["cache_file_name"] = str(Path(cache_dir) / f"tokenised-{fingerprint}.arrow")
-    roots = ",".join(str(s.get("image_root")) for s in sources)
-    ds = ds.map(
-        _encode_row,
-        fn_kwargs={"target": target.tokenizing_view(), "max_length": max_length, "image_root_hint": roots},
-        remove_columns=["messages"],
-        num_proc=num_proc if num_proc > 1 else None,
-        new_fingerprint=fingerprint,
-        desc="tokenising",
-        **kwargs,
-    )
-    bad_idx = [i for i, b in enumerate(ds["bad"]) if b]
-    if bad_idx:
-        for i in bad_idx:
-            r = ds[i]
-            bad = BadSample(r["source"], r["index"], r["id"], r["bad"], r["fix"])
-            if on_bad_sample == "error":
-                raise BadSampleError(bad)
-            skipped.append(bad)
-        keep = sorted(set(range(len(ds))) - set(bad_idx))
-        ds = ds.select(keep)
-    ds = ds.remove_columns(["bad", "fix"])
-    return Split(ds, skipped)
+        cache = _SplitCache(cache_dir, sources, identity)
+        cache.dir.mkdir(parents=True, exist_ok=True)
+        entry, key = cache.find()
+    else:
+        cache, entry, key = None, None, ""
+    for attempt in range(2):
+        if entry is None:
+            parent = cache.dir if cache else Path(tempfile.gettempdir())
+            built = Path(tempfile.mkdtemp(prefix=".building-", dir=parent))
+            try:
+                _build(sources, target, max_length, on_bad_sample, num_proc, limit, identity, built)
+            except BaseException:
+                shutil.rmtree(built, ignore_errors=True)
+                raise
+            entry = cache.commit(built, key) if cache else built
+        manifest = json.loads((entry / MANIFEST).read_text())
+        if not manifest["arrow"]:
+            ds = datasets.Dataset.from_dict({})
+            break
+        ds = datasets.concatenate_datasets([datasets.Dataset.from_file(str(entry / f)) for f in manifest["arrow"]])
+        if cache is None:
+            shutil.rmtree(entry, ignore_errors=True)  # the rows stay mapped; nothing is left behind
+        if attempt == 0 and cache is not None and _restored(ds):
+            log.info("an image reported missing when %s was written is back: tokenising again", entry)
+            shutil.rmtree(entry, ignore_errors=True)
+            entry = None
+            continue
+        break
+    skipped = []
+    for b in manifest["skipped"]:
+        b = BadSample(**b)
+        if on_bad_sample == "error":
+            raise BadSampleError(b)
+        skipped.append(b)
+    if len(ds) == 0:
+        return Split(datasets.Dataset.from_dict({}), skipped)
+    ds, bad = _select_usable(ds, on_bad_sample, manifest["image_dirs"] if cache else None, hint)
+    ds = ds.remove_columns(["bad", "fix", "missing"])
+    return Split(ds, skipped + bad)
 
 
 def write_skipped(path: str | Path, skipped: list[BadSample]) -> None:

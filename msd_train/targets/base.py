@@ -230,16 +230,27 @@ class Target:
         """Processor tensors for ``images`` (PIL) and the visual tokens each one expands to."""
         raise NotImplementedError
 
-    def encode(self, messages: list[dict], images: list) -> Encoded:
+    def image_token_counts(self, sizes: list[tuple[int, int]]) -> list[int]:
+        """The visual tokens of images of these (width, height) sizes, without their pixels:
+        the family's rule, the arithmetic its processor applies (equal to ``image_inputs``'
+        counts; ``tests/unit/test_data_scale.py`` holds every family to it)."""
+        raise NotImplementedError
+
+    def encode(self, messages: list[dict], images: list = (), counts: list[int] | None = None) -> Encoded:
         """A conversation (``<image>`` markers in the text, PIL images) -> ids and loss mask.
 
         The loss mask is 1 exactly on the assistant turns' tokens, each turn's
-        end-of-turn token included.
+        end-of-turn token included. With ``counts`` (each image's visual tokens, e.g. from
+        :meth:`image_token_counts`) no image is needed and no pixels are computed.
         """
         segments = render_segments(
             messages, self.chat_template, self.image_prompt_text, self.end_of_turn,
             **self.template_vars(),
         )
+        if counts is not None:
+            ids, mask = encode_segments(self.tokenizer, segments, self.image_text, self.image_token_id, counts,
+                                        bos=self.add_bos())
+            return Encoded(ids, mask, {}, len(counts))
         return self._encode_rendered(segments, images)
 
     def encode_prompt(self, messages: list[dict], images: list) -> Encoded:

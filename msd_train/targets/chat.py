@@ -84,7 +84,38 @@ def _compiled(template: str):
     return ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False).from_string(template)
 
 
+def _vicuna_v1(messages: list[dict], add_generation_prompt: bool, **special) -> str:
+    eos = special.get("eos_token", "")
+    out = []
+    for k, m in enumerate(messages):
+        if m["role"] == "system":
+            out.append(m["content"])
+        elif m["role"] == "user":
+            out.append((" USER: " if k == 0 else "USER: ") + m["content"] + " ")
+        else:
+            out.append("ASSISTANT: " + m["content"] + eos)
+    return "".join(out) + ("ASSISTANT:" if add_generation_prompt else "")
+
+
+def _chatml_qwen(messages: list[dict], add_generation_prompt: bool, **special) -> str:
+    out = []
+    for k, m in enumerate(messages):
+        if k == 0 and m["role"] != "system":
+            out.append("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
+        out.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
+    return "".join(out) + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+#: the built-in templates written as Python: the same text as their Jinja source renders
+#: (``tests/unit/test_data_scale.py`` holds them to it), without a Jinja render per segment.
+#: A folder's template is matched by its source, so a target shipping one of them gets it too.
+_PYTHON_TEMPLATES = {VICUNA_V1: _vicuna_v1, CHATML_QWEN: _chatml_qwen}
+
+
 def _render(template: str, messages: list[dict], add_generation_prompt: bool, **special) -> str:
+    fast = _PYTHON_TEMPLATES.get(template)
+    if fast is not None:
+        return fast(messages, add_generation_prompt, **special)
     return _compiled(template).render(
         messages=messages, add_generation_prompt=add_generation_prompt, **special
     )

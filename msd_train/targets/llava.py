@@ -58,6 +58,9 @@ class LlavaTarget(Target):
     def image_grids(self, pixel):
         return [self.patch_grid] * (pixel["pixel_values"].shape[0] if pixel else 0)
 
+    def image_token_counts(self, sizes):
+        return [self.tokens_per_image] * len(sizes)
+
     def image_inputs(self, images):
         pixel = self.processor.image_processor(images=images, return_tensors="pt")
         return {"pixel_values": pixel["pixel_values"]}, [self.tokens_per_image] * len(images)
@@ -99,6 +102,10 @@ class LlavaNextTarget(LlavaTarget):
     def image_grids(self, pixel):
         raise ValueError(f"{self.name}: a LLaVA-NeXT image's tokens are a base grid plus unpadded tiles with "
                          "newline tokens, not one grid; decoding.variants P and C need one grid per image")
+
+    def image_token_counts(self, sizes):
+        # the processor's own count from (height, width), as image_inputs uses it
+        return list(self.processor._get_num_multimodal_tokens(image_sizes=[(h, w) for w, h in sizes]).num_image_tokens)
 
     def image_inputs(self, images):
         from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches

@@ -82,6 +82,11 @@ class QwenVLTarget(Target):
         counts = (grid.prod(-1) // self.merge_size**2).tolist()
         return {"pixel_values": out["pixel_values"], "image_grid_thw": grid}, counts
 
+    def image_token_counts(self, sizes):
+        # the image processor's own patch arithmetic (smart_resize to its pixel bounds)
+        ip = self.processor.image_processor
+        return [ip.get_number_of_image_patches(h, w, {}) // self.merge_size**2 for w, h in sizes]
+
     def image_grids(self, pixel):
         """From ``image_grid_thw``: (h, w) patches merged ``merge_size``-fold per axis."""
         grids = []

@@ -30,22 +30,30 @@ def encode_segments(
         ids.append(tokenizer.bos_token_id)
         mask.append(0)
     image_index = 0
+    # one tokenizer call for every text piece (a fast tokenizer encodes a batch at once)
+    pieces: list[tuple[str, bool]] = []
     for seg in segments:
-        parts = seg.text.split(image_text)
-        for j, part in enumerate(parts):
+        for j, part in enumerate(seg.text.split(image_text)):
             if j > 0:
-                if image_index >= len(tokens_per_image):
-                    raise ValueError(
-                        f"more image placeholders than images ({len(tokens_per_image)})"
-                    )
-                n = tokens_per_image[image_index]
-                image_index += 1
-                ids.extend([image_token_id] * n)
-                mask.extend([0] * n)
+                pieces.append(("", False))  # an image slot
             if part:
-                toks = tokenizer.encode(part, add_special_tokens=False)
-                ids.extend(toks)
-                mask.extend([int(seg.loss)] * len(toks))
+                pieces.append((part, seg.loss))
+    texts = [p for p, _ in pieces if p]
+    encoded = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+    for part, loss in pieces:
+        if part:
+            toks = next(encoded)
+            ids.extend(toks)
+            mask.extend([int(loss)] * len(toks))
+            continue
+        if image_index >= len(tokens_per_image):
+            raise ValueError(
+                f"more image placeholders than images ({len(tokens_per_image)})"
+            )
+        n = tokens_per_image[image_index]
+        image_index += 1
+        ids.extend([image_token_id] * n)
+        mask.extend([0] * n)
     if image_index != len(tokens_per_image):
         raise ValueError(
             f"{len(tokens_per_image)} images but {image_index} image placeholders in the text"

@@ -126,10 +126,10 @@ def test_tokenised_split_is_cached(tmp_path, llava_target):
     p = _write(tmp_path, "x.json", [ex(id=i) for i in range(5)])
     cache = tmp_path / "cache"
     a = build_split([{"path": str(p)}], llava_target, 100, cache_dir=str(cache))
-    files = sorted(cache.glob("*.arrow"))
+    files = sorted(cache.glob("split-*/*.arrow"))
     assert files
     b = build_split([{"path": str(p)}], llava_target, 100, cache_dir=str(cache))
-    assert sorted(cache.glob("*.arrow")) == files
+    assert sorted(cache.glob("split-*/*.arrow")) == files
     assert a.dataset["input_ids"] == b.dataset["input_ids"]
     # a changed file gets a new cache entry
     p.write_text(json.dumps([ex("other question", id=i) for i in range(5)]))
