@@ -31,6 +31,11 @@ DESCRIBE = ("Describe this image in detail, then explain where one might see a s
             "Look at the image and describe it. Then explain what the colour of the shape could mean.",
             "Describe the shape in this image, then name three everyday objects that have the same shape and say why.",
             "Write a short paragraph describing this image for someone who cannot see it.")
+#: --describe: the second user turn, a text follow-up on the image's answer (the image stays in context)
+FOLLOW_UPS = ("Tell me more about it: where might one see it, and what could it mean?",
+              "Can you explain that in more detail?",
+              "Why do you think so? Explain your answer step by step.",
+              "Write a short story about what you described.")
 REQUESTS = ("Describe this image.", "What do you see in this picture?", "Describe the shape in the image in detail.",
             "What is in this image? Explain.")
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "camera", "coins")  # shipped with scikit-image (no download)
@@ -59,7 +64,8 @@ def main() -> None:
     ap.add_argument("--questions", action="store_true",
                     help="every other training image gets its own easy-VQA question instead of an open request")
     ap.add_argument("--describe", action="store_true",
-                    help="every training image gets a request for a description and an explanation (DESCRIBE)")
+                    help="every training image gets a request for a description and an explanation (DESCRIBE) and a "
+                         "text follow-up (FOLLOW_UPS): two exchanges")
     ap.add_argument("--easy-vqa", default=str(EASY_VQA), help="the unpacked easy-vqa wheel (scripts/make_smollm2_llava.py)")
     a = ap.parse_args()
     out = Path(a.out)
@@ -73,6 +79,9 @@ def main() -> None:
                 ask = question if a.questions and k % 2 else REQUESTS[(k // 2 if a.questions else k) % len(REQUESTS)]
             msgs = [{"role": "user", "content": "<image>\n" + ask},
                     {"role": "assistant", "content": answer}]
+            if a.describe:  # a second exchange, answered at length with the image still in context
+                msgs += [{"role": "user", "content": FOLLOW_UPS[k % len(FOLLOW_UPS)]},
+                         {"role": "assistant", "content": answer}]
             fh.write(json.dumps({"id": f"easyvqa-{'describe' if a.describe else 'train'}-{k}", "messages": msgs, "images": [path]}) + "\n")
 
     import skimage.data

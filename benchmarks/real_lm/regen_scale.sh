@@ -20,10 +20,10 @@ run() { OMP_NUM_THREADS="${THREADS:-2}" VLLM_CPU_KVCACHE_SPACE="${KV_GB:-6}" nic
 # prompts over 384 tokens are dropped: training reads 512 tokens, 384 + 128 new
 common=(engine=vllm target=smollm2_llava max_turns=1 max_new_tokens=128 max_prompt_tokens=384 batch_size=256)
 run scripts/regenerate_data.py "${common[@]}" out="$W/regen_img" "inputs=[{path: $W/img/train_prompts.jsonl}]"
-# the same images with requests for a description and an explanation (answers worth drafting)
+# the same images with a request for a description and a text follow-up, two turns (answers worth drafting)
 [ -f "$W/img_describe/train_prompts.jsonl" ] || python benchmarks/real_lm/make_image_data.py "$W/img_describe" \
     --n-train 4000 --describe --n-shapes 8
-run scripts/regenerate_data.py "${common[@]}" batch_size=64 out="$W/regen_img_describe" \
+run scripts/regenerate_data.py "${common[@]/max_turns=1/max_turns=2}" batch_size=64 out="$W/regen_img_describe" \
     "inputs=[{path: $W/img_describe/train_prompts.jsonl}]"
 run scripts/regenerate_data.py "${common[@]}" out="$W/regen_text" \
     "inputs=[{path: data/sharegpt-v3-prefix.jsonl}]" limit="${TEXT_LIMIT:-14000}"

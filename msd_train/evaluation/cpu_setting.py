@@ -1,16 +1,14 @@
 """The target's dtype, attention and linear kernels for decoding, chosen for the machine.
 
-``target.dtype=auto`` on CUDA is bf16, as everywhere in the field. On a CPU it depends on the
-CPU (measured: ``benchmarks/real_lm/README.md``, "Any CPU"):
-
-- **native bf16** (AVX-512 BF16 or AMX, and oneDNN allowed to use it): bf16 with eager
-  attention. oneDNN's bf16 products cost the same for 1 to 8 rows, so a verification costs
-  about one plain step; eager attention and a two-row plain step
-  (``decoding.plain_rows=auto``) keep chains bit-exact; trees can part from plain decoding at
-  exact bf16 rounding ties, which eval.py counts as near-ties.
-- **no native bf16**: fp32, with every linear layer on oneDNN over a weight packed once
-  (``msd_train.targets.cpu_linear``): a verification of a few tokens costs about one plain
-  step, and every row is computed as it would be alone, so outputs equal plain decoding.
+``target.dtype=auto`` on CUDA is bf16, as everywhere in the field. On a CPU it is **fp32 with
+every linear layer on oneDNN over a weight packed once** (``msd_train.targets.cpu_linear``):
+a forward over a few tokens then costs about what one token's does, so a verification costs
+about one plain step, and the outputs equal plain decoding. Measured on SmolLM2-135M
+(``benchmarks/real_lm/README.md``, "Any CPU"), that is faster than bf16 even on a CPU with
+native bf16, and much faster than PyTorch's own fp32 linears (MKL: k rows cost ~k rows).
+Where this PyTorch has no oneDNN, a CPU with native bf16 (AVX-512 BF16 or AMX, and oneDNN
+allowed to use it) gets bf16 with eager attention (chains bit-exact with the two-row plain
+step, ``decoding.plain_rows=auto``; trees exact up to bf16 rounding ties), any other fp32.
 
 A dtype or attention given explicitly is kept; ``target.cpu_linear`` (auto | onednn | aten)
 picks the fp32 kernels (auto: oneDNN on a CPU). ``choose(tc, device)`` returns the choice and
@@ -84,23 +82,26 @@ def choose(tc: dict, device: torch.device) -> CPUSetting:
         resolved = resolve_dtype(dtype, device)
         return CPUSetting(_name(resolved), "sdpa" if attn == "auto" else attn, "aten",
                           f"{device.type}: dtype {dtype}")
+    from msd_train.targets.cpu_linear import onednn_available
+
     if dtype == "auto":
-        bf16, why = native_bf16()
-        dtype = "bfloat16" if bf16 else "float32"
-        why = f"{why}: {dtype}"
+        bf16, cpu = native_bf16()
+        if linear != "aten" and onednn_available():
+            dtype, why = "float32", (f"float32 with oneDNN linears: a verification costs about one plain step, faster "
+                                     f"than bf16 on the CPUs measured, and exact ({cpu})")
+        else:
+            dtype = "bfloat16" if bf16 else "float32"
+            why = f"{cpu}: {dtype}"
     else:
         dtype, why = _name(resolve_dtype(dtype, device)), f"target.dtype={dtype} as given"
     if attn == "auto":
         attn = "eager" if dtype != "float32" else "sdpa"
         why += f", {attn} attention" + (" (exact rows in bf16)" if attn == "eager" else "")
-    from msd_train.targets.cpu_linear import onednn_available
 
     use = dtype == "float32" and linear != "aten" and onednn_available()
     if linear == "onednn" and not use:
         why += "; target.cpu_linear=onednn not applied (" + ("not fp32" if dtype != "float32" else
                                                               "this PyTorch has no oneDNN") + ")"
-    if use:
-        why += ", fp32 linears on oneDNN (packed weights)"
     return CPUSetting(dtype, attn, "onednn" if use else "aten", why)
 
 

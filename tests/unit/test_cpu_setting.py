@@ -25,19 +25,28 @@ def test_native_bf16_needs_the_flag_and_lets_oneDNN_limit_it():
     assert not has and "ONEDNN_MAX_CPU_ISA" in why
 
 
-def test_auto_on_a_cpu_picks_by_native_bf16(monkeypatch):
+def test_auto_on_a_cpu_is_fp32_on_onednn_else_by_native_bf16(monkeypatch):
     import msd_train.evaluation.cpu_setting as cs
+    import msd_train.targets.cpu_linear as cl
 
-    monkeypatch.setattr(cs, "native_bf16", lambda: (False, "no native bf16"))
-    s = choose({"dtype": "auto", "attn_implementation": "auto"}, CPU)
-    assert (s.dtype, s.attn_implementation) == ("float32", "sdpa") and "no native bf16" in s.why
-    assert s.linear == ("onednn" if onednn_available() else "aten")
     monkeypatch.setattr(cs, "native_bf16", lambda: (True, "native bf16"))
+    monkeypatch.setattr(cl, "onednn_available", lambda: True)
+    s = choose({"dtype": "auto", "attn_implementation": "auto"}, CPU)
+    assert (s.dtype, s.attn_implementation, s.linear) == ("float32", "sdpa", "onednn")
+    assert "oneDNN" in s.why and "native bf16" in s.why  # the choice and what the CPU has
+    # without oneDNN: bf16 (eager attention, exact rows) only where the CPU has it natively
+    monkeypatch.setattr(cl, "onednn_available", lambda: False)
     s = choose({"dtype": "auto", "attn_implementation": "auto"}, CPU)
     assert (s.dtype, s.attn_implementation, s.linear) == ("bfloat16", "eager", "aten")
+    monkeypatch.setattr(cs, "native_bf16", lambda: (False, "no native bf16"))
+    s = choose({"dtype": "auto", "attn_implementation": "auto"}, CPU)
+    assert (s.dtype, s.attn_implementation, s.linear) == ("float32", "sdpa", "aten") and "no native bf16" in s.why
     # what the user gives is kept
+    monkeypatch.setattr(cl, "onednn_available", lambda: True)
     s = choose({"dtype": "fp32", "attn_implementation": "eager", "cpu_linear": "aten"}, CPU)
     assert (s.dtype, s.attn_implementation, s.linear) == ("float32", "eager", "aten")
+    s = choose({"dtype": "bfloat16", "attn_implementation": "auto"}, CPU)
+    assert (s.dtype, s.attn_implementation, s.linear) == ("bfloat16", "eager", "aten")
     with pytest.raises(ValueError, match="target.cpu_linear=fast"):
         choose({"cpu_linear": "fast"}, CPU)
 
