@@ -148,3 +148,16 @@ def test_stage3_refusals_name_the_fix(tmp_path, capsys, monkeypatch):
         (other / "config.json").write_text(json.dumps({**config, key: value}))
         code, out = launch(["stage='3'", f"stage.init_from={other}", f"run_dir={tmp_path / ('o' + key)}"], capsys)
         assert code == 1 and f"was trained for a target with {what}" in out and "head of another target" in out
+
+
+@pytest.mark.parametrize("key,value,phrase", [
+    ("train.objective", "onpolicy", "is not one of supervised, on_policy"),
+    ("train.rollout_steps", 0, "must be at least 1"),
+    ("train.rollout_weight", "chain", "is not one of reach, uniform"),
+])
+def test_on_policy_settings_are_checked_before_loading(key, value, phrase):
+    from msd_train.validate import ConfigError, check_train
+
+    *parents, last = key.split(".")
+    with pytest.raises(ConfigError, match=rf"^{key}=\S+ {phrase}"):
+        check_train({parents[0]: {last: value}})
