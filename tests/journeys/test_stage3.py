@@ -115,13 +115,12 @@ def launch(overrides, capsys):
 
 
 def test_stage3_refusals_name_the_fix(tmp_path, capsys, monkeypatch):
-    import msd_train.targets as targets
+    import msd_train.training.recipe as training_recipe  # imported before the patch, restored after it
 
     def no_load(*a, **k):
         raise AssertionError("the target was loaded before the refusal")
 
-    monkeypatch.setattr(targets, "load_target", no_load)
-    monkeypatch.setattr("msd_train.training.recipe.load_target", no_load)
+    monkeypatch.setattr(training_recipe, "load_target", no_load)
     from transformers import AutoConfig
 
     from msd_train.config import CONF_DIR
@@ -161,3 +160,11 @@ def test_on_policy_settings_are_checked_before_loading(key, value, phrase):
     *parents, last = key.split(".")
     with pytest.raises(ConfigError, match=rf"^{key}=\S+ {phrase}"):
         check_train({parents[0]: {last: value}})
+
+
+def test_an_msd_rollout_with_gradient_checkpointing_is_refused(mini_run, head_dir, tmp_path):
+    """Checkpointed decoder layers drop the cache the later rollout steps read (transformers
+    turns it off), which would fail mid-step; refused at setup with the fix."""
+    with pytest.raises(Exception, match="set train.gradient_checkpointing=false"):
+        recipe(["stage='3'", *mini_run, f"stage.init_from={head_dir}", "train.gradient_checkpointing=true",
+                f"run_dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}"])
