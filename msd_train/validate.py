@@ -103,6 +103,13 @@ def check_train(cfg) -> None:
         _number(cfg, key, float, lo=0, hi=1, hint=" (a share of each global batch, within [0, 1])")
     _choice(cfg, "stage.curriculum.schedule", ("linear", "cosine", "step"))
     _choice(cfg, "train.noise", ("uniform", "gaussian", "none"))
+    _choice(cfg, "train.objective", ("supervised", "on_policy"))
+    _choice(cfg, "train.rollout_weight", ("reach", "uniform"))
+    _number(cfg, "train.rollout_steps", int, lo=1, hint=" (steps of each anchor's chain in on-policy training)")
+    if _get(cfg, "train.objective") == "on_policy" and not _get(cfg, "stage.init_from"):
+        raise ConfigError("train.objective=on_policy refines a trained head on its own drafts, and stage.init_from "
+                          "is null (a fresh head); set stage.init_from=DIR (an exported head), or run stage=3 after "
+                          "stages 1 and 2 with the same run_dir (it reads RUN_DIR/stage2/final)")
     _choice(cfg, "train.precision", ("auto", "bf16", "fp32"))
     _choice(cfg, "data.on_bad_sample", ("skip", "error"))
     _choice(cfg, "features.mode", ("online", "offline"))

@@ -16,6 +16,9 @@ call only the members below, never the concrete ``forward`` signature or the tar
     head.project(features)              target features -> the state its step reads
     head.step(embeds, state, ...)       one drafting step over T new positions -> states
     head.logits(states, target)         logits over the TARGET vocabulary; abstract
+    head.unroll(inputs, steps)          the chains drafted from every anchor of a target
+                                        pass along its tokens, each step reading the
+                                        head's own previous states (training-time test)
 
 Optional capabilities are members only of the heads that have them:
 ``restrict_vocabulary(target, ids)`` (decode over a subset of the target's vocabulary: msd)
@@ -34,6 +37,7 @@ from pathlib import Path
 
 import torch
 from transformers import PreTrainedConfig, PreTrainedModel
+from transformers.cache_utils import DynamicCache
 
 from msd_train.draft.compression import SlotMap, slot_map
 from msd_train.draft.families import LAYER_FAMILIES
@@ -70,6 +74,13 @@ def saved_model_type(path, **kwargs) -> str | None:
     config, _ = PreTrainedConfig.get_config_dict(str(path), **{k: v for k, v in kwargs.items()
                                                                 if k in ("revision", "cache_dir")})
     return config.get("model_type")
+
+
+def shift(x: torch.Tensor, i: int, fill=0) -> torch.Tensor:
+    """``x[:, t + i]`` at t, over dim 1 (positions past the end: ``fill``)."""
+    out = torch.full_like(x, fill)
+    out[:, : x.shape[1] - i] = x[:, i:]
+    return out
 
 
 def pair(first: torch.Tensor, per_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,3 +177,32 @@ class DraftHead(PreTrainedModel, metaclass=ABCMeta):
     @abstractmethod
     def logits(self, states: torch.Tensor, target) -> torch.Tensor:
         """Logits over the target's vocabulary after the head's ``states``."""
+
+    def unroll(self, inputs: dict, steps: int, forward=None) -> list[torch.Tensor]:
+        """The head's states (B, T, H) for steps 0..steps-1 of the chain drafted from every
+        anchor t of one pass (``inputs``: ``read_pass``'s), along the pass's own tokens:
+        step i at anchor t reads the embedding e_{t+1+i} (every per-token input shifted by
+        i), the head's own step i-1 state at t, at position id pos_t + i, and attends to the
+        step-0 keys up to t and to the keys of its own chain (steps 1..i at t): exactly what
+        a chain drafted from anchor t sees, the target's features committed up to t and the
+        head's own predictions after. Step 0 is ``forward`` over the pass. Per-token inputs
+        past the sequence's end are zeros (those positions are never loss positions).
+        ``forward``: the callable that runs the head (the DeepSpeed engine in training)."""
+        forward = forward or self
+        states, pos = inputs["hidden_states"], inputs.get("position_ids")
+        per_token = {k: v for k, v in inputs.items() if k not in ("hidden_states", "position_ids") and v is not None}
+        embeds = inputs["input_embeds"]
+        B, T = embeds.shape[:2]
+        if pos is None:
+            pos = torch.arange(T, device=embeds.device)[None].expand(B, T)
+        cache = DynamicCache()
+        causal = torch.ones(T, T, dtype=torch.bool, device=embeds.device).tril()
+        own = torch.eye(T, dtype=torch.bool, device=embeds.device)
+        outs = []
+        for i in range(steps):
+            mask = torch.cat([causal] + [own] * i, dim=1)[None, None].expand(B, 1, T, (i + 1) * T)
+            states = forward(**{k: shift(v, i) for k, v in per_token.items()}, hidden_states=states,
+                             position_ids=pos + i, attention_mask=mask, past_key_values=cache,
+                             use_cache=True).last_hidden_state
+            outs.append(states)
+        return outs

@@ -78,22 +78,27 @@ class TrainVocab:
 
 
 class _TokenLoss(torch.autograd.Function):
-    """sum_i CE(softmax(lm_head f_i), log_softmax(lm_head p_i)) and the top-1 agreement count,
-    chunk by chunk; the gradient with respect to ``p`` is computed in the forward pass.
+    """sum_i w_i CE(softmax(lm_head f_i), log_softmax(lm_head p_i)), each position's top-1
+    agreement and its acceptance probability sum_x min(p_target(x), p_draft(x)) (what
+    speculative sampling accepts a draft from it with), chunk by chunk; the gradient with
+    respect to ``p`` is computed in the forward pass. ``weight``: per-position w_i (None: 1).
     With a ``TrainVocab``: over its rows, positions whose target top-1 ``top`` is outside
     it weighted 0 (no host sync: every position is computed over N rows, then masked)."""
 
     @staticmethod
-    def forward(ctx, p, f, lm_head, chunk, vocab=None, top=None):
+    def forward(ctx, p, f, lm_head, chunk, vocab=None, top=None, weight=None):
         want_grad = ctx.needs_input_grad[0]
         tok = torch.zeros((), dtype=torch.float32, device=p.device)
-        agree = torch.zeros((), dtype=torch.long, device=p.device)
+        hit = torch.zeros(p.shape[0], dtype=torch.bool, device=p.device)
+        overlap = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
         grad = torch.zeros_like(p) if want_grad else None
         head = lm_head if vocab is None else vocab
         dtype = lm_head.weight.dtype
         for s in range(0, p.shape[0], chunk):
             target_logp = torch.log_softmax(head(f[s:s + chunk].to(dtype)).float(), -1)
             keep = None if vocab is None else vocab.member[top[s:s + chunk]].float()
+            if weight is not None:
+                keep = weight[s:s + chunk].float() if keep is None else keep * weight[s:s + chunk].float()
             with torch.enable_grad():
                 pc = p[s:s + chunk].detach().requires_grad_(want_grad)
                 draft_logp = torch.log_softmax(head(pc.to(dtype)).float(), -1)
@@ -102,18 +107,19 @@ class _TokenLoss(torch.autograd.Function):
                 if want_grad:
                     grad[s:s + chunk] = torch.autograd.grad(part, pc)[0]
             tok += part.detach()
+            overlap[s:s + chunk] = torch.minimum(target_logp, draft_logp.detach()).exp().sum(-1)
             if vocab is None:
-                agree += (draft_logp.argmax(-1) == target_logp.argmax(-1)).sum()
+                hit[s:s + chunk] = draft_logp.argmax(-1) == target_logp.argmax(-1)
             else:  # a target top-1 outside the vocabulary is a miss, as in decoding
-                agree += ((vocab.ids[draft_logp.argmax(-1)] == top[s:s + chunk]) & (keep > 0)).sum()
+                hit[s:s + chunk] = (vocab.ids[draft_logp.argmax(-1)] == top[s:s + chunk]) & vocab.member[top[s:s + chunk]]
         ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(agree)
-        return tok, agree
+        ctx.mark_non_differentiable(hit, overlap)
+        return tok, hit, overlap
 
     @staticmethod
-    def backward(ctx, grad_tok, grad_agree):
+    def backward(ctx, grad_tok, grad_hit, grad_overlap):
         (grad,) = ctx.saved_tensors
-        return grad * grad_tok, None, None, None, None, None
+        return grad * grad_tok, None, None, None, None, None, None
 
 
 def lm_head_argmax(lm_head: torch.nn.Module, hidden: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
@@ -135,6 +141,7 @@ def msd_loss(
     chunk: int = CHUNK,
     vocab: TrainVocab | None = None,
     target_top: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss summed over ``mask`` positions and divided by ``n_tokens`` (global count).
 
@@ -144,8 +151,11 @@ def msd_loss(
     logits are built at once (the result does not depend on it). ``vocab``: the token term
     over a draft vocabulary (module docstring); ``target_top`` (B, T), the target's top-1
     id at each of ``target_hidden``'s positions where the caller has it (a feature store),
-    spares the full-vocabulary product that finds it. Returns the loss and detached parts
-    (sums, for logging).
+    spares the full-vocabulary product that finds it. ``weight`` (one per selected position,
+    in ``index`` / ``pred[mask]`` order): each position's terms weighted by it (None: 1).
+    Returns the loss and detached parts (sums, for logging, and per selected position
+    ``hit``, its top-1 agreement, and ``overlap``, sum_x min(p_target, p_draft): the
+    probability that speculative sampling accepts a token drafted there).
     """
     if index is None:
         m = mask.bool()
@@ -156,10 +166,13 @@ def msd_loss(
         f = target_hidden.flatten(0, 1).index_select(0, index).float()
         n = torch.full((), index.numel(), dtype=torch.long, device=pred.device)
         top = None if target_top is None else target_top.flatten().index_select(0, index)
-    feat = F.smooth_l1_loss(p, f, reduction="none").mean(-1).sum()
+    feat = F.smooth_l1_loss(p, f, reduction="none").mean(-1)
+    feat = feat.sum() if weight is None else (feat * weight).sum()
     if vocab is not None and (top is None or bool((top < 0).any())):
         top = lm_head_argmax(lm_head, f.detach(), chunk)  # not stored: one full-vocabulary product
-    tok, agree = _TokenLoss.apply(p, f.detach(), lm_head, max(int(chunk), 1), vocab,
-                                  None if vocab is None else top.to(p.device))
+    tok, hit, overlap = _TokenLoss.apply(p, f.detach(), lm_head, max(int(chunk), 1), vocab,
+                                         None if vocab is None else top.to(p.device),
+                                         None if weight is None else weight.detach())
     loss = (w_feat * feat + w_tok * tok) / max(n_tokens, 1.0)
-    return loss, {"feat_sum": feat.detach(), "tok_sum": tok.detach(), "agree_sum": agree, "n": n}
+    return loss, {"feat_sum": feat.detach(), "tok_sum": tok.detach(), "agree_sum": hit.sum(), "n": n,
+                  "hit": hit, "overlap": overlap}

@@ -10,10 +10,8 @@ A drafting step reads the head's own previous state ``s`` in place of ``g``. At 
 positions ``e`` is the target's visual embedding (the projector output) with
 ``decouple_visual``, the image placeholder token's embedding without (plain EAGLE-3).
 
-The training-time test (``unroll``) runs the head ``ttt_steps`` times over a sequence:
-step i at anchor t reads the embedding e_{t+1+i} and the head's own step i-1 state at t,
-at position id pos_t + i, and attends to the step-0 keys up to t and to the keys of its
-own chain (steps 1..i at t): exactly what a chain drafted from anchor t sees.
+The training-time test runs the head ``ttt_steps`` times over a sequence
+(``DraftHead.unroll``): exactly what a chain drafted from each anchor sees.
 """
 
 from __future__ import annotations
@@ -182,27 +180,3 @@ class MSD3DraftModel(DraftHead):
         small = self.draft_logits(states.to(self.lm_head.weight.dtype)).to(target.dtype)
         out = small.new_full((*small.shape[:-1], self.t2d.shape[0]), float("-inf"))
         return out.index_copy_(-1, self.draft_ids, small)
-
-    # ----- training-time test ------------------------------------------------------------
-
-    def unroll(self, inputs: dict, steps: int, forward=None) -> list[torch.Tensor]:
-        """The head's states (B, T, H) for steps 0..steps-1 (see the module docstring):
-        step i reads step i-1's states. Embeddings past the sequence's end are zeros (those
-        positions are never loss positions)."""
-        forward = forward or self
-        embeds, states, pos = inputs["input_embeds"], inputs["hidden_states"], inputs["position_ids"]
-        B, T = embeds.shape[:2]
-        if pos is None:
-            pos = torch.arange(T, device=embeds.device)[None].expand(B, T)
-        cache = DynamicCache()
-        causal = torch.ones(T, T, dtype=torch.bool, device=embeds.device).tril()
-        own = torch.eye(T, dtype=torch.bool, device=embeds.device)
-        outs = []
-        for i in range(steps):
-            e = torch.zeros_like(embeds)
-            e[:, : T - i] = embeds[:, i:]
-            mask = torch.cat([causal] + [own] * i, dim=1)[None, None].expand(B, 1, T, (i + 1) * T)
-            states = forward(input_embeds=e, hidden_states=states, position_ids=pos + i, attention_mask=mask,
-                             past_key_values=cache, use_cache=True).last_hidden_state
-            outs.append(states)
-        return outs

@@ -31,7 +31,7 @@ def run(cfg) -> None:
     from msd_train.training import checkpoint as ckpt
     from msd_train.training import resume, rundir
     from msd_train.training.build_locks import clear_stale_build_locks
-    from msd_train.training.recipe import TrainingError, TrainRecipe
+    from msd_train.training.recipe import TrainingError, TrainRecipe, check_init_from_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "datasets", "httpx"):
@@ -67,6 +67,8 @@ def run(cfg) -> None:
             # what the checkpoint was trained with vs this launch: a change it cannot take is refused
             # (naming each key), one it can is applied and recorded (stageN/settings.json)
             resume.check_resume(cfg, stage_dir, newest[0] if newest else None, state.get("step"), write=rank == 0)
+            if not newest and cfg.stage.init_from:  # the head this stage starts from, before the target loads
+                check_init_from_config(cfg)
             rundir.exit_with_launcher()
             # DeepSpeed compiles its communication op when the engine starts, waiting silently on
             # a build lock that a killed launch may have left.

@@ -10,7 +10,10 @@ A head (``msd_train.draft.DraftHead``) says how it reads a target pass and draft
     objective.rollout_hits(target, features, k)                         k-step chain hits
 
 The recipe (``recipe.py``) and validation (``validation.py``) call only these. One class
-per head architecture, registered under the head's ``architecture`` name.
+per head architecture and kind of training (``train.objective``), registered under the
+head's ``architecture`` name and its ``kind``: ``supervised`` (the head reads the target's
+features at every position) or ``on_policy`` (the head is trained at the positions its own
+chains reach, reading its own predicted features: ``OnPolicy``).
 """
 
 from __future__ import annotations
@@ -19,30 +22,34 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from msd_train.draft.head import pair
-from msd_train.draft.loss import TrainVocab, lm_head_argmax, msd_loss
+from msd_train.draft.head import pair, shift
+from msd_train.draft.loss import TrainVocab, lm_head_argmax, loss_index, msd_loss
 
-#: head architecture (``DraftHead.architecture``) -> its objective class
-OBJECTIVES: dict[str, type[Objective]] = {}
+#: (head architecture (``DraftHead.architecture``), kind (``train.objective``)) -> its objective class
+OBJECTIVES: dict[tuple[str, str], type[Objective]] = {}
+#: the kinds of training ``train.objective`` names
+KINDS = ("supervised", "on_policy")
 
 
 def register_objective(cls):
-    """Class decorator: the objective of heads whose architecture is ``cls.architecture``."""
-    OBJECTIVES[cls.architecture] = cls
+    """Class decorator: the ``cls.kind`` objective of heads whose architecture is ``cls.architecture``."""
+    OBJECTIVES[cls.architecture, cls.kind] = cls
     return cls
 
 
-def objective_for(head) -> Objective:
-    """The training objective of ``head`` (its architecture's)."""
-    if head.architecture not in OBJECTIVES:
-        raise ValueError(f"no training objective for {head.architecture} heads; known: {sorted(OBJECTIVES)}")
-    return OBJECTIVES[head.architecture](head)
+def objective_for(head, kind: str = "supervised") -> Objective:
+    """The ``kind`` training objective (``train.objective``) of ``head``'s architecture."""
+    if (head.architecture, kind) not in OBJECTIVES:
+        known = sorted(f"{a}/{k}" for a, k in OBJECTIVES)
+        raise ValueError(f"no {kind} training objective for {head.architecture} heads; known: {known}")
+    return OBJECTIVES[head.architecture, kind](head)
 
 
 class Objective(ABC):
     """How one head is trained and measured (see the module docstring)."""
 
     architecture: str = ""
+    kind: str = "supervised"
 
     def __init__(self, head):
         self.head = head
@@ -136,11 +143,88 @@ class MSDObjective(Objective):
         return hits
 
 
-def _shift(x: torch.Tensor, i: int, fill=0) -> torch.Tensor:
-    """x[:, t + i] at t (positions past the end: ``fill``)."""
-    out = torch.full_like(x, fill)
-    out[:, : x.shape[1] - i] = x[:, i:]
-    return out
+def _mask_of(index: torch.Tensor, B: int, T: int) -> torch.Tensor:
+    """The (B, T) bool mask whose flat positions are ``index``."""
+    mask = torch.zeros(B * T, dtype=torch.bool, device=index.device)
+    mask[index] = True
+    return mask.view(B, T)
+
+
+def _rollout_settings(train) -> tuple[int, bool]:
+    """(steps, reach-weighted) of an on-policy objective: ``train.rollout_steps`` and
+    ``train.rollout_weight`` (``reach`` | ``uniform``)."""
+    weighting = getattr(train, "rollout_weight", "reach")
+    if weighting not in ("reach", "uniform"):
+        raise ValueError(f"train.rollout_weight={weighting!r}: use reach or uniform")
+    return int(getattr(train, "rollout_steps", 1)), weighting == "reach"
+
+
+@register_objective
+class MSDOnPolicy(MSDObjective):
+    """The head trained on its own drafts (``train.objective=on_policy``). Along the
+    target's own tokens, the chain from every anchor runs ``train.rollout_steps`` steps
+    (``DraftHead.unroll``: step i reads the head's own step i-1 prediction, as drafting
+    does); step i at anchor t is trained toward the target at the position it drafts, t+1+i:
+    its feature h_{t+1+i} and its distribution softmax(lm_head h_{t+1+i}) (forward KL; the
+    soft cross-entropy differs by the target's entropy, which no weight changes). The
+    target's answer is the path, so the target's score of every drafted position is the
+    pass's own feature (stored or online): no extra target forward. With
+    ``train.rollout_weight=reach`` step i's terms weigh the (detached) probability that the
+    chain reaches it, prod_{j<i} sum_x min(p_j, q_j), which is what speculative sampling
+    accepts each earlier step with; ``uniform``: 1. A chain stops where the answer does.
+    One step is the supervised loss exactly (``MSDObjective``); held-out loss and rollout
+    are the supervised ones, so runs compare."""
+
+    kind = "on_policy"
+
+    def training_loss(self, target, features, index, n_tokens: float, train, noise=None, forward=None):
+        head = self.head
+        steps, reach_weighted = _rollout_settings(train)
+        inputs, plan = head.read_pass(features, target)
+        if noise is not None:
+            inputs["hidden_states"] = noise(inputs["hidden_states"])
+        outs = head.unroll(inputs, steps, forward)
+        truth = features.hidden_states[:, 1:]
+        top = features.target_top[:, 1:] if features.target_top is not None else None
+        B, T = truth.shape[:2]
+        mask = _mask_of(index, B, T)
+        chain, reach = mask, torch.ones(B * T, device=truth.device)
+        total, sums, loss_sum = 0.0, {"n": torch.full((), index.numel(), device=truth.device)}, 0.0
+        for i, out in enumerate(outs):
+            out = out if plan is None else plan.expand(out)
+            if i:  # anchors whose chain is still in the answer at step i
+                chain = chain & shift(mask, i, False)
+                idx = loss_index(chain)
+            else:
+                idx = index
+            weight = reach.index_select(0, idx) if i and reach_weighted else None
+            loss, parts = msd_loss(out, shift(truth, i), target.lm_head, None, n_tokens, train.w_feat, train.w_tok,
+                                   index=idx, vocab=self.train_vocab,
+                                   target_top=None if top is None else shift(top, i, -1), weight=weight)
+            total = total + loss
+            loss_sum = loss_sum + train.w_feat * parts["feat_sum"] + train.w_tok * parts["tok_sum"]
+            sums.update({f"feat_{i}": parts["feat_sum"], f"tok_{i}": parts["tok_sum"], f"hit_{i}": parts["agree_sum"],
+                         f"valid_{i}": parts["n"],
+                         f"reach_{i}": parts["n"].float() if weight is None else weight.sum()})
+            if reach_weighted and i + 1 < steps:
+                reach = reach.index_put((idx,), reach.index_select(0, idx) * parts["overlap"])
+        sums["loss_sum"] = loss_sum
+        return total, sums
+
+    def training_metrics(self, sums: dict[str, float], train) -> dict[str, float]:
+        """``loss``: all steps' weighted terms per loss position; ``feat_loss``, ``tok_loss``
+        and ``top1`` of step 0 (the supervised ones); per step i ``acc_i`` (top-1 agreement
+        at the anchors whose chain reaches step i in the answer) and ``reach_i`` (the mean
+        weight of its terms)."""
+        n = max(sums["n"], 1.0)
+        out = {"loss": sums["loss_sum"] / n, "feat_loss": sums["feat_0"] / n, "tok_loss": sums["tok_0"] / n,
+               "top1": sums["hit_0"] / n}
+        i = 0
+        while f"hit_{i}" in sums:
+            out[f"acc_{i}"] = sums[f"hit_{i}"] / max(sums[f"valid_{i}"], 1.0)
+            out[f"reach_{i}"] = sums[f"reach_{i}"] / max(sums[f"valid_{i}"], 1.0)
+            i += 1
+        return out
 
 
 @register_objective
@@ -170,35 +254,46 @@ class MSD3Objective(Objective):
                 in_vocab = head.t2d[lm_head_argmax(lm_head, hidden)]
         return probs, in_vocab
 
-    def _ttt(self, target, features, mask, noise=None, forward=None):
+    def _ttt(self, target, features, mask, noise=None, forward=None, steps=None, reach_weighted=False):
         """Per-step (weighted loss sum, hit count, valid count) of the unrolled head; valid:
-        the loss positions whose target token is in the draft vocabulary."""
+        the loss positions whose target token is in the draft vocabulary. ``steps``: None,
+        ``ttt_steps``; step i weighs ``ttt_decay**i``, or with ``reach_weighted`` the
+        (detached) probability that a sampled chain reaches it (``MSD3OnPolicy``)."""
         head = self.head
         inputs, plan = head.read_pass(features, target, noise=noise)
         probs, in_vocab = self._targets(target, features)
-        outs = head.unroll(inputs, head.config.ttt_steps, forward)
+        outs = head.unroll(inputs, head.config.ttt_steps if steps is None else steps, forward)
         outs = outs if plan is None else [plan.expand(s) for s in outs]
         loss, hits, valid = [], [], []
+        reach = torch.ones(probs.shape[:2], device=probs.device)
         for i, states in enumerate(outs):
             logp = torch.log_softmax(head.draft_logits(states).float(), -1)
-            ok = _shift(mask.bool() & in_vocab, i, False)
-            p = _shift(probs, i)
-            loss.append(-(p * logp).sum(-1)[ok].sum() * head.config.ttt_decay ** i)
+            ok = shift(mask.bool() & in_vocab, i, False)
+            p = shift(probs, i)
+            per = -(p * logp).sum(-1)
+            if reach_weighted:
+                loss.append((per * reach)[ok].sum())
+                reach = reach * torch.minimum(p, logp.detach().exp()).sum(-1)
+            else:
+                loss.append(per[ok].sum() * head.config.ttt_decay ** i)
             hits.append(((logp.argmax(-1) == p.argmax(-1)) & ok).sum())
             valid.append(ok.sum())
         return loss, hits, valid
 
     def training_loss(self, target, features, index, n_tokens: float, train, noise=None, forward=None):
         B, T = features.hidden_states.shape[0], features.hidden_states.shape[1] - 1
-        mask = torch.zeros(B * T, dtype=torch.bool, device=features.hidden_states.device)
-        mask[index] = True
-        loss, hits, valid = self._ttt(target, features, mask.view(B, T), noise, forward)
+        mask = _mask_of(index, B, T)
+        loss, hits, valid = self._ttt(target, features, mask, noise, forward, *self._steps(train))
         total = torch.stack(loss).sum()
         sums = {"loss_sum": total.detach(), "n": torch.full((), index.numel(), device=total.device)}
         for i, (h, v) in enumerate(zip(hits, valid)):
             sums[f"hit_{i}"], sums[f"valid_{i}"] = h, v
-            sums[f"positions_{i}"] = _shift(mask.view(B, T), i, False).sum()  # every loss position step i reads
+            sums[f"positions_{i}"] = shift(mask, i, False).sum()  # every loss position step i reads
         return total / max(n_tokens, 1.0), sums
+
+    def _steps(self, train) -> tuple[int | None, bool]:
+        """(steps, reach-weighted) of the training-time test: ``ttt_steps``, decayed."""
+        return None, False
 
     def training_metrics(self, sums: dict[str, float], train) -> dict[str, float]:
         """``acc_i``: step i's top-1 agreement over the positions whose target token is in the
@@ -206,10 +301,12 @@ class MSD3Objective(Objective):
         position, a target token outside the draft vocabulary counted as a miss (EAGLE-3's
         logged acc; the draft can never propose such a token)."""
         out = {"loss": sums["loss_sum"] / max(sums["n"], 1.0)}
-        for i in range(self.head.config.ttt_steps):
+        i = 0
+        while f"hit_{i}" in sums:
             out[f"acc_{i}"] = sums[f"hit_{i}"] / max(sums[f"valid_{i}"], 1.0)
             if f"positions_{i}" in sums:
                 out[f"acc_all_{i}"] = sums[f"hit_{i}"] / max(sums[f"positions_{i}"], 1.0)
+            i += 1
         out["top1"] = out["acc_0"]
         return out
 
@@ -225,5 +322,17 @@ class MSD3Objective(Objective):
         outs = outs if plan is None else [plan.expand(s) for s in outs]
         target_top = lm_head_argmax(target.lm_head, features.hidden_states[:, 1:])
         # the argmax of ``logits``: the draft-vocabulary argmax, mapped to its target id
-        return [head.draft_ids[head.draft_logits(s).argmax(-1)] == _shift(target_top, j, -1)
+        return [head.draft_ids[head.draft_logits(s).argmax(-1)] == shift(target_top, j, -1)
                 for j, s in enumerate(outs)]
+
+
+@register_objective
+class MSD3OnPolicy(MSD3Objective):
+    """The training-time test as ``train.objective=on_policy`` runs it (``MSDOnPolicy``'s
+    rule): ``train.rollout_steps`` steps, each weighted by the probability that the chain
+    reaches it (``train.rollout_weight=reach``) or 1 (``uniform``) instead of ``ttt_decay**i``."""
+
+    kind = "on_policy"
+
+    def _steps(self, train) -> tuple[int | None, bool]:
+        return _rollout_settings(train)

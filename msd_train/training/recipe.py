@@ -75,6 +75,45 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
 
 
+def check_init_from(init: Path, stage: int, target_name: str, hidden_size: int | None, vocab_size: int | None) -> None:
+    """``stage.init_from`` can start this stage: an exported head, made for a target of this
+    hidden size and vocabulary (None: not known here). Run before anything heavy loads
+    (``training.run``, from the target's config.json) and again on the loaded target."""
+    if not ckpt.export_complete(init):
+        # The default init_from is RUN_DIR/stageN/final: name the command that writes it.
+        earlier = init.parent.name
+        hint = (f"run stage={earlier[5:]} with the same run_dir first" if init.name == "final"
+                and earlier.startswith("stage") and earlier[5:].isdigit() else "export a head there first")
+        raise TrainingError(
+            f"stage {stage} starts from {init} (stage.init_from), which holds no exported head; "
+            f"{hint}, or set stage.init_from=DIR")
+    try:
+        config = json.loads((init / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # loading the head says why
+    for key, what, have in (("target_hidden_size", "hidden size", hidden_size),
+                            ("target_vocab_size", "vocabulary size", vocab_size)):
+        if have is not None and config.get(key) is not None and config[key] != have:
+            raise TrainingError(
+                f"{init} (stage.init_from) was trained for a target with {what} {config[key]}, but {target_name} has "
+                f"{have}: it is a head of another target. Set stage.init_from to a head trained on this target "
+                f"(stages 1 and 2 with the same target and run_dir give one)")
+
+
+def check_init_from_config(cfg) -> None:
+    """``check_init_from`` before the target loads: its sizes from its config.json."""
+    hidden = vocab = None
+    try:
+        from transformers import AutoConfig
+
+        text = AutoConfig.from_pretrained(str(cfg.target.name_or_path),
+                                          trust_remote_code=bool(cfg.target.trust_remote_code)).get_text_config()
+        hidden, vocab = int(text.hidden_size), int(text.vocab_size)
+    except Exception:  # not readable here: the loaded target is checked again
+        pass
+    check_init_from(Path(cfg.stage.init_from), int(cfg.stage.id), str(cfg.target.name_or_path), hidden, vocab)
+
+
 class TrainRecipe:
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
@@ -114,6 +153,10 @@ class TrainRecipe:
         self.features = make_feature_source(cfg, self.target, self.draft.feature_layers)
         tc = cfg.train
         precision = tc.precision if tc.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
+        if tc.gradient_checkpointing and self.objective.kind == "on_policy" and self.draft.architecture == "msd":
+            raise TrainingError("train.gradient_checkpointing=true: an msd head's on-policy rollout reads its own "
+                                "earlier steps' keys from a cache, which checkpointed layers drop; set "
+                                "train.gradient_checkpointing=false (or lower train.rollout_steps to save memory)")
         if tc.gradient_checkpointing and not self.draft.supports_gradient_checkpointing:
             raise TrainingError(f"train.gradient_checkpointing=true: the {self.draft.architecture} head does not "
                                 f"support it (one layer: little to save); set train.gradient_checkpointing=false")
@@ -197,24 +240,13 @@ class TrainRecipe:
         init = None
         if cfg.stage.init_from and not resuming:
             init = Path(cfg.stage.init_from)
-            if not ckpt.export_complete(init):
-                # The default init_from is RUN_DIR/stageN/final: name the command that writes it.
-                earlier = init.parent.name
-                hint = (f"run stage={earlier[5:]} with the same run_dir first" if init.name == "final"
-                        and earlier.startswith("stage") and earlier[5:].isdigit() else "export a head there first")
-                raise TrainingError(
-                    f"stage {self.stage} starts from {init} (stage.init_from), which holds no exported head; "
-                    f"{hint}, or set stage.init_from=DIR")
+            check_init_from(init, self.stage, self.target.name, self.target.hidden_size, self.target.vocab_size)
         if init is not None:
             draft = MSDDraftModel.from_pretrained(init)  # the class its config.json names
             if draft.architecture != head_cls.architecture:
                 raise TrainingError(
                     f"{init} (stage.init_from) holds an {draft.architecture} head, but this launch trains "
                     f"draft.architecture={head_cls.architecture}; use head={draft.architecture} or another init_from")
-            if draft.config.target_hidden_size != self.target.hidden_size:
-                raise TrainingError(
-                    f"{init} was trained for a target with hidden size {draft.config.target_hidden_size}, "
-                    f"but {self.target.name} has {self.target.hidden_size}")
             for key in ("decouple_visual", "visual_offset", "draft_positions", "ttt_steps", "ttt_decay",
                         "visual_compression", "visual_compression_tokens"):
                 if key in overrides and hasattr(draft.config, key) and getattr(draft.config, key) != overrides[key]:
@@ -236,7 +268,10 @@ class TrainRecipe:
             self.token_counts += earlier  # what the head saw in the stages before this one
         if hasattr(draft, "set_vocabulary") and init is None:
             draft.set_vocabulary(*draft_vocabulary(self.token_counts, draft.config.draft_vocab_size))
-        objective = objective_for(draft)
+        try:
+            objective = objective_for(draft, cfg.train.get("objective", "supervised"))
+        except ValueError as e:
+            raise TrainingError(f"train.objective={cfg.train.get('objective')}: {e}") from None
         train_vocab = overrides.get("train_vocab", getattr(draft.config, "train_vocab", None))
         if train_vocab is not None:  # the token term over the N tokens this stage's data uses most
             if not hasattr(objective, "set_train_vocabulary"):
