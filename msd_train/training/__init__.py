@@ -27,6 +27,7 @@ def run(cfg) -> None:
         check_train(plain)
     from msd_train.data.formats import BadSampleError
     from msd_train.draft import NonFiniteWeightsError  # stage.init_from names a head with NaN weights
+    from msd_train.runtime import SharedPathError  # data.cache_dir shared by some nodes only
     from msd_train.features.store import FeatureStoreError
     from msd_train.training import checkpoint as ckpt
     from msd_train.training import resume, rundir
@@ -40,7 +41,7 @@ def run(cfg) -> None:
     lock = None
     recipe = None
     with user_errors(TrainingError, FeatureStoreError, BadSampleError, rundir.RunDirError,
-                     ckpt.CheckpointWriteError, NonFiniteWeightsError, resume.ResumeRefused,
+                     ckpt.CheckpointWriteError, NonFiniteWeightsError, resume.ResumeRefused, SharedPathError,
                      kept=f"stopped before training began; the checkpoints and exports in {Path(cfg.run_dir)} are "
                           f"as they were (launch the same command to resume)"):
         try:

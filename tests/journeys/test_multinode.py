@@ -1,0 +1,114 @@
+"""Issue 41: two "nodes" of two ranks each on one machine (torchrun, gloo), a shared run_dir and
+node-local caches and temporary folders: stage 1 (stopped by one node, resumed), stage 2, eval.py."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from builders.runs import ENV, steps, wait_for_steps
+
+from msd_train.runtime import free_port
+from msd_train.training import checkpoint as ckpt
+
+ROOT = ENV["PYTHONPATH"]
+FAST = ["logging.wandb.mode=disabled", "logging.progress=false", "data.max_heldout=4", "eval.every=1000",
+        "train.micro_batch_size=1", "train.grad_accum=1", "checkpoint.every=2"]
+
+
+def launch(tmp_path, args, nodes=2, per_node=2, cache=lambda k: f"node{k}/cache"):
+    """One ``torchrun`` per node, each in its own session, with its own cache and TMPDIR (what a
+    node's local disk would hold); the run_dir is the same folder for all (shared storage)."""
+    port, procs = free_port(), []
+    for k in range(nodes):
+        tmp = tmp_path / f"node{k}" / "tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node",
+               str(per_node), "--node-rank", str(k), "--master-addr", "127.0.0.1", "--master-port", str(port),
+               f"{ROOT}/train.py", *args, f"data.cache_dir={tmp_path / cache(k)}"]
+        log = open(tmp_path / f"node{k}.log", "w")
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env={**ENV, "TMPDIR": str(tmp)}, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+    return procs
+
+
+def signal_node(proc, sig):
+    """``sig`` to a node's launcher and every process under it (torchrun starts each rank in a session of its own)."""
+    import psutil
+
+    for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def finish(tmp_path, procs, ok=True):
+    try:
+        codes = [p.wait(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                signal_node(p, signal.SIGKILL)
+    out = [(tmp_path / f"node{k}.log").read_text() for k in range(len(procs))]
+    if ok and any(codes):
+        raise AssertionError(f"exit codes {codes}:\n" + "\n".join(o[-4000:] for o in out))
+    return out
+
+
+@pytest.mark.slow
+def test_two_nodes_of_two_ranks_train_both_stages_stop_resume_and_evaluate(tmp_path):
+    run = tmp_path / "run"
+    stage1 = ["stage=1", f"run_dir={run}", "train.max_steps=8", *FAST]
+
+    # stage 1, stopped by one node: SIGTERM to every process of node 1 (a preempted node)
+    procs = launch(tmp_path, stage1)
+    wait_for_steps(run, procs[0], 2)
+    signal_node(procs[1], signal.SIGTERM)
+    out = finish(tmp_path, procs, ok=False)
+    assert not (run / "stage1" / "final").exists(), "the run finished before it could be stopped"
+    saved = ckpt.complete_checkpoints(run / "stage1" / "checkpoints")
+    assert saved and any("checkpoint saved" in o for o in out), "\n".join(o[-3000:] for o in out)
+    stopped_at = ckpt.read_state(saved[-1])["step"]
+    assert f"interrupted at step {stopped_at}" in out[0]  # rank 0 says where the job stopped
+
+    # data: prepared on each node into its own cache (by its first rank), once; said once, by rank 0
+    said = "is each node's own: the data is prepared once per node (2 nodes)"
+    assert out[0].count(said) == 1 and said not in out[1]
+    caches = [sorted(p.name for p in (tmp_path / f"node{k}" / "cache").glob("tokenised-*.arrow")) for k in (0, 1)]
+    assert caches[0] and caches[0] == caches[1]
+    assert not list((tmp_path / "node0" / "cache").glob(".msd-node-*"))  # the markers are removed
+
+    # the same commands resume, and finish
+    out = finish(tmp_path, launch(tmp_path, stage1))
+    assert f"resuming from {run / 'stage1' / 'checkpoints' / f'step-{stopped_at:06d}'}" in out[0]
+    assert steps(run) == list(range(1, 9))  # each step logged once, by one rank, none repeated after the resume
+    assert out[0].count(f"exported {run / 'stage1' / 'final'}") == 1 and "exported" not in out[1]  # once, by rank 0
+    assert not list((run / "stage1" / "checkpoints").glob(".tmp-*"))
+
+    # stage 2 from stage 1's export, then eval.py on its head
+    out = finish(tmp_path, launch(tmp_path, ["stage=2", f"run_dir={run}", "train.max_steps=2", *FAST]))
+    assert steps(run, 2) == [1, 2] and (run / "stage2" / "final" / "model.safetensors").exists()
+    eval_out = tmp_path / "eval"
+    res = subprocess.run([sys.executable, f"{ROOT}/eval.py", f"draft={run / 'stage2' / 'final'}", f"out={eval_out}",
+                          "bench.max_per_category=1", "decoding.max_new_tokens=8", "warmup=0", "progress=false"],
+                         cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((eval_out / "report.json").read_text())["bench"] == "tiny"
+
+
+@pytest.mark.slow
+def test_a_cache_shared_by_some_nodes_only_is_refused_before_training(tmp_path):
+    """Nodes 0 and 1 see one data.cache_dir, node 2 its own: neither once per job nor once per
+    node is safe; every rank stops naming the nodes and the fix, before any data is read."""
+    procs = launch(tmp_path, ["stage=1", f"run_dir={tmp_path / 'run'}", "train.max_steps=2", *FAST],
+                   nodes=3, per_node=1, cache=lambda k: "shared/cache" if k < 2 else "node2/cache")
+    start = time.time()
+    out = finish(tmp_path, procs, ok=False)
+    for o in out:
+        assert "data.cache_dir=" in o and "nodes that see the same folder: 0, 1; 2" in o, o[-3000:]
+        assert "on storage every node shares, or to a path on each node's own disk" in o
+    assert not (tmp_path / "run" / "stage1" / "metrics.jsonl").exists() and time.time() - start < 300
