@@ -106,6 +106,16 @@ def node_name() -> str:
     return f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', os.environ.get('CROSS_RANK', ''))}"
 
 
+#: how gloo and the c10d store word a peer that is gone (its process or node killed, crashed, cut off)
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Connection was likely closed", "Broken pipe")
+
+
+def peer_gone(err: BaseException) -> bool:
+    """Whether a collective failed because another rank of the job is gone. (NCCL notices it only
+    at ``dist.timeout_minutes``, as a DistBackendError naming the timeout.)"""
+    return isinstance(err, RuntimeError) and any(w in str(err) for w in PEER_GONE)
+
+
 class SharedPathError(RuntimeError):
     """A path that must be either shared by every node or local to each is neither."""
 
@@ -282,7 +292,7 @@ class Group:
             groups = sorted({tuple(v) for v in views.values()})
             raise SharedPathError(
                 f"{name}={folder} is one folder for some nodes and another for others (nodes that see the same "
-                f"folder: {'; '.join(', '.join(map(str, g)) for g in groups)}): set it to a path on storage every "
+                f"folder: {', '.join('{' + ', '.join(map(str, g)) + '}' for g in groups)}): set it to a path on storage every "
                 f"node shares, or to a path on each node's own disk (e.g. under /tmp or $TMPDIR)")
         return scope == "job"
 

@@ -677,10 +677,11 @@ class TrainRecipe:
                            token_counts=self.token_counts)
         log.info("exported %s", self.stage_dir / name)
 
-    def cleanup(self) -> None:
+    def cleanup(self, barrier: bool = True) -> None:
+        """``barrier=False`` when another rank is gone (it would never arrive)."""
         self._wandb("finishing its run", lambda run: run.finish())
         self._batches = self._batches_at = None  # ends the DataLoader's workers
-        self.group.destroy()
+        self.group.destroy(barrier)
         # DeepSpeed keeps a clone of the world group it made for the engine; once the group is
         # destroyed that clone is dead, and a second run in the same process (stage 1 then
         # stage 2 from a notebook or a test) would fail broadcasting over it. Forget it.

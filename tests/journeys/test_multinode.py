@@ -62,7 +62,7 @@ def finish(tmp_path, procs, ok=True):
 @pytest.mark.slow
 def test_two_nodes_of_two_ranks_train_both_stages_stop_resume_and_evaluate(tmp_path):
     run = tmp_path / "run"
-    stage1 = ["stage=1", f"run_dir={run}", "train.max_steps=8", *FAST]
+    stage1 = ["stage=1", f"run_dir={run}", "train.max_steps=10", *FAST]
 
     # stage 1, stopped by one node: SIGTERM to every process of node 1 (a preempted node)
     procs = launch(tmp_path, stage1)
@@ -82,10 +82,23 @@ def test_two_nodes_of_two_ranks_train_both_stages_stop_resume_and_evaluate(tmp_p
     assert caches[0] and caches[0] == caches[1]
     assert not list((tmp_path / "node0" / "cache").glob(".msd-node-*"))  # the markers are removed
 
-    # the same commands resume, and finish
-    out = finish(tmp_path, launch(tmp_path, stage1))
+    # the same commands resume; SIGKILL to node 1 after its next checkpoint (a node lost): the other stops, saying so
+    procs = launch(tmp_path, stage1)
+    deadline = time.time() + 300
+    while time.time() < deadline and procs[0].poll() is None and \
+            ckpt.read_state(ckpt.complete_checkpoints(run / "stage1" / "checkpoints")[-1])["step"] == stopped_at:
+        time.sleep(0.05)
+    signal_node(procs[1], signal.SIGKILL)
+    out = finish(tmp_path, procs, ok=False)
     assert f"resuming from {run / 'stage1' / 'checkpoints' / f'step-{stopped_at:06d}'}" in out[0]
-    assert steps(run) == list(range(1, 9))  # each step logged once, by one rank, none repeated after the resume
+    assert not (run / "stage1" / "final").exists(), "the run finished before node 1 could be killed"
+    newest = ckpt.complete_checkpoints(run / "stage1" / "checkpoints")[-1]
+    assert procs[0].returncode != 0 and "error: another process of this job is gone during step" in out[0]
+    assert f"the newest checkpoint ({newest}) are lost; launch the same command again on every node" in out[0]
+
+    out = finish(tmp_path, launch(tmp_path, stage1))
+    assert f"resuming from {newest}" in out[0]
+    assert steps(run) == list(range(1, 11))  # each step logged once, by one rank, none repeated after the resumes
     assert out[0].count(f"exported {run / 'stage1' / 'final'}") == 1 and "exported" not in out[1]  # once, by rank 0
     assert not list((run / "stage1" / "checkpoints").glob(".tmp-*"))
 
@@ -109,6 +122,6 @@ def test_a_cache_shared_by_some_nodes_only_is_refused_before_training(tmp_path):
     start = time.time()
     out = finish(tmp_path, procs, ok=False)
     for o in out:
-        assert "data.cache_dir=" in o and "nodes that see the same folder: 0, 1; 2" in o, o[-3000:]
+        assert "data.cache_dir=" in o and "nodes that see the same folder: {0, 1}, {2}" in o, o[-3000:]
         assert "on storage every node shares, or to a path on each node's own disk" in o
     assert not (tmp_path / "run" / "stage1" / "metrics.jsonl").exists() and time.time() - start < 300
