@@ -28,8 +28,8 @@ def run(cfg) -> None:
         check_train(plain)
     from msd_train.data.formats import BadSampleError
     from msd_train.draft import NonFiniteWeightsError  # stage.init_from names a head with NaN weights
-    from msd_train.runtime import SharedPathError, peer_gone  # data.cache_dir shared by some nodes only
     from msd_train.features.store import FeatureStoreError
+    from msd_train.runtime import SharedPathError, peer_gone  # data.cache_dir shared by some nodes only
     from msd_train.training import checkpoint as ckpt
     from msd_train.training import resume, rundir
     from msd_train.training.build_locks import clear_stale_build_locks

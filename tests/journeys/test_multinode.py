@@ -2,7 +2,6 @@
 node-local caches and temporary folders: stage 1 (stopped by one node, resumed), stage 2, eval.py."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
