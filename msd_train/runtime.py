@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 import shutil
 import socket
@@ -258,6 +259,21 @@ class Group:
             me = names[self.rank]
             self._nodes = order.index(me), len(order), names.index(me) == self.rank
         return self._nodes
+
+    def cache_first(self, folder: str | Path | None, name: str):
+        """Who fills a cache ``folder`` before the others read it (``first``): rank 0 when every
+        node shares the folder (or there is none: each rank builds in memory, rank 0 first as
+        ever), each node's first rank, in parallel, when each node has its own. Rank 0 says which,
+        once; ``name`` is the setting (``data.cache_dir``), for that line and for the refusal of
+        a folder some nodes share and others do not (``shared_by_all_nodes``)."""
+        _, n, node_first = self.nodes()
+        shared = not folder or self.shared_by_all_nodes(folder, name)
+        if self.main and n > 1 and folder:
+            logging.getLogger("msd_train").info(
+                "%s %s is %s: the data is prepared once %s", name, folder,
+                f"shared by the {n} nodes" if shared else "each node's own",
+                "for the job, by rank 0" if shared else f"per node ({n} nodes), by each node's first rank")
+        return self.first(self.main if shared else node_first)
 
     def shared_by_all_nodes(self, folder: str | Path, name: str) -> bool:
         """Whether ``folder`` is one folder for the whole job (True) or each node's own (False).

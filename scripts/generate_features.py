@@ -41,7 +41,7 @@ def main(cfg: DictConfig) -> None:
     kept = (f"every finished shard in {cfg.features.path} is kept (progress/rank-*.jsonl lists them); relaunch the "
             "same command to resume")
     try:
-        with user_errors(FeatureStoreError, kept=kept):  # a full disk, Ctrl-C, a bad store: one message
+        with user_errors(FeatureStoreError, runtime.SharedPathError, kept=kept):  # a full disk, Ctrl-C, a bad store: one message
             generate(cfg, group)
     finally:
         group.destroy(barrier=False)

@@ -160,16 +160,9 @@ class TrainRecipe:
         parts = {"text": "text", "multimodal": "mm", "heldout_text": "heldout_text",
                  "heldout_multimodal": "heldout_mm"}
         splits, skipped = {}, []
-        # The first ranks tokenise and fill the datasets cache; the others wait, then read it.
-        # A cache every node shares is filled once for the job (rank 0); a node-local one once
-        # on each node (its first rank), in parallel; no cache: rank 0 first, as before.
-        _, nodes, node_first = self.group.nodes()
-        shared = not d.cache_dir or self.group.shared_by_all_nodes(d.cache_dir, "data.cache_dir")
-        if self.main and nodes > 1:
-            log.info("data.cache_dir %s is %s: the data is prepared once %s", d.cache_dir,
-                     f"shared by the {nodes} nodes" if shared else "each node's own",
-                     "for the job, by rank 0" if shared else f"per node ({nodes} nodes), by each node's first rank")
-        with self.group.first(self.main if shared else node_first):
+        # Once per job (shared cache) or once per node (node-local cache) ranks tokenise and fill
+        # the datasets cache; the others wait, then read it.
+        with self.group.cache_first(d.cache_dir, "data.cache_dir"):
             for key, name in parts.items():
                 limit = split_limit(d, name)
                 sources = [OmegaConf.to_container(s, resolve=True) for s in (d.get(key) or [])] if key in names else []
