@@ -113,14 +113,19 @@ def test_two_nodes_of_two_ranks_train_both_stages_stop_resume_and_evaluate(tmp_p
 
 
 @pytest.mark.slow
-def test_a_cache_shared_by_some_nodes_only_is_refused_before_training(tmp_path):
+def test_a_cache_shared_by_some_nodes_only_is_refused_and_one_shared_by_all_is_prepared_once(tmp_path):
     """Nodes 0 and 1 see one data.cache_dir, node 2 its own: neither once per job nor once per
-    node is safe; every rank stops naming the nodes and the fix, before any data is read."""
-    procs = launch(tmp_path, ["stage=1", f"run_dir={tmp_path / 'run'}", "train.max_steps=2", *FAST],
-                   nodes=3, per_node=1, cache=lambda k: "shared/cache" if k < 2 else "node2/cache")
-    start = time.time()
-    out = finish(tmp_path, procs, ok=False)
+    node is safe; every rank stops naming the nodes and the fix, before any data is read. The fix
+    (one folder for all) trains, the data prepared once for the job."""
+    args = ["stage=1", f"run_dir={tmp_path / 'run'}", "train.max_steps=1", *FAST]
+    out = finish(tmp_path, launch(tmp_path, args, nodes=3, per_node=1,
+                                  cache=lambda k: "shared/cache" if k < 2 else "node2/cache"), ok=False)
     for o in out:
         assert "data.cache_dir=" in o and "nodes that see the same folder: {0, 1}, {2}" in o, o[-3000:]
         assert "on storage every node shares, or to a path on each node's own disk" in o
-    assert not (tmp_path / "run" / "stage1" / "metrics.jsonl").exists() and time.time() - start < 300
+    assert not (tmp_path / "run" / "stage1" / "metrics.jsonl").exists()
+    assert not list((tmp_path / "node2" / "cache").glob("tokenised-*"))
+
+    out = finish(tmp_path, launch(tmp_path, args, nodes=3, per_node=1, cache=lambda k: "shared/cache"))
+    assert out[0].count("is shared by the 3 nodes: the data is prepared once for the job, by rank 0") == 1
+    assert steps(tmp_path / "run") == [1] and list((tmp_path / "shared" / "cache").glob("tokenised-*.arrow"))
