@@ -2,6 +2,7 @@
 node-local caches and temporary folders: stage 1 (stopped by one node, resumed), stage 2, eval.py."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -129,3 +130,62 @@ def test_a_cache_shared_by_some_nodes_only_is_refused_and_one_shared_by_all_is_p
     out = finish(tmp_path, launch(tmp_path, args, nodes=3, per_node=1, cache=lambda k: "shared/cache"))
     assert out[0].count("is shared by the 3 nodes: the data is prepared once for the job, by rank 0") == 1
     assert steps(tmp_path / "run") == [1] and list((tmp_path / "shared" / "cache").glob("tokenised-*.arrow"))
+
+
+@pytest.fixture
+def loopback_hosts(tmp_path):
+    """Two "hosts" for ``deepspeed --hostfile``: an sshd on 127.0.0.1 and one on 127.0.0.2 (same
+    port, a key made here, nothing outside loopback), each giving its sessions a node-local
+    HF_DATASETS_CACHE (so the default data.cache_dir) and TMPDIR. Needs the Debian packages
+    openssh-server and pdsh (``apt-get install -y openssh-server pdsh``) and root."""
+    import shutil
+
+    if not (shutil.which("pdsh") and os.path.exists("/usr/sbin/sshd") and os.geteuid() == 0):
+        pytest.skip("deepspeed --hostfile needs pdsh and sshd (apt-get install -y openssh-server pdsh) and root")
+    d, port = tmp_path / "ssh", free_port()
+    d.mkdir()
+    for name in ("key", "hostkey"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True)
+    (d / "authorized_keys").write_text((d / "key.pub").read_text())
+    os.makedirs("/run/sshd", exist_ok=True)
+    daemons = []
+    for k in (1, 2):
+        (tmp_path / f"host{k}" / "tmp").mkdir(parents=True)
+        (d / f"sshd{k}.conf").write_text(
+            f"ListenAddress 127.0.0.{k}:{port}\nHostKey {d / 'hostkey'}\nAuthorizedKeysFile {d / 'authorized_keys'}\n"
+            f"PermitRootLogin prohibit-password\nPasswordAuthentication no\nStrictModes no\nUsePAM no\n"
+            f"PidFile {d / f'sshd{k}.pid'}\n"
+            f"SetEnv HF_DATASETS_CACHE={tmp_path / f'host{k}' / 'cache'} TMPDIR={tmp_path / f'host{k}' / 'tmp'}\n")
+        daemons.append(subprocess.Popen(["/usr/sbin/sshd", "-D", "-f", str(d / f"sshd{k}.conf"), "-E",
+                                         str(d / f"sshd{k}.log")]))
+    env = {**ENV, "PDSH_SSH_ARGS_APPEND": f"-i {d / 'key'} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null "
+                                          f"-o BatchMode=yes -o ConnectTimeout=5"}
+    deadline = time.time() + 30
+    while subprocess.run(["ssh", "-p", str(port), *env["PDSH_SSH_ARGS_APPEND"].split(), "127.0.0.2", "true"],
+                         capture_output=True).returncode and time.time() < deadline:
+        time.sleep(0.2)
+    yield port, env
+    for p in daemons:
+        p.terminate()
+        p.wait()
+
+
+@pytest.mark.slow
+def test_deepspeed_hostfile_two_hosts_of_two_ranks(tmp_path, loopback_hosts):
+    """DeepSpeed's own multi-node path (pdsh over ssh to each host of the hostfile), two loopback
+    hosts of two ranks, each with its own cache: prepared once per host, exported once."""
+    port, env = loopback_hosts
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("127.0.0.1 slots=2\n127.0.0.2 slots=2\n")
+    run = tmp_path / "run"
+    cmd = ["deepspeed", "--hostfile", str(hostfile), "--ssh_port", str(port), "--no_ssh_check",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), f"{ROOT}/train.py",
+           "stage=1", f"run_dir={run}", "train.max_steps=3", *FAST]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-5000:]
+    assert out.count("is each node's own: the data is prepared once per node (2 nodes)") == 1
+    caches = [sorted(p.name for p in (tmp_path / f"host{k}" / "cache" / "datasets").glob("tokenised-*.arrow"))
+              for k in (1, 2)]
+    assert caches[0] and caches[0] == caches[1]
+    assert steps(run) == [1, 2, 3] and out.count(f"exported {run / 'stage1' / 'final'}") == 1
