@@ -117,6 +117,10 @@ def peer_gone(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(w in str(err) for w in PEER_GONE)
 
 
+class JoinError(RuntimeError):
+    """Not every process of the job met at the start (a node that never started its ranks)."""
+
+
 class SharedPathError(RuntimeError):
     """A path that must be either shared by every node or local to each is neither."""
 
@@ -153,6 +157,21 @@ def setup_group(device: torch.device, deepspeed: bool = False, timeout_minutes: 
 
     backend = backend_for(device)
     timeout = datetime.timedelta(minutes=float(timeout_minutes or TIMEOUT_MINUTES))
+    try:
+        return _join(dist, backend, timeout, deepspeed)
+    except Exception as e:  # torch's DistStoreError: "Timed out after N seconds waiting for clients. 2/4 clients joined."
+        if "waiting for clients" not in str(e):
+            raise
+        raise JoinError(
+            f"not every process of the job joined within dist.timeout_minutes={timeout.total_seconds() / 60:g} "
+            f"({str(e).strip().splitlines()[0][:160]}): a node never started its ranks. A host of the hostfile that "
+            f"ssh cannot reach (deepspeed checks only the first; pdsh names the others in its output), a node whose "
+            f"launcher failed or was not started, or another --nnodes, --master_addr or --master_port there. Check "
+            f"`ssh HOST true` for every host and each node's launcher output, then launch again (nothing was "
+            f"written); a lower dist.timeout_minutes finds this out sooner") from e
+
+
+def _join(dist, backend: str, timeout: datetime.timedelta, deepspeed: bool) -> Group:
     if deepspeed:
         import deepspeed as ds
 

@@ -29,7 +29,7 @@ def run(cfg) -> None:
     from msd_train.data.formats import BadSampleError
     from msd_train.draft import NonFiniteWeightsError  # stage.init_from names a head with NaN weights
     from msd_train.features.store import FeatureStoreError
-    from msd_train.runtime import SharedPathError, peer_gone  # data.cache_dir shared by some nodes only
+    from msd_train.runtime import JoinError, SharedPathError, peer_gone  # launches over several nodes
     from msd_train.training import checkpoint as ckpt
     from msd_train.training import resume, rundir
     from msd_train.training.build_locks import clear_stale_build_locks
@@ -43,7 +43,7 @@ def run(cfg) -> None:
     recipe = None
     gone = False  # another rank is gone: no goodbye barrier
     with user_errors(TrainingError, FeatureStoreError, BadSampleError, rundir.RunDirError,
-                     ckpt.CheckpointWriteError, NonFiniteWeightsError, resume.ResumeRefused, SharedPathError,
+                     ckpt.CheckpointWriteError, NonFiniteWeightsError, resume.ResumeRefused, SharedPathError, JoinError,
                      kept=f"stopped before training began; the checkpoints and exports in {Path(cfg.run_dir)} are "
                           f"as they were (launch the same command to resume)"):
         try:

@@ -189,3 +189,21 @@ def test_deepspeed_hostfile_two_hosts_of_two_ranks(tmp_path, loopback_hosts):
               for k in (1, 2)]
     assert caches[0] and caches[0] == caches[1]
     assert steps(run) == [1, 2, 3] and out.count(f"exported {run / 'stage1' / 'final'}") == 1
+
+
+@pytest.mark.slow
+def test_a_hostfile_host_that_ssh_cannot_reach_is_one_message(tmp_path, loopback_hosts):
+    """127.0.0.3 has no sshd: its ranks never start; the others stop at the end of the wait,
+    naming what to check (here after dist.timeout_minutes=0.3 instead of the default 120)."""
+    port, env = loopback_hosts
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("127.0.0.1 slots=2\n127.0.0.3 slots=2\n")
+    cmd = ["deepspeed", "--hostfile", str(hostfile), "--ssh_port", str(port), "--no_ssh_check",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), f"{ROOT}/train.py",
+           "stage=1", f"run_dir={tmp_path / 'run'}", "train.max_steps=3", "dist.timeout_minutes=0.3", *FAST]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and "127.0.0.3: ssh: connect to host 127.0.0.3" in out  # pdsh names the host
+    assert "error: not every process of the job joined within dist.timeout_minutes=0.3" in out, out[-5000:]
+    assert "2/4 clients joined" in out and "Check `ssh HOST true` for every host" in out
+    assert not (tmp_path / "run" / "stage1" / "metrics.jsonl").exists()
