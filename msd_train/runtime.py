@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 import shutil
 import socket
@@ -100,6 +101,40 @@ def _one_process_store() -> str:
     return f"file://{path}"
 
 
+def node_name() -> str:
+    """This process's node: its host name and the launcher's node rank (``torchrun``:
+    GROUP_RANK, ``deepspeed``: CROSS_RANK), which tells apart "nodes" sharing one machine."""
+    return f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', os.environ.get('CROSS_RANK', ''))}"
+
+
+#: how gloo and the c10d store word a peer that is gone (its process or node killed, crashed, cut off)
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Connection was likely closed", "Broken pipe")
+
+
+def peer_gone(err: BaseException) -> bool:
+    """Whether a collective failed because another rank of the job is gone. (NCCL notices it only
+    at ``dist.timeout_minutes``, as a DistBackendError naming the timeout.)"""
+    return isinstance(err, RuntimeError) and any(w in str(err) for w in PEER_GONE)
+
+
+class JoinError(RuntimeError):
+    """Not every process of the job met at the start (a node that never started its ranks)."""
+
+
+class SharedPathError(RuntimeError):
+    """A path that must be either shared by every node or local to each is neither."""
+
+
+def folder_scope(views: dict[int, list[int]], n: int) -> str | None:
+    """``views``: for each of ``n`` nodes, the nodes whose marker it sees in a folder.
+    ``job``: one folder for all; ``node``: each node's own; None: some share it, others do not."""
+    if all(v == list(range(n)) for v in views.values()):
+        return "job"
+    if all(v == [k] for k, v in views.items()):
+        return "node"
+    return None
+
+
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -122,6 +157,21 @@ def setup_group(device: torch.device, deepspeed: bool = False, timeout_minutes: 
 
     backend = backend_for(device)
     timeout = datetime.timedelta(minutes=float(timeout_minutes or TIMEOUT_MINUTES))
+    try:
+        return _join(dist, backend, timeout, deepspeed)
+    except Exception as e:  # torch's DistStoreError: "Timed out after N seconds waiting for clients. 2/4 clients joined."
+        if "waiting for clients" not in str(e):
+            raise
+        raise JoinError(
+            f"not every process of the job joined within dist.timeout_minutes={timeout.total_seconds() / 60:g} "
+            f"({str(e).strip().splitlines()[0][:160]}): a node never started its ranks. A host of the hostfile that "
+            f"ssh cannot reach (deepspeed checks only the first; pdsh names the others in its output), a node whose "
+            f"launcher failed or was not started, or another --nnodes, --master_addr or --master_port there. Check "
+            f"`ssh HOST true` for every host and each node's launcher output, then launch again (nothing was "
+            f"written); a lower dist.timeout_minutes finds this out sooner") from e
+
+
+def _join(dist, backend: str, timeout: datetime.timedelta, deepspeed: bool) -> Group:
     if deepspeed:
         import deepspeed as ds
 
@@ -203,13 +253,83 @@ class Group:
         return out
 
     @contextlib.contextmanager
-    def rank0_first(self):
-        """Rank 0 runs the body first (it fills a cache), the other ranks after it (they read it)."""
-        if not self.main:
+    def first(self, leads: bool):
+        """The ranks with ``leads`` run the body first (they fill a cache, in parallel), the
+        others after them (they read it)."""
+        if not leads:
             self.barrier()
         yield
-        if self.main:
+        if leads:
             self.barrier()
+
+    def rank0_first(self):
+        """Rank 0 runs the body first (it fills a cache), the other ranks after it (they read it)."""
+        return self.first(self.main)
+
+    def nodes(self) -> tuple[int, int, bool]:
+        """(this rank's node index, number of nodes, whether it is its node's first rank).
+        A node is a host and, where one machine holds several (tests), the launcher's node
+        rank; its first rank is its lowest global rank, whatever LOCAL_RANK says."""
+        if self.dist is None:
+            return 0, 1, True
+        if not hasattr(self, "_nodes"):
+            names = self.gather_object(node_name())
+            order = sorted(set(names))
+            me = names[self.rank]
+            self._nodes = order.index(me), len(order), names.index(me) == self.rank
+        return self._nodes
+
+    def cache_first(self, folder: str | Path | None, name: str):
+        """Who fills a cache ``folder`` before the others read it (``first``): rank 0 when every
+        node shares the folder (or there is none: each rank builds in memory, rank 0 first as
+        ever), each node's first rank, in parallel, when each node has its own. Rank 0 says which,
+        once; ``name`` is the setting (``data.cache_dir``), for that line and for the refusal of
+        a folder some nodes share and others do not (``shared_by_all_nodes``)."""
+        _, n, node_first = self.nodes()
+        shared = not folder or self.shared_by_all_nodes(folder, name)
+        if self.main and n > 1 and folder:
+            logging.getLogger("msd_train").info(
+                "%s %s is %s: the data is prepared once %s", name, folder,
+                f"shared by the {n} nodes" if shared else "each node's own",
+                "for the job, by rank 0" if shared else f"per node ({n} nodes), by each node's first rank")
+        return self.first(self.main if shared else node_first)
+
+    def shared_by_all_nodes(self, folder: str | Path, name: str) -> bool:
+        """Whether ``folder`` is one folder for the whole job (True) or each node's own (False).
+
+        Each node's first rank writes a marker named by a token of this launch (drawn by rank
+        0, so a marker left by a killed launch never counts) and its node index; after a
+        barrier each looks up every node's marker *by name* (an exact lookup, not a cached
+        listing: NFS's close-to-open rule makes a file closed before the barrier visible to an
+        open after it), then removes its own. Every node seeing every marker: one shared folder;
+        each seeing only its own: node-local. Anything else (nodes 0 and 1 share it, node 2 has
+        its own) cannot be prepared safely either way and is refused on every rank, naming the
+        nodes: ``SharedPathError``. ``name`` is the setting, for the message.
+        """
+        node, n, first = self.nodes()
+        if n == 1:
+            return True
+        import uuid
+
+        token = self.broadcast_object(uuid.uuid4().hex if self.main else None)
+        folder = Path(folder)
+        marker = folder / f".msd-node-{token}-{node}"
+        if first:
+            folder.mkdir(parents=True, exist_ok=True)
+            marker.write_text(node_name() + "\n")
+        self.barrier()
+        seen = [k for k in range(n) if (folder / f".msd-node-{token}-{k}").exists()] if first else None
+        views = {v[0]: v[1] for v in self.gather_object((node, seen) if first else None) if v is not None}
+        if first:
+            marker.unlink(missing_ok=True)
+        scope = folder_scope(views, n)
+        if scope is None:
+            groups = sorted({tuple(v) for v in views.values()})
+            raise SharedPathError(
+                f"{name}={folder} is one folder for some nodes and another for others (nodes that see the same "
+                f"folder: {', '.join('{' + ', '.join(map(str, g)) + '}' for g in groups)}): set it to a path on storage every "
+                f"node shares, or to a path on each node's own disk (e.g. under /tmp or $TMPDIR)")
+        return scope == "job"
 
     def destroy(self, barrier: bool = True) -> None:
         """Leave the group; ``barrier=False`` on error paths, where another rank may never arrive."""

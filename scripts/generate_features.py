@@ -37,11 +37,12 @@ def main(cfg: DictConfig) -> None:
     with user_errors():  # before the target loads: a bad value or path is one message, exit 1
         check_generate(OmegaConf.to_container(cfg, resolve=True))
     # Joins the launcher's group (torchrun / deepspeed set WORLD_SIZE), NCCL on CUDA, gloo on CPU.
-    group = runtime.setup_group(runtime.local_device(cfg.target.device), timeout_minutes=cfg.dist.timeout_minutes)
+    with user_errors(runtime.JoinError):  # a node that never started: one message
+        group = runtime.setup_group(runtime.local_device(cfg.target.device), timeout_minutes=cfg.dist.timeout_minutes)
     kept = (f"every finished shard in {cfg.features.path} is kept (progress/rank-*.jsonl lists them); relaunch the "
             "same command to resume")
     try:
-        with user_errors(FeatureStoreError, kept=kept):  # a full disk, Ctrl-C, a bad store: one message
+        with user_errors(FeatureStoreError, runtime.SharedPathError, kept=kept):  # a full disk, Ctrl-C, a bad store: one message
             generate(cfg, group)
     finally:
         group.destroy(barrier=False)

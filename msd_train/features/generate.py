@@ -235,7 +235,7 @@ def _build_splits(cfg, target, names, group: Group) -> dict:
 
     d = cfg.data
     out = {}
-    with group.rank0_first():  # rank 0 tokenises and fills the datasets cache, then the others read it
+    with group.cache_first(d.cache_dir, "data.cache_dir"):  # tokenised once per job or node, then read
         for name in names:
             split = build_split(split_sources(cfg, name), target, d.max_length, d.on_bad_sample, d.cache_dir,
                                 d.num_proc, split_limit(d, name))

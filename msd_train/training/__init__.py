@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 
 
@@ -28,6 +29,7 @@ def run(cfg) -> None:
     from msd_train.data.formats import BadSampleError
     from msd_train.draft import NonFiniteWeightsError  # stage.init_from names a head with NaN weights
     from msd_train.features.store import FeatureStoreError
+    from msd_train.runtime import JoinError, SharedPathError, peer_gone  # launches over several nodes
     from msd_train.training import checkpoint as ckpt
     from msd_train.training import resume, rundir
     from msd_train.training.build_locks import clear_stale_build_locks
@@ -39,8 +41,9 @@ def run(cfg) -> None:
     log = logging.getLogger("msd_train")
     lock = None
     recipe = None
+    gone = False  # another rank is gone: no goodbye barrier
     with user_errors(TrainingError, FeatureStoreError, BadSampleError, rundir.RunDirError,
-                     ckpt.CheckpointWriteError, NonFiniteWeightsError, resume.ResumeRefused,
+                     ckpt.CheckpointWriteError, NonFiniteWeightsError, resume.ResumeRefused, SharedPathError, JoinError,
                      kept=f"stopped before training began; the checkpoints and exports in {Path(cfg.run_dir)} are "
                           f"as they were (launch the same command to resume)"):
         try:
@@ -75,11 +78,24 @@ def run(cfg) -> None:
             clear_stale_build_locks()
             recipe = TrainRecipe(cfg)
             recipe.setup()
-            recipe.train()
+            try:
+                recipe.train()
+            except RuntimeError as e:
+                if not peer_gone(e):
+                    raise
+                gone = True
+                saved = ckpt.complete_checkpoints(recipe.ckpt_root)
+                said = re.sub(r"^\[[^\]]*\]\s*", "", str(e).splitlines()[0]).split(". ")[0][:160]  # gloo's, less its source line
+                raise TrainingError(
+                    f"another process of this job is gone during step {recipe.step + 1} ({said}): "
+                    f"a rank or a whole node was killed, crashed or lost its network (its own log says which), and "
+                    f"this one stopped too. Steps after the newest checkpoint "
+                    f"({saved[-1] if saved else 'none yet'}) are lost; launch the same command again on every node "
+                    f"to resume from it") from e
         finally:
             try:
                 if recipe is not None and hasattr(recipe, "group"):
-                    recipe.cleanup()
+                    recipe.cleanup(barrier=not gone)
             finally:
                 if lock is not None:
                     lock.release()

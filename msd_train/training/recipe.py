@@ -203,8 +203,9 @@ class TrainRecipe:
         parts = {"text": "text", "multimodal": "mm", "heldout_text": "heldout_text",
                  "heldout_multimodal": "heldout_mm"}
         splits, skipped = {}, []
-        # Rank 0 tokenises and fills the datasets cache; the others wait, then read it.
-        with self.group.rank0_first():
+        # Once per job (shared cache) or once per node (node-local cache) ranks tokenise and fill
+        # the datasets cache; the others wait, then read it.
+        with self.group.cache_first(d.cache_dir, "data.cache_dir"):
             for key, name in parts.items():
                 limit = split_limit(d, name)
                 sources = [OmegaConf.to_container(s, resolve=True) for s in (d.get(key) or [])] if key in names else []
@@ -704,10 +705,11 @@ class TrainRecipe:
                            token_counts=self.token_counts)
         log.info("exported %s", self.stage_dir / name)
 
-    def cleanup(self) -> None:
+    def cleanup(self, barrier: bool = True) -> None:
+        """``barrier=False`` when another rank is gone (it would never arrive)."""
         self._wandb("finishing its run", lambda run: run.finish())
         self._batches = self._batches_at = None  # ends the DataLoader's workers
-        self.group.destroy()
+        self.group.destroy(barrier)
         # DeepSpeed keeps a clone of the world group it made for the engine; once the group is
         # destroyed that clone is dead, and a second run in the same process (stage 1 then
         # stage 2 from a notebook or a test) would fail broadcasting over it. Forget it.

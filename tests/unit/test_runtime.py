@@ -160,3 +160,27 @@ def test_dtype_names():
     assert runtime.resolve_dtype("bf16", "cpu") == torch.bfloat16
     with pytest.raises(ValueError, match="fp8"):
         runtime.resolve_dtype("fp8", "cpu")
+
+
+def test_nodes_are_told_apart_by_host_and_launcher_node_rank_and_led_by_their_lowest_rank(monkeypatch):
+    fake = FakeNCCL("cpu", world=4)
+    names = ["h/0", "h/0", "h/1", "h/1"]
+    for rank, want in [(0, (0, 2, True)), (1, (0, 2, False)), (2, (1, 2, True)), (3, (1, 2, False))]:
+        fake.get_rank = lambda rank=rank: rank
+        g = runtime.Group(fake, comm_device="cpu")
+        g.gather_object = lambda obj: names
+        assert g.nodes() == want
+    monkeypatch.setenv("GROUP_RANK", "1")
+    monkeypatch.delenv("CROSS_RANK", raising=False)
+    assert runtime.node_name().endswith("/1")
+
+
+def test_a_folder_is_the_jobs_or_each_nodes_or_refused():
+    assert runtime.folder_scope({0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1, 2]}, 3) == "job"
+    assert runtime.folder_scope({0: [0], 1: [1], 2: [2]}, 3) == "node"
+    assert runtime.folder_scope({0: [0, 1], 1: [0, 1], 2: [2]}, 3) is None  # nodes 0 and 1 share it, 2 does not
+
+
+def test_a_peer_gone_is_told_from_other_failures():
+    assert runtime.peer_gone(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:5557. This is..."))
+    assert not runtime.peer_gone(RuntimeError("CUDA out of memory"))
