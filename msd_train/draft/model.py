@@ -13,7 +13,6 @@ lm_head: both stay with the target.
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -187,7 +186,7 @@ class MSDDraftModel(DraftHead):
         rotary_class = Qwen2VLRotaryEmbedding if config.uses_mrope else LlamaRotaryEmbedding
         self.rotary_emb = rotary_class(config)
         self.gradient_checkpointing = False
-        self._vocab_rows = None  # decode time: (ids, lm_head rows, bias rows), see restrict_vocabulary
+        self._vocab_rows = None  # decode time: (ids, a linear layer of their lm_head rows), see restrict_vocabulary
         self.post_init()
 
     @classmethod
@@ -319,9 +318,9 @@ class MSDDraftModel(DraftHead):
         rows = self._vocab_rows
         if rows is None:
             return target.lm_head(states)
-        ids, weight, bias = rows
+        ids, layer = rows
         out = states.new_full((*states.shape[:-1], target.lm_head.weight.shape[0]), float("-inf"))
-        return out.index_copy_(-1, ids, F.linear(states, weight, bias))
+        return out.index_copy_(-1, ids, layer(states))
 
     def restrict_vocabulary(self, target, ids: torch.Tensor | None) -> None:
         """Draft over target ids ``ids`` only: their lm_head rows are copied once here
@@ -333,5 +332,14 @@ class MSDDraftModel(DraftHead):
         ids = ids.to(lm_head.weight.device)
         if self._vocab_rows is not None and torch.equal(self._vocab_rows[0], ids):
             return  # already these rows (a benchmark sets it once per prompt)
-        bias = lm_head.bias[ids] if getattr(lm_head, "bias", None) is not None else None
-        self._vocab_rows = (ids, lm_head.weight[ids].contiguous(), bias)
+        bias = getattr(lm_head, "bias", None)
+        layer = nn.Linear(lm_head.weight.shape[1], len(ids), bias=bias is not None, device=ids.device,
+                          dtype=lm_head.weight.dtype).requires_grad_(False)
+        with torch.no_grad():
+            layer.weight.copy_(lm_head.weight[ids])
+            if bias is not None:
+                layer.bias.copy_(bias[ids])
+        from msd_train.targets.cpu_linear import PackedLinear
+
+        # a target whose lm_head runs on oneDNN (eval.py in fp32 on a CPU) drafts over these rows the same way
+        self._vocab_rows = (ids, PackedLinear(layer) if isinstance(lm_head, PackedLinear) else layer)

@@ -220,6 +220,10 @@ def _load_models(cfg: dict, config: DecodeConfig, device: torch.device):
         from msd_train.hub.load import load_head
 
         draft = load_head(str(cfg["draft"]), target)
+        if setting.linear == "onednn":  # the head's own layers on oneDNN too (its fp32 drafting steps)
+            from msd_train.targets.cpu_linear import pack_linears
+
+            pack_linears(draft)
         if config.ensemble is not None and draft.feature_layers is not None:
             raise ConfigError(
                 f"decoding.ensemble={config.ensemble}: ensembles build their input variants from the target's last "
