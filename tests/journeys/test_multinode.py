@@ -78,7 +78,7 @@ def test_two_nodes_of_two_ranks_train_both_stages_stop_resume_and_evaluate(tmp_p
     # data: prepared on each node into its own cache (by its first rank), once; said once, by rank 0
     said = "is each node's own: the data is prepared once per node (2 nodes)"
     assert out[0].count(said) == 1 and said not in out[1]
-    caches = [sorted(p.name for p in (tmp_path / f"node{k}" / "cache").glob("tokenised-*.arrow")) for k in (0, 1)]
+    caches = [sorted(p.parent.name for p in (tmp_path / f"node{k}" / "cache").glob("split-*/manifest.json")) for k in (0, 1)]
     assert caches[0] and caches[0] == caches[1]
     assert not list((tmp_path / "node0" / "cache").glob(".msd-node-*"))  # the markers are removed
 
@@ -125,11 +125,11 @@ def test_a_cache_shared_by_some_nodes_only_is_refused_and_one_shared_by_all_is_p
         assert "data.cache_dir=" in o and "nodes that see the same folder: {0, 1}, {2}" in o, o[-3000:]
         assert "on storage every node shares, or to a path on each node's own disk" in o
     assert not (tmp_path / "run" / "stage1" / "metrics.jsonl").exists()
-    assert not list((tmp_path / "node2" / "cache").glob("tokenised-*"))
+    assert not list((tmp_path / "node2" / "cache").glob("split-*"))
 
     out = finish(tmp_path, launch(tmp_path, args, nodes=3, per_node=1, cache=lambda k: "shared/cache"))
     assert out[0].count("is shared by the 3 nodes: the data is prepared once for the job, by rank 0") == 1
-    assert steps(tmp_path / "run") == [1] and list((tmp_path / "shared" / "cache").glob("tokenised-*.arrow"))
+    assert steps(tmp_path / "run") == [1] and list((tmp_path / "shared" / "cache").glob("split-*/manifest.json"))
 
 
 @pytest.fixture
@@ -185,7 +185,7 @@ def test_deepspeed_hostfile_two_hosts_of_two_ranks(tmp_path, loopback_hosts):
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-5000:]
     assert out.count("is each node's own: the data is prepared once per node (2 nodes)") == 1
-    caches = [sorted(p.name for p in (tmp_path / f"host{k}" / "cache" / "datasets").glob("tokenised-*.arrow"))
+    caches = [sorted(p.parent.name for p in (tmp_path / f"host{k}" / "cache" / "datasets").glob("split-*/manifest.json"))
               for k in (1, 2)]
     assert caches[0] and caches[0] == caches[1]
     assert steps(run) == [1, 2, 3] and out.count(f"exported {run / 'stage1' / 'final'}") == 1
