@@ -8,7 +8,7 @@
 #   benchmarks/real_lm/regen_scale.sh [WORK]      # WORK default /work/scale
 #
 # Needs: python scripts/make_smollm2_llava.py, python scripts/sharegpt_prefix.py,
-# bash scripts/vllm_env.sh (-> .venv-vllm). Environment: TEXT_LIMIT (default 14000),
+# bash scripts/vllm_env.sh (-> .venv-vllm). Environment: TEXT_LIMIT (default 17671: the whole prefix),
 # THREADS (default 2), NICE (default 10).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -26,4 +26,4 @@ run scripts/regenerate_data.py "${common[@]}" out="$W/regen_img" "inputs=[{path:
 run scripts/regenerate_data.py "${common[@]/max_turns=1/max_turns=2}" batch_size=64 out="$W/regen_img_describe" \
     "inputs=[{path: $W/img_describe/train_prompts.jsonl}]"
 run scripts/regenerate_data.py "${common[@]}" out="$W/regen_text" \
-    "inputs=[{path: data/sharegpt-v3-prefix.jsonl}]" limit="${TEXT_LIMIT:-14000}"
+    "inputs=[{path: data/sharegpt-v3-prefix.jsonl}]" limit="${TEXT_LIMIT:-17671}"
