@@ -85,9 +85,10 @@ def choose(tc: dict, device: torch.device) -> CPUSetting:
                           f"{device.type}: dtype {dtype}")
     from msd_train.targets.cpu_linear import onednn_available
 
+    onednn = linear != "aten" and onednn_available()
     if dtype == "auto":
         bf16, cpu = native_bf16()
-        if linear != "aten" and onednn_available():
+        if onednn:
             dtype, why = "float32", (f"float32 with oneDNN linears: a verification costs about one plain step, as fast "
                                      f"as bf16 on the CPUs measured, and exact ({cpu})")
         else:
@@ -99,7 +100,7 @@ def choose(tc: dict, device: torch.device) -> CPUSetting:
         attn = "eager" if dtype != "float32" else "sdpa"
         why += f", {attn} attention" + (" (exact rows in bf16)" if attn == "eager" else "")
 
-    use = dtype == "float32" and linear != "aten" and onednn_available()
+    use = dtype == "float32" and onednn
     if linear == "onednn" and not use:
         why += "; target.cpu_linear=onednn not applied (" + ("not fp32" if dtype != "float32" else
                                                               "this PyTorch has no oneDNN") + ")"
