@@ -1,15 +1,19 @@
 """The splits of the scale runs (benchmarks/real_lm/README.md, "Heads at scale"), from the
 committed regenerated conversations (data/smollm2-llava-regen/*.jsonl.xz), deterministically.
 
-    python benchmarks/real_lm/scale_splits.py OUT_DIR [--text-train 10360] [--heldout 150]
+    python benchmarks/real_lm/scale_splits.py OUT_DIR [--text-train N] [--heldout 150]
 
 OUT_DIR gets
-  text_train.jsonl     ShareGPT first turns in prefix order, the target's answers; when fewer
-                       than --text-train were answered, the next prefix conversations follow
-                       with ShareGPT's own first answer, their id ending in "#sharegpt"
+  text_train.jsonl     ShareGPT first turns in prefix order before --bench-from, the target's
+                       answers (all of them by default); when --text-train asks for more than were
+                       answered, the next prefix conversations follow with ShareGPT's own first
+                       answer, their id ending in "#sharegpt"
   text_heldout.jsonl   the --heldout answered conversations after the training ones
-  mm_train.jsonl       easy-VQA training images with the target's answers, all but the last --heldout
-  mm_heldout.jsonl     the last --heldout of them
+  mm_train.jsonl       easy-VQA training images with the target's answers: its own questions and
+                       short requests, then the described-and-followed-up conversations
+                       (images-describe), all but the last --heldout // 2 of each
+  mm_heldout.jsonl     the last --heldout // 2 of each kind, alternating (a validation that reads
+                       the first 64 sees both kinds)
   bench_text.jsonl     --bench-n first user turns (20-400 characters) from prefix conversation
                        --bench-from on: none of them regenerated, so no split holds them
   bench_images.jsonl   make_image_data.py's held-out questions (--images): photographs and easy-VQA
@@ -35,15 +39,17 @@ ROOT = Path(__file__).resolve().parents[2]
 PREFIX = ROOT / "data" / "sharegpt-v3-prefix.jsonl"
 
 
-def answered(name: str) -> tuple[list[dict], int]:
-    """The regenerated records the target answered, in their input order, and the highest
-    input index regenerated (answered or not)."""
+def answered(name: str, before: int | None = None) -> tuple[list[dict], int]:
+    """The regenerated records the target answered, in their input order (those of input index
+    ``before`` on left out), and the highest input index regenerated (answered or not) below it."""
     path = REGEN / name
     if not path.is_file():
         raise SystemExit(f"{path} is missing: it is committed with the repository (git checkout it), or "
                          f"made by benchmarks/real_lm/regen_scale.sh then scale_data.py pack")
     with lzma.open(path, "rt", encoding="utf-8") as fh:
         recs = sorted((json.loads(line) for line in fh), key=lambda r: r["n"])
+    if before is not None:
+        recs = [r for r in recs if r["index"] < before]
     return ([{"id": r["id"], "messages": r["messages"], "images": [_absolute(p) for p in r["images"]]}
              for r in recs if r["regenerated"]["turns"] >= 1], max(r["index"] for r in recs))
 
@@ -71,7 +77,7 @@ def write(path: Path, rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out")
-    ap.add_argument("--text-train", type=int, default=10360)
+    ap.add_argument("--text-train", type=int, default=None, help="default: every answered conversation")
     ap.add_argument("--heldout", type=int, default=150)
     ap.add_argument("--bench-from", type=int, default=15000)
     ap.add_argument("--bench-n", type=int, default=16)
@@ -80,17 +86,22 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    text, last_index = answered("text.jsonl.xz")
+    text, last_index = answered("text.jsonl.xz", before=a.bench_from)
     held_text = text[-a.heldout:]
     train_text = text[: len(text) - a.heldout][: a.text_train]
     n_target = len(train_text)
-    if n_target < a.text_train:  # the rest with ShareGPT's answers, after every regenerated conversation
+    if a.text_train is not None and n_target < a.text_train:  # the rest with ShareGPT's answers, after every regenerated conversation
         for k, conv in prefix_first_exchanges(last_index + 1):
             if k >= a.bench_from or len(train_text) >= a.text_train:
                 break
             train_text.append(conv)
-    images, _ = answered("images.jsonl.xz")
-    held_mm, train_mm = images[-a.heldout:], images[: len(images) - a.heldout]
+    train_mm, held_kinds = [], []
+    for part in ("images.jsonl.xz", "images-describe.jsonl.xz"):
+        images, _ = answered(part)
+        half = a.heldout // 2
+        train_mm += images[: len(images) - half]
+        held_kinds.append(images[-half:])
+    held_mm = [r for pair in zip(*held_kinds) for r in pair]
 
     bench_text = []
     with open(PREFIX, encoding="utf-8") as fh:
