@@ -2,7 +2,7 @@
 # A committed SmolLM2 head decoded as a user on this CPU would (target.dtype=auto), and on the
 # same CPU limited to AVX2 (no AVX-512, so no native bf16: how a CPU without it behaves), each
 # setting REPEATS times beside plain decoding in the same process; the forward costs per row
-# count (bench_cpu_linear.py) for both. The README's "Any CPU" table reads OUT.
+# count (lab/bench/cpu_linear.py) for both. The README's "Any CPU" table reads OUT.
 #
 #   bash lab/bench/any_cpu.sh HEAD BENCH OUT [REPEATS]
 #     HEAD   a head folder (data/smollm2-llava-heads/msd-stage2)
@@ -11,7 +11,7 @@
 # SAMPLES (8), TOKENS (64), THREADS (2).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-[ $# -ge 3 ] || { echo "usage: bench_any_cpu.sh HEAD BENCH OUT [REPEATS]" >&2; exit 2; }
+[ $# -ge 3 ] || { echo "usage: lab/bench/any_cpu.sh HEAD BENCH OUT [REPEATS]" >&2; exit 2; }
 head=$1 bench=$2 out=$3 repeats=${4:-3}
 [ -d "$head" ] || { echo "lab/bench/any_cpu.sh: $head is not a head folder" >&2; exit 2; }
 [ -f "$bench" ] || { echo "lab/bench/any_cpu.sh: $bench not found (lab/studies/real_lm/scale_splits.py writes it)" >&2; exit 2; }

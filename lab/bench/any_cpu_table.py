@@ -1,4 +1,4 @@
-"""The table of ``bench_any_cpu.sh``'s folder: per CPU kind and setting, the median speedup over
+"""The table of ``lab/bench/any_cpu.sh``'s folder: per CPU kind and setting, the median speedup over
 plain decoding (and its range), tau, tokens/s, exactness, what ``target.dtype=auto`` became.
 
     python -m lab.bench.any_cpu_table OUT [--copy DEST]
@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--copy", type=Path)
     a = ap.parse_args()
     if not a.out.is_dir():
-        ap.error(f"{a.out}: no such folder (bench_any_cpu.sh writes it)")
+        ap.error(f"{a.out}: no such folder (lab/bench/any_cpu.sh writes it)")
     kinds = collect(a.out)
     print("| CPU kind | setting | target (auto) | tau | speedup, median (range) | tokens/s (plain) | outputs = plain |")
     print("|---|---|---|---|---|---|---|")

@@ -102,7 +102,7 @@ def main() -> None:
         "torch": torch.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "env": {k: os.environ.get(k) for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")},
         "target": a.target, "prefix": a.prefix, "threads": a.threads, "repeats": a.repeats,
-        "command": " ".join(["python", *sys.argv]),
+        "command": " ".join(["python -m lab.bench.cpu_linear", *sys.argv[1:]]),
         "ms": {name: {str(q): {"median": round(1e3 * statistics.median(ts[3:]), 2), "min": round(1e3 * min(ts[3:]), 2)}
                       for q, ts in per.items()} for name, per in times.items()},
         "row_alone_equals_row_among_two": rows_equal,

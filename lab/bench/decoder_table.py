@@ -642,7 +642,7 @@ def main(argv=None) -> dict:
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if args.threads or device.type == "cpu":  # CPU: one thread, as bench_decode (steadier on shared machines)
+    if args.threads or device.type == "cpu":  # CPU: one thread, as lab/bench/decode.py (steadier on shared machines)
         torch.set_num_threads(args.threads or 1)
     dtype = resolve_dtype(args.dtype, device)
     check_room(args, device, dtype)

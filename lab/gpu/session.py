@@ -28,7 +28,7 @@ fit in what is left is skipped with a line saying so, and a running part is stop
 stops the next. ``--estimate PART=SECONDS`` overrides an estimate; ``--dry-took PART=SECONDS``
 makes the dry run's clock take that long for a part (to see a skip). ``--local`` runs the same
 flow with this machine's packages and CPU-sized settings (no install). Output under ``--out``
-(default /tmp/gpu-out): session.log, env.txt, summary.json and one <part>.tar.gz per part that ran.
+(default $OUT, the folder a device call brings back, else /tmp/gpu-out): session.log, env.txt, summary.json and one <part>.tar.gz per part that ran.
 """
 
 from __future__ import annotations
@@ -942,7 +942,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--dry-took", type=_seconds, action="append", default=[], metavar="PART=SECONDS",
                    help="the dry run's clock: this part takes that long")
     r.add_argument("--min-slack", type=int, default=30, help="a running part's share is at least its estimate + this")
-    r.add_argument("--out", type=Path, default=Path("/tmp/gpu-out"))
+    r.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "/tmp/gpu-out"),
+                   help="what comes back: the device call's $OUT (default $OUT, else /tmp/gpu-out)")
     r.add_argument("--work", type=Path, default=Path("/tmp/msd-gpu-work"))
     for f in dataclasses.fields(Settings):
         if f.name in ("local", "device"):

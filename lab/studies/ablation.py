@@ -256,7 +256,7 @@ def main() -> None:
     splits = sorted({s for row in rows.values() for s in row["sim_tau_split"]})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"command": " ".join([Path(py).name, *sys.argv]), "train_wall_s": round(train_s, 1),
+    meta = {"command": " ".join(["python -m lab.studies.ablation", *sys.argv[1:]]), "train_wall_s": round(train_s, 1),
             "seeds": args.seeds, "decoding": {d: decodings.get(d) for d in args.decoders},
             "device": decodings.get("device", "-"), "date": time.strftime("%Y-%m-%d"), "missing": missing}
     (out / "ablation.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")

@@ -102,7 +102,7 @@ def test_target_config_loads_the_folder_and_plain_decoding_matches_the_lm(built)
 
 
 def test_projector_training_moves_only_the_projector_and_lowers_the_loss(tmp_path, one_thread):
-    """LLaVA stage 1 as lab/targets/make_smollm2_llava.py --train-projector runs it."""
+    """LLaVA stage 1 as python -m lab.targets.make_smollm2_llava --train-projector runs it."""
     from builders import random_image
 
     from lab.targets import make_smollm2_llava as script
