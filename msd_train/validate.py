@@ -215,8 +215,8 @@ def check_eval(cfg, method: str) -> None:
 
 
 #: how to make the folders of the named targets that are built, not downloaded
-BUILDERS = {"smollm2-llava": "python scripts/make_smollm2_llava.py (data/README.md, \"SmolLM2-LLaVA\")",
-            "tiny-llava": "python lab/scripts/make_tiny_target.py"}
+BUILDERS = {"smollm2-llava": "python -m lab.targets.make_smollm2_llava (data/README.md, \"SmolLM2-LLaVA\")",
+            "tiny-llava": "python -m lab.targets.make_tiny_target"}
 
 
 def _looks_like_path(name: str) -> bool:

@@ -1,7 +1,7 @@
 """A LLaVA target made from a pretrained text-only language model: the LM as it is, a vision
 tower taken from another LLaVA folder, and a projector between them.
 
-``scripts/make_smollm2_llava.py`` builds ``target=smollm2_llava`` with this (SmolLM2-135M-
+``lab/targets/make_smollm2_llava.py`` builds ``target=smollm2_llava`` with this (SmolLM2-135M-
 Instruct from a GGUF file, the embedded tiny LLaVA's trained tower); ``tests/journeys/test_real_lm.py``
 builds a scaled-down one from a random ``LlamaForCausalLM`` through the same functions.
 Nothing here needs the ``gguf`` package except :func:`lm_from_gguf`, which imports it lazily.

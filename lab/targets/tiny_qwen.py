@@ -1,4 +1,4 @@
-"""A tiny Qwen2-VL target folder for experiments on the CPU (``lab/scripts/compare_draft_positions.py``).
+"""A tiny Qwen2-VL target folder for experiments on the CPU (``lab/studies/draft_positions.py``).
 
 A fully random Qwen2-VL gives near-uniform logits, so a draft head has little to learn and
 position conventions barely show. This builder instead moves the *trained* language model

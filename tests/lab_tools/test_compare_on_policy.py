@@ -1,4 +1,4 @@
-"""lab/scripts/compare_on_policy.py, smoke: both arms from one head, two steps each, one JSON."""
+"""lab/studies/on_policy.py, smoke: both arms from one head, two steps each, one JSON."""
 
 import json
 import os
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_both_arms_train_from_the_same_head_and_are_measured(mini_run, head_dir, tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "lab" / "scripts" / "compare_on_policy.py"), "--head", head_dir, "--budget", "600",
+        [sys.executable, "-m", "lab.studies.on_policy", "--head", head_dir, "--budget", "600",
          "--max-steps", "2", "--out", str(out), "--", *mini_run, f"data.cache_dir={tmp_path / 'cache'}",
          "train.micro_batch_size=2", "train.rollout_steps=2", "train.loader_workers=0"],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})

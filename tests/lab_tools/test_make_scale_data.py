@@ -1,4 +1,4 @@
-"""lab/scripts/make_scale_data.py: the recipe's data shape at any size, deterministic, with its
+"""lab/data/make_scale_data.py: the recipe's data shape at any size, deterministic, with its
 bad records found by the training data path."""
 
 import json
@@ -7,11 +7,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "lab" / "scripts" / "make_scale_data.py"
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, cwd=ROOT)
+    return subprocess.run([sys.executable, "-m", "lab.data.make_scale_data", *map(str, args)], capture_output=True, text=True, cwd=ROOT)
 
 
 def test_arguments_are_checked_before_any_work(tmp_path):

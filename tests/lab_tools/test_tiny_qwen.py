@@ -1,4 +1,4 @@
-"""The tiny Qwen2-VL folder of lab/scripts/compare_draft_positions.py: the trained tiny LLaVA's
+"""The tiny Qwen2-VL folder of lab/studies/draft_positions.py: the trained tiny LLaVA's
 language model under M-RoPE, loadable as any Qwen2-VL folder."""
 
 from pathlib import Path
