@@ -328,8 +328,8 @@ def _tokenise(rows, target: TargetProtocol, max_length: int, num_proc: int, out:
     )
 
 
-def _build(sources: list[dict], target: TargetProtocol, max_length: int, on_bad_sample: str, num_proc: int, limit: int | None,
-           identity: dict, out: Path) -> None:
+def _build(sources: list[dict], target: TargetProtocol, max_length: int, on_bad_sample: str, num_proc: int,
+           limit: int | None, identity: dict, out: Path) -> None:
     """Read, tokenise and write one split into the folder ``out`` (its manifest last)."""
     import datasets
 

@@ -250,7 +250,8 @@ def _shard_ok(path: Path, rec: dict | None, plan: ShardPlan) -> str | None:
     return "ok"
 
 
-def _features_of(rows: list[dict], target: TargetProtocol, batch_size: int, layers: list[int] | None = None) -> list[SampleFeatures]:
+def _features_of(rows: list[dict], target: TargetProtocol, batch_size: int,
+                 layers: list[int] | None = None) -> list[SampleFeatures]:
     """Frozen forwards over ``rows`` in length-sorted batches; results in ``rows`` order.
     With ``layers`` a token's row is the inputs of those layers, then the last output
     ((k+1)*H wide: what an msd3 head reads, and what its loss compares with)."""

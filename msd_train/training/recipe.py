@@ -545,8 +545,9 @@ class TrainRecipe:
             return
         with open(self.stage_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
-        self.wandb = wandb_run.call(self.wandb, "logging", lambda run: run.log(
-            {k: v for k, v in metrics.items() if k != "step"}, step=int(metrics["step"])), self.stage_dir / "metrics.jsonl")
+        self.wandb = wandb_run.call(
+            self.wandb, "logging", lambda run: run.log({k: v for k, v in metrics.items() if k != "step"},
+                                                       step=int(metrics["step"])), self.stage_dir / "metrics.jsonl")
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> None:

@@ -26,7 +26,8 @@ from msd_train.training.objective import Objective
 
 
 @torch.no_grad()
-def rollout_stats(objective: Objective, target: TargetProtocol, feats: Features, loss_mask: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+def rollout_stats(objective: Objective, target: TargetProtocol, feats: Features, loss_mask: torch.Tensor,
+                  k: int) -> dict[str, torch.Tensor]:
     """Counts for one batch: per step j, valid chains, correct-so-far chains, correct at j.
     The head's objective (``objective.rollout_hits``) says which steps of which chains hit."""
     hits = objective.rollout_hits(target, feats, k)
