@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from msd_train.data.dataset import load_images
+from msd_train.targets.protocol import TargetProtocol
 
 
 def sample_key(row: dict) -> str:
@@ -14,7 +15,7 @@ def sample_key(row: dict) -> str:
     return f"{Path(row['source']).name}#{row['index']}"
 
 
-def collate(rows: list[dict], target, pad_id: int = 0, pixels: bool = True) -> dict:
+def collate(rows: list[dict], target: TargetProtocol, pad_id: int = 0, pixels: bool = True) -> dict:
     """Right-pad ``input_ids``/``loss_mask``; load images and run the image processor.
 
     Pixel tensors of all images of the batch are concatenated in sample order, which is
@@ -66,7 +67,7 @@ class StepBatches(torch.utils.data.Dataset):
     as one rank with grad_accum W * A.
     """
 
-    def __init__(self, text, mm, target, micro_batch_size: int, grad_accum: int, rank: int, world: int,
+    def __init__(self, text, mm, target: TargetProtocol, micro_batch_size: int, grad_accum: int, rank: int, world: int,
                  pixels: bool = True, features=None):
         self.text, self.mm, self.target = text, mm, target
         self.mb, self.ga, self.rank, self.world, self.pixels = micro_batch_size, grad_accum, rank, world, pixels

@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING
 
 from msd_train.data.formats import BadSample, BadSampleError, read_conversations
 from msd_train.paths import user_path
+from msd_train.targets.identity import tokenizer_identity
+from msd_train.targets.protocol import TargetProtocol
 
 if TYPE_CHECKING:
     import torch
@@ -143,7 +145,7 @@ def image_size(path: str) -> tuple[int, int]:
     return size
 
 
-def _encode_row(row: dict, target, max_length: int, image_root_hint: str) -> dict:
+def _encode_row(row: dict, target: TargetProtocol, max_length: int, image_root_hint: str) -> dict:
     """Tokenise one conversation, or say in ``bad`` why it cannot be used (``missing``: an
     image file is not there, which a later launch checks again)."""
     empty = {"input_ids": [], "loss_mask": [], "n_visual": 0, "bad": "", "fix": "", "missing": False}
@@ -190,20 +192,6 @@ def split_limit(data_cfg, name: str) -> int | None:
         return int(data_cfg.max_heldout)
     n = data_cfg.get("max_train")
     return None if n is None else int(n)
-
-
-def _target_identity(target) -> dict:
-    """What a tokenised row depends on besides the data: the tokenizer's vocabulary and
-    rules, the chat template, the image processor's settings (the visual counts)."""
-    tok = target.tokenizer
-    backend = getattr(tok, "backend_tokenizer", None)
-    vocab = backend.to_str() if backend is not None else json.dumps(sorted(tok.get_vocab().items()))
-    ip = getattr(target.processor, "image_processor", None)
-    images = ip.to_json_string() if hasattr(ip, "to_json_string") else repr(ip)
-    return {"target": target.name, "family": target.family, "template": target.chat_template,
-            "tokenizer": hashlib.sha1(vocab.encode()).hexdigest(), "vocab": len(tok),
-            "special": target.template_vars(), "image_processor": hashlib.sha1(images.encode()).hexdigest(),
-            "image_token_id": target.image_token_id}
 
 
 @functools.lru_cache(maxsize=1)
@@ -329,7 +317,7 @@ def _row_features():
         "missing": datasets.Value("bool")})
 
 
-def _tokenise(rows, target, max_length: int, num_proc: int, out: Path, name: str, hint: str):
+def _tokenise(rows, target: TargetProtocol, max_length: int, num_proc: int, out: Path, name: str, hint: str):
     """Tokenise ``rows`` (a ``datasets.Dataset``) into Arrow files under ``out`` (``num_proc`` processes)."""
     return rows.map(
         _encode_row,
@@ -340,8 +328,8 @@ def _tokenise(rows, target, max_length: int, num_proc: int, out: Path, name: str
     )
 
 
-def _build(sources: list[dict], target, max_length: int, on_bad_sample: str, num_proc: int, limit: int | None,
-           identity: dict, out: Path) -> None:
+def _build(sources: list[dict], target: TargetProtocol, max_length: int, on_bad_sample: str, num_proc: int,
+           limit: int | None, identity: dict, out: Path) -> None:
     """Read, tokenise and write one split into the folder ``out`` (its manifest last)."""
     import datasets
 
@@ -429,7 +417,7 @@ def _restored(ds) -> bool:
 
 def build_split(
     sources: list[dict],
-    target,
+    target: TargetProtocol,
     max_length: int,
     on_bad_sample: str = "skip",
     cache_dir: str | None = None,
@@ -449,7 +437,7 @@ def build_split(
         raise ValueError(f"data.on_bad_sample={on_bad_sample}: use skip or error")
     if not sources:
         return Split(datasets.Dataset.from_dict({}), [])
-    identity = {"version": CACHE_VERSION, "code": _code_digest(), **_target_identity(target),
+    identity = {"version": CACHE_VERSION, "code": _code_digest(), **tokenizer_identity(target),
                 "max_length": max_length, "limit": limit, "sources": [[str(user_path(s["path"])), s.get("format", "auto"), str(s.get("image_root"))]
                             for s in sources]}
     identity = json.loads(json.dumps(identity))  # as a manifest holds it

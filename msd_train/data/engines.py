@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from msd_train.targets.protocol import TargetProtocol
+
 
 class EngineError(ValueError):
     """An engine that cannot run as configured; the message names the fix."""
@@ -57,7 +59,7 @@ class Sampling:
 class HFEngine:
     """The target through transformers (see the module docstring)."""
 
-    def __init__(self, target, sampling: Sampling, batch_size: int = 1):
+    def __init__(self, target: TargetProtocol, sampling: Sampling, batch_size: int = 1):
         self.target, self.sampling, self.batch_size = target, sampling, max(int(batch_size), 1)
         mode = "decoder" if self.batch_size == 1 else f"generate-batch{self.batch_size}"
         self.name = f"hf {mode} transformers {_version('transformers')} {str(target.dtype).removeprefix('torch.')}"

@@ -43,6 +43,7 @@ from pathlib import Path
 
 from msd_train.data.formats import BadSample, read_conversations
 from msd_train.targets.chat import count_image_markers
+from msd_train.targets.protocol import TargetProtocol
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ class _Conversation:
         self.finished = False
         self.seconds = 0.0
 
-    def next_prompt(self, target, settings: dict):
+    def next_prompt(self, target: TargetProtocol, settings: dict):
         """Copy user turns up to the next assistant turn; that turn's prompt, or None when
         the conversation is finished (the turn dropped if its prompt is too long)."""
         while self.pending and self.pending[0]["role"] != "assistant":
@@ -193,7 +194,7 @@ class _Conversation:
                                 "engine": engine, "seconds": round(self.seconds, 2)}}
 
 
-def answer_chunk(target, engine, chunk: list[tuple[int, str, dict]], settings: dict) -> list[dict]:
+def answer_chunk(target: TargetProtocol, engine, chunk: list[tuple[int, str, dict]], settings: dict) -> list[dict]:
     """Answer every conversation of ``chunk`` (``(n, key, conversation)``), one batched
     engine call per assistant-turn round; their records, in chunk order."""
     from msd_train.data.engines import Request
@@ -241,7 +242,7 @@ def _check_settings(out: Path, settings: dict, target_name: str) -> None:
         atomic_write_text(path, json.dumps(want, indent=1) + "\n")
 
 
-def regenerate(target, settings: dict, group=None, on_record=None, engine=None) -> dict | None:
+def regenerate(target: TargetProtocol, settings: dict, group=None, on_record=None, engine=None) -> dict | None:
     """Regenerate ``settings["inputs"]`` into ``settings["out"]`` (see the module docstring)
     with ``engine`` (``msd_train.data.engines``; default: the project's decoder, one prompt
     at a time); ``on_record(record)`` is called after each record is written (tests

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from msd_train.targets import Features, Target
+from msd_train.targets import Features, TargetProtocol
 
 
 class OnlineFeatures:
     """Runs the frozen target on each batch; no gradients, the target's dtype."""
 
-    def __init__(self, target: Target, layers: list[int] | None = None):
+    def __init__(self, target: TargetProtocol, layers: list[int] | None = None):
         self.target = target
         self.layers = layers  # the target layers whose inputs the head reads (None: the last output only)
 
@@ -23,7 +23,7 @@ class OnlineFeatures:
         return self.target.features(batch["input_ids"], batch["attention_mask"], batch["pixel"], layers=self.layers)
 
 
-def make_feature_source(cfg, target: Target, layers: list[int] | None = None):
+def make_feature_source(cfg, target: TargetProtocol, layers: list[int] | None = None):
     """The configured source: ``features.mode=online`` or ``offline`` (a feature store).
     ``layers``: the head's ``feature_layers``."""
     mode = cfg.features.mode

@@ -34,7 +34,6 @@ from msd_train.features.store import (
     VERSION,
     FeatureStoreError,
     SampleFeatures,
-    as_bytes,
     dtype_name,
     human_bytes,
     ids_dtype,
@@ -47,33 +46,12 @@ from msd_train.features.store import (
 )
 from msd_train.paths import user_path
 from msd_train.runtime import Group, atomic_write_text, local_device, resolve_dtype
-from msd_train.targets.lora import adapter_identity
+from msd_train.targets.identity import target_identity
+from msd_train.targets.protocol import TargetProtocol
 
 log = logging.getLogger("msd_train.features")
 
 SPLITS = _SPLITS  # the data.* lists a store can hold (stage.splits names them too)
-
-
-# ----------------------------------------------------------------------------- identity
-
-
-def target_identity(target, adapter: str | None = None, weights: bool = True) -> dict:
-    """What a store's features depend on: the architecture facts, the template, and a
-    digest of the embedding table and lm_head (which offline training reads from the
-    configured target). Weights are hashed in bf16, so fp32 and bf16 loads agree."""
-    digest = None
-    if weights and target.embed_tokens.weight.device.type != "meta":
-        h = hashlib.sha256()
-        for w in (target.embed_tokens.weight, target.lm_head.weight):
-            h.update(as_bytes(w.detach().to("cpu", torch.bfloat16)))
-        digest = h.hexdigest()
-    return {
-        "name": target.name, "family": target.family, "hidden_size": target.hidden_size,
-        "vocab_size": target.vocab_size, "tokenizer_size": len(target.tokenizer),
-        "image_token_id": target.image_token_id, "adapter": adapter_identity(adapter),
-        "chat_template_sha1": hashlib.sha1(target.chat_template.encode()).hexdigest(),
-        "weights_sha256": digest,
-    }
 
 
 def split_sources(cfg, name: str) -> list[dict]:
@@ -199,7 +177,7 @@ def plan_shards(datasets: dict, samples_per_shard: int) -> list[ShardPlan]:
     return plans
 
 
-def estimate(datasets: dict, plans: list[ShardPlan], target, dtype: torch.dtype, id_dtype: torch.dtype,
+def estimate(datasets: dict, plans: list[ShardPlan], target: TargetProtocol, dtype: torch.dtype, id_dtype: torch.dtype,
              layers: list[int] | None = None) -> dict:
     """Exact counts and the bytes the shards will take (headers aside), from the token ids;
     ``layers``: the stored layer inputs (each adds H per stored row)."""
@@ -230,7 +208,7 @@ def estimate(datasets: dict, plans: list[ShardPlan], target, dtype: torch.dtype,
 
 
 # ----------------------------------------------------------------------------- run
-def _build_splits(cfg, target, names, group: Group) -> dict:
+def _build_splits(cfg, target: TargetProtocol, names, group: Group) -> dict:
     from msd_train.data.dataset import build_split
 
     d = cfg.data
@@ -272,7 +250,8 @@ def _shard_ok(path: Path, rec: dict | None, plan: ShardPlan) -> str | None:
     return "ok"
 
 
-def _features_of(rows: list[dict], target, batch_size: int, layers: list[int] | None = None) -> list[SampleFeatures]:
+def _features_of(rows: list[dict], target: TargetProtocol, batch_size: int,
+                 layers: list[int] | None = None) -> list[SampleFeatures]:
     """Frozen forwards over ``rows`` in length-sorted batches; results in ``rows`` order.
     With ``layers`` a token's row is the inputs of those layers, then the last output
     ((k+1)*H wide: what an msd3 head reads, and what its loss compares with)."""
@@ -300,7 +279,7 @@ def _features_of(rows: list[dict], target, batch_size: int, layers: list[int] | 
     return out
 
 
-def generate(cfg, dist=None, target=None) -> dict | None:
+def generate(cfg, dist=None, target: TargetProtocol | None = None) -> dict | None:
     """Generate (or resume, or with ``dry_run`` only estimate) the store at ``features.path``.
 
     Returns the manifest on rank 0 (the estimate for a dry run), None on other ranks.
@@ -380,7 +359,7 @@ def _split_names(cfg) -> list[str]:
     return [n for n in cfg.splits if split_sources(cfg, n)]
 
 
-def _dry_run(datasets: dict, plans: list[ShardPlan], target, dtype: torch.dtype, id_dtype: torch.dtype,
+def _dry_run(datasets: dict, plans: list[ShardPlan], target: TargetProtocol, dtype: torch.dtype, id_dtype: torch.dtype,
              out: Path, layers: list[int] | None = None) -> dict:
     est = estimate(datasets, plans, target, dtype, id_dtype, layers)
     est["dtype"] = dtype_name(dtype)
@@ -485,7 +464,7 @@ def _prepare_dir(out: Path, header: dict) -> str | None:
     return None
 
 
-def _print_estimate(est: dict, target, out: Path) -> None:
+def _print_estimate(est: dict, target: TargetProtocol, out: Path) -> None:
     H = target.hidden_size
     print(f"dry run: nothing written to {out}")
     print(f"target {target.name}: hidden size {H}, store dtype {est['dtype']}")

@@ -20,15 +20,16 @@ import logging
 import torch
 
 from msd_train.config import stage_splits
-from msd_train.features.generate import data_fingerprint, manifest_differences, target_identity
+from msd_train.features.generate import data_fingerprint, manifest_differences
 from msd_train.features.store import FeatureStore, FeatureStoreError
-from msd_train.targets import Features, Target
+from msd_train.targets import Features, TargetProtocol
+from msd_train.targets.identity import target_identity
 
 log = logging.getLogger("msd_train.features")
 
 
 class OfflineFeatures:
-    def __init__(self, cfg, target: Target, layers: list[int] | None = None):
+    def __init__(self, cfg, target: TargetProtocol, layers: list[int] | None = None):
         fc = cfg.features
         self.target = target
         self.store = FeatureStore(fc.path, verify=fc.get("verify", "quick"))

@@ -11,6 +11,7 @@ processor here.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
@@ -59,8 +60,10 @@ def eagle3_layers(num_layers: int, low: int = 2) -> list[int]:
     return sorted({min(max(i, 0), num_layers - 1) for i in (low, num_layers // 2, num_layers - 3)})
 
 
-class Target:
-    """Base class for a frozen multimodal target. Subclasses fill in the family specifics.
+class Target(ABC):
+    """Base class for a frozen multimodal target. Subclasses fill in the family specifics:
+    the five abstract methods (images -> tensors and token counts, visual embeddings, image
+    grids, position ids) and the class-level facts below.
 
     Everything the project knows about a family lives on its adapter class, so that adding
     a family touches its adapter, its ``conf/target`` file and its test. Class-level facts
@@ -226,15 +229,15 @@ class Target:
         """The text that closes an assistant turn (the last token that carries loss)."""
         return self.tokenizer.eos_token
 
+    @abstractmethod
     def image_inputs(self, images: list) -> tuple[dict[str, torch.Tensor], list[int]]:
         """Processor tensors for ``images`` (PIL) and the visual tokens each one expands to."""
-        raise NotImplementedError
 
+    @abstractmethod
     def image_token_counts(self, sizes: list[tuple[int, int]]) -> list[int]:
         """The visual tokens of images of these (width, height) sizes, without their pixels:
         the family's rule, the arithmetic its processor applies (equal to ``image_inputs``'
         counts; ``tests/unit/test_data_scale.py`` holds every family to it)."""
-        raise NotImplementedError
 
     def encode(self, messages: list[dict], images: list = (), counts: list[int] | None = None) -> Encoded:
         """A conversation (``<image>`` markers in the text, PIL images) -> ids and loss mask.
@@ -292,19 +295,19 @@ class Target:
         deepstack features; none for the others), to pass to ``run_for_head(extras=...)``."""
         return self.embed(input_ids, pixel), {}
 
+    @abstractmethod
     def visual_embeddings(self, pixel: dict[str, torch.Tensor]) -> torch.Tensor:
         """All images' projector outputs, concatenated: (total visual tokens, H)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def image_grids(self, pixel: dict[str, torch.Tensor]) -> list[tuple[int, int]]:
         """(rows, columns) of each image's visual tokens, in order (row-major in the ids)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def position_ids(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pixel: dict
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Position ids of a (padded, right-padded) batch and, for M-RoPE, the rope deltas."""
-        raise NotImplementedError
 
     def continue_positions(self, start: int, n: int, rope_deltas: torch.Tensor | None) -> torch.Tensor:
         """Position ids of ``n`` text tokens placed after ``start`` cached tokens (batch 1).

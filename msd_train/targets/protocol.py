@@ -3,7 +3,7 @@
 The trainer (``training/``), the feature sources (``features/``), the datasets
 (``data/``), the decoder (``decoding/``) and the hub read a loaded target only through
 these members; an adapter (``targets.base.Target`` and its five families) may hold more,
-for its own use. ``tests/test_target_contract.py`` checks that every family's adapter
+for its own use. ``tests/contracts/test_target_contract.py`` checks that every family's adapter
 satisfies the protocol, so a sixth family (or a stand-in in a test) knows what to provide.
 
 Class-level facts that code outside ``targets/`` reads from an adapter class (through

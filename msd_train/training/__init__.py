@@ -48,35 +48,26 @@ def run(cfg) -> None:
                           f"as they were (launch the same command to resume)"):
         try:
             rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-            stage_dir = Path(cfg.run_dir).resolve() / f"stage{int(cfg.stage.id)}"
             if rank == 0:
                 # Before anything heavy: one launch per run_dir (the others' ranks are stopped by the
                 # launcher when this one exits).
                 lock = rundir.RunDirLock(Path(cfg.run_dir).resolve())
                 lock.acquire()
                 if ckpt.resume_disabled(cfg):
-                    moved = rundir.set_aside(stage_dir)
+                    moved = rundir.set_aside(rundir.stage_dir(cfg))
                     if moved is not None:
                         log.warning("resume=false: the previous outputs of stage %s were moved to %s",
                                     cfg.stage.id, moved)
-            newest = [] if ckpt.resume_disabled(cfg) else \
-                ckpt.loadable_checkpoints(stage_dir / "checkpoints", log_skipped=False)[:1]
-            state = ckpt.read_state(newest[0]) if newest else {}
-            refusal = newest and rundir.world_size_refusal(
-                newest[0], state, world, int(cfg.train.micro_batch_size),
-                int(OmegaConf.select(cfg, "deepspeed.zero_optimization.stage", default=0) or 0))
-            if refusal:
-                raise TrainingError(refusal)
-            # what the checkpoint was trained with vs this launch: a change it cannot take is refused
-            # (naming each key), one it can is applied and recorded (stageN/settings.json)
-            resume.check_resume(cfg, stage_dir, newest[0] if newest else None, state.get("step"), write=rank == 0)
-            if not newest and cfg.stage.init_from:  # the head this stage starts from, before the target loads
+            # Where this stage starts, read once before anything heavy: the newest checkpoint (what it
+            # cannot continue is refused, naming it), else stage.init_from's head, else a fresh one.
+            start = resume.resume_point(cfg, rank, world)
+            if start.init_from is not None:  # the head this stage starts from, before the target loads
                 check_init_from_config(cfg)
             rundir.exit_with_launcher()
             # DeepSpeed compiles its communication op when the engine starts, waiting silently on
             # a build lock that a killed launch may have left.
             clear_stale_build_locks()
-            recipe = TrainRecipe(cfg)
+            recipe = TrainRecipe(cfg, start)
             recipe.setup()
             try:
                 recipe.train()

@@ -16,7 +16,7 @@ folder that resume ignores. Folders whose name is not ``step-<digits>`` (a user'
 
 from __future__ import annotations
 
-import errno
+import copy
 import json
 import logging
 import os
@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from msd_train.draft.vocabulary import save_counts
+from msd_train.errors import disk_full
 from msd_train.runtime import atomic_dir, replace_dir
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,14 @@ def _step_of(p: Path) -> int | None:
 def resume_disabled(cfg) -> bool:
     """``resume=false`` (or 0 / no): start the stage over instead of continuing."""
     return str(cfg.resume).lower() in ("false", "0", "no")
+
+
+def zero_stage(cfg) -> int:
+    """The ZeRO stage this launch's engine partitions with (``deepspeed.zero_optimization.stage``;
+    recorded in each checkpoint, since another one loads only its portable state)."""
+    from omegaconf import OmegaConf
+
+    return int(OmegaConf.select(cfg, "deepspeed.zero_optimization.stage", default=0) or 0)
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -131,21 +140,6 @@ def rotate(root: Path, keep: int) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def _disk_full(err: BaseException, where: Path) -> bool:
-    """ENOSPC/EDQUOT anywhere in the chain, or any other failed write on a filesystem that
-    has no room left: torch.save reports a full disk in words of its own (``basic_ios::clear:
-    iostream error``, ``unexpected pos 123 vs 456``) that change between versions."""
-    e: BaseException | None = err
-    while e is not None:
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        e = e.__cause__ or e.__context__
-    try:
-        return shutil.disk_usage(where).free < 64 << 20
-    except OSError:
-        return False
-
-
 @contextmanager
 def writing(root: Path, tmp: Path, what: str):
     """Turn a failed checkpoint or export write into a :class:`CheckpointWriteError` that
@@ -158,7 +152,9 @@ def writing(root: Path, tmp: Path, what: str):
         kept = [p.name for p in complete_checkpoints(root)]
         keep_msg = (f"kept: {', '.join(kept)} in {root} (relaunching the same command resumes from {kept[-1]})"
                     if kept else f"no complete checkpoint is kept in {root}")
-        if _disk_full(err, root.parent if not root.exists() else root):
+        # torch.save words a full disk its own way (``basic_ios::clear: iostream error``,
+        # ``unexpected pos 123 vs 456``), differently between versions: disk_full also asks the disk
+        if disk_full(err, root.parent if not root.exists() else root) is not None:
             free = shutil.disk_usage(root if root.exists() else root.parent).free
             raise CheckpointWriteError(
                 f"the disk is full: writing {what} into {tmp.parent} failed ({free / 2**20:.0f} MiB free); "
@@ -185,6 +181,18 @@ def export_complete(folder: Path) -> bool:
     except Exception:  # whatever is missing or damaged, the export is not whole
         return False
     return True
+
+
+def export_head(module, weights: dict[str, torch.Tensor], out: Path, meta: dict, token_counts=None) -> None:
+    """The trained head alone into ``out`` (:func:`export_atomic`), as its own class loads it:
+    a fresh ``type(module)`` (msd, msd3, ...) holding ``weights`` (float32) and the module's
+    saved buffers (msd3's ``d2t``, ``t2d``), its config saying float32; ``meta`` (stage, step,
+    command, config) is written beside it as ``training.json``."""
+    head = type(module)(copy.deepcopy(module.config))
+    buffers = {n: b.detach().cpu() for n, b in module.named_buffers() if n in head.state_dict()}
+    head.load_state_dict({**buffers, **weights})
+    head.config.dtype = "float32"  # what is stored
+    export_atomic(head, out, {"training.json": json.dumps(meta, indent=1)}, token_counts=token_counts)
 
 
 def export_atomic(model, out: Path, extra_files: dict[str, str] | None = None,

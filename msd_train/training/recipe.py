@@ -1,7 +1,8 @@
 """The two-stage MSD training recipe over a DeepSpeed engine.
 
-One class, read top to bottom: ``setup()`` builds everything from the config (or from the
-newest checkpoint), ``train()`` runs optimizer steps, ``validate()`` measures the
+One class, read top to bottom: ``setup()`` builds everything from the config and the
+stage's resume point (``training.resume``: the newest checkpoint, read once by the entry
+point), ``train()`` runs optimizer steps, ``validate()`` measures the
 held-out proxies, ``save_checkpoint()`` / ``export()`` write state, ``cleanup()`` closes
 loggers. Stages are configuration (``conf/stage/*.yaml``): which data splits they read
 (``stage.splits``), where the head starts (``stage.init_from``: a fresh head when null, else
@@ -23,8 +24,8 @@ at every step, equal up to the order of floating-point sums.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -46,8 +47,9 @@ from msd_train.draft.vocabulary import draft_vocabulary, load_counts, most_frequ
 from msd_train.features import make_feature_source
 from msd_train.paths import portable_name
 from msd_train.targets import load_target
+from msd_train.targets.identity import target_identity
 from msd_train.training import checkpoint as ckpt
-from msd_train.training import resume, rundir
+from msd_train.training import resume, rundir, wandb_run
 from msd_train.training.loss import draft_loss_mask, loss_index
 from msd_train.training.objective import Objective, objective_for
 from msd_train.training.validation import evaluate_split
@@ -115,11 +117,14 @@ def check_init_from_config(cfg) -> None:
 
 
 class TrainRecipe:
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, cfg: DictConfig, start: resume.ResumePoint | None = None):
+        """``start``: where the stage starts (``resume.resume_point``, which the entry point
+        reads once); None: ``setup()`` reads it."""
         self.cfg = cfg
+        self.start = start
         self.stage = int(cfg.stage.id)
         self.run_dir = Path(cfg.run_dir).resolve()
-        self.stage_dir = self.run_dir / f"stage{self.stage}"
+        self.stage_dir = rundir.stage_dir(cfg)
         self.ckpt_root = self.stage_dir / "checkpoints"
         self.step = 0
         self.bad_streak = 0
@@ -137,6 +142,10 @@ class TrainRecipe:
         self.group = runtime.setup_group(self.device, deepspeed=True, timeout_minutes=cfg.dist.timeout_minutes)
         self.rank, self.world, self.local_rank = self.group.rank, self.group.world, self.group.local_rank
         self.main = self.group.main
+        if self.start is None:
+            self.start = resume.resume_point(cfg, self.rank, self.world)
+        if self.start.grad_accum is not None:  # a checkpoint of another number of processes: its global batch
+            OmegaConf.update(cfg, "train.grad_accum", self.start.grad_accum)
         self.stage_dir.mkdir(parents=True, exist_ok=True)
 
         self.target = load_target(
@@ -146,10 +155,7 @@ class TrainRecipe:
         self.pixels = cfg.features.mode == "online"
         self._setup_data()
 
-        resume_from = self._resume_point()
-        if resume_from is not None:
-            self._keep_global_batch(resume_from)
-        self.draft, self.objective = self._build_draft(resume_from is not None)
+        self.draft, self.objective = self._build_draft()
         self.features = make_feature_source(cfg, self.target, self.draft.feature_layers)
         tc = cfg.train
         precision = tc.precision if tc.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
@@ -192,9 +198,9 @@ class TrainRecipe:
             len(self.text), len(self.mm), self.global_batch, cfg.seed,
             cur.start, cur.end, cur.ramp_steps, cur.schedule,
             *([sample_lengths(self.text), sample_lengths(self.mm)] if window else [None, None]), window)
-        if resume_from is not None:
-            self._load_checkpoint(resume_from)
-        self._setup_logging()
+        if self.start.checkpoint is not None:
+            self._restore(*resume.load(self.start, self.engine, self.group, self.identity))
+        self.wandb = wandb_run.start(cfg, self.run_dir, self.stage) if self.main else None
 
     def _setup_data(self) -> None:
         d = self.cfg.data
@@ -229,20 +235,19 @@ class TrainRecipe:
                 f"stage {self.stage}'s curriculum asks for a multimodal share up to {max(cur.start, cur.end)} but "
                 f"{'data.multimodal yielded no usable conversations' if 'multimodal' in names else 'stage.splits lacks multimodal'}")
 
-    def _build_draft(self, resuming: bool) -> tuple[DraftHead, Objective]:
-        """A fresh head (``stage.init_from`` null), an exported one, or the shape to resume into.
-        ``draft.architecture`` names the head's class (``msd_train.draft.HEADS``)."""
+    def _build_draft(self) -> tuple[DraftHead, Objective]:
+        """A fresh head, the exported one the stage starts from (``self.start.init_from``), or
+        the shape to resume into. ``draft.architecture`` names the head's class
+        (``msd_train.draft.HEADS``)."""
         cfg = self.cfg
         overrides = {k: v for k, v in OmegaConf.to_container(cfg.draft, resolve=True).items() if v is not None}
         try:
             head_cls = head_class(overrides.pop("architecture", "msd"))
         except ValueError as e:
             raise TrainingError(str(e)) from None
-        init = None
-        if cfg.stage.init_from and not resuming:
-            init = Path(cfg.stage.init_from)
-            check_init_from(init, self.stage, self.target.name, self.target.hidden_size, self.target.vocab_size)
+        init = self.start.init_from
         if init is not None:
+            check_init_from(init, self.stage, self.target.name, self.target.hidden_size, self.target.vocab_size)
             draft = MSDDraftModel.from_pretrained(init)  # the class its config.json names
             if draft.architecture != head_cls.architecture:
                 raise TrainingError(
@@ -285,115 +290,22 @@ class TrainRecipe:
             objective.set_train_vocabulary(self.target, most_frequent(self.token_counts, int(train_vocab)))
         return draft.to(self.device).train(), objective
 
-    def _setup_logging(self) -> None:
-        lc = self.cfg.logging
-        if not self.main or lc.wandb.mode == "disabled":
-            return
-        import wandb
-
-        name = lc.wandb.name or f"{Path(self.cfg.run_dir).name}-stage{self.stage}"
-        self.wandb = wandb.init(
-            project=lc.wandb.project, entity=lc.wandb.entity, name=name, mode=lc.wandb.mode,
-            dir=str(self.run_dir), config=OmegaConf.to_container(self.cfg, resolve=True),
-            resume="allow", id=f"{name}-{self.run_dir.name}".replace("/", "-")[:64],
-        )
-        # wandb's client runs on asyncio, which logs every send to a service that has died.
-        logging.getLogger("asyncio").setLevel(logging.ERROR)
-
     # ------------------------------------------------------------------ resume
-    def _resume_point(self) -> Path | None:
-        """The newest checkpoint that passes the cheap checks (the skipped ones are logged)."""
-        self._candidates = [] if ckpt.resume_disabled(self.cfg) else \
-            ckpt.loadable_checkpoints(self.ckpt_root, log_skipped=self.main)
-        if not self._candidates and self.main:
-            # Killed before its first checkpoint: what it logged is not part of the run that starts now.
-            rundir.truncate_metrics(self.stage_dir / "metrics.jsonl", 0)
-        return self._candidates[0] if self._candidates else None
+    @functools.cached_property
+    def identity(self) -> dict:
+        """The target's identity (``targets.identity``): each checkpoint records it, a resume compares it."""
+        return target_identity(self.target, self.cfg.target.adapter)
 
-    def _zero_stage(self) -> int:
-        return int(OmegaConf.select(self.cfg, "deepspeed.zero_optimization.stage", default=0) or 0)
-
-    def _keep_global_batch(self, path: Path) -> None:
-        """Resuming a checkpoint written by another number of processes (or ZeRO stage): what
-        cannot carry over is refused before the engine is built, naming it; else grad_accum
-        becomes global batch / (micro_batch_size x processes), so each step takes the same
-        samples."""
-        state = ckpt.read_state(path)
-        tc = self.cfg.train
-        refusal = rundir.world_size_refusal(path, state, self.world, int(tc.micro_batch_size), self._zero_stage())
-        if refusal:
-            raise TrainingError(refusal)
-        saved = state.get("world_size")
-        if saved is None or int(saved) == self.world:
-            return
-        accum = rundir.resumed_grad_accum(state, self.world, int(tc.micro_batch_size))
-        if self.main:
-            log.warning("resume: %s was written by %s process(es), this launch has %d: train.grad_accum=%d (was %s) "
-                        "keeps its global batch of %d", path, saved, self.world, accum, tc.grad_accum,
-                        state["global_batch"])
-            resume.record_change(self.stage_dir, state["step"], {
-                "world_size": {"checkpoint": int(saved), "now": self.world},
-                "train.grad_accum": {"checkpoint": int(state["global_batch"]) // (int(saved) * tc.micro_batch_size),
-                                     "now": accum}})
-        OmegaConf.update(self.cfg, "train.grad_accum", accum)
-
-    def target_identity(self) -> dict:
-        if getattr(self, "_target_identity", None) is None:
-            from msd_train.features.generate import target_identity
-
-            self._target_identity = target_identity(self.target, self.cfg.target.adapter)
-        return self._target_identity
-
-    def _load_checkpoint(self, path: Path) -> None:
-        """Load the newest candidate that loads; a damaged one is skipped with the reason."""
-        for cand in self._candidates[self._candidates.index(path):]:
-            state = ckpt.read_state(cand)
-            # written by another number of processes or ZeRO stage: its portable state, not DeepSpeed's
-            # per-process one
-            portable = rundir.needs_portable(state, self.world, self._zero_stage())
-            if portable and not (cand / ckpt.PORTABLE_FILE).is_file():
-                log.warning("rank %d: skipping checkpoint %s: written by %s process(es) (ZeRO stage %s) without %s, "
-                            "it cannot be loaded by %d (stage %d)", self.rank, cand, state.get("world_size"),
-                            state.get("zero_stage"), ckpt.PORTABLE_FILE, self.world, self._zero_stage())
-                continue
-            if state.get("target") is not None:
-                diffs = rundir.identity_differences(state["target"], self.target_identity())
-                if diffs:
-                    raise TrainingError(
-                        f"{cand} was trained on another target than this launch's ({'; '.join(diffs)}). Resume with "
-                        f"the checkpoint's target, or start this stage over with resume=false (the old outputs "
-                        f"are moved aside).")
-            failed = 0.0
-            try:
-                if portable:
-                    ckpt.load_portable(self.engine, cand)
-                else:
-                    self.engine.load_checkpoint(str(cand), tag=ckpt.ENGINE_TAG, load_optimizer_states=True,
-                                                load_lr_scheduler_states=True)
-            except Exception as e:  # a torch zip error, a missing rank's file, DeepSpeed's assertions
-                log.warning("rank %d: skipping checkpoint %s: it does not load (%s: %s)", self.rank, cand,
-                            type(e).__name__, e)
-                failed = 1.0
-            # Every rank must resume from the same step: one rank's failure moves all to the next one.
-            if self.group.any(failed > 0):
-                continue
-            path = cand
-            break
-        else:
-            raise TrainingError(
-                f"no checkpoint in {self.ckpt_root} loads (reasons above); move the folder aside to start over, "
-                f"or set resume=false (which moves it aside for you)")
-        if self.main:
-            log.info("resuming from %s%s", path, f" (written by {state['world_size']} process(es), ZeRO stage "
-                                                 f"{state.get('zero_stage')})" if portable else "")
-        self.step = state["step"]
-        self.curriculum.load_state_dict(state["curriculum"])
-        self.bad_total = state["bad_total"]
-        self.best_tau = state["best_tau"]
+    def _restore(self, path: Path, state: dict) -> None:
+        """The recipe's own state from the checkpoint ``resume.load`` loaded into the engine."""
         if state["global_batch"] != self.global_batch:
             raise TrainingError(
                 f"{path} was written with a global batch of {state['global_batch']}, this launch has "
                 f"{self.global_batch}; keep micro_batch_size * grad_accum * world size the same, or resume=false")
+        self.step = state["step"]
+        self.curriculum.load_state_dict(state["curriculum"])
+        self.bad_total = state["bad_total"]
+        self.best_tau = state["best_tau"]
         # Metrics logged after that checkpoint were lost work; drop them so the log stays exact.
         if self.main:
             rundir.truncate_metrics(self.stage_dir / "metrics.jsonl", self.step)
@@ -633,28 +545,9 @@ class TrainRecipe:
             return
         with open(self.stage_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
-        self._wandb("logging", lambda run: run.log({k: v for k, v in metrics.items() if k != "step"},
-                                                   step=int(metrics["step"])))
-
-    def _wandb(self, doing: str, call) -> None:
-        """``call(run)`` on the wandb run, if any. A failure stops wandb for the rest of the
-        launch with one warning: the launcher's Ctrl-C also kills wandb's service process (it
-        terminates the trainer's whole process tree), and the logger must not stand between
-        that signal and the checkpoint. metrics.jsonl keeps every step either way."""
-        if self.wandb is None:
-            return
-        try:
-            call(self.wandb)
-        except Exception as e:
-            self.wandb = None
-            log.warning("wandb failed while %s (%s: %s); training goes on without it, every step is still in %s",
-                        doing, type(e).__name__, e, self.stage_dir / "metrics.jsonl")
-            import wandb
-
-            try:  # unregisters wandb's exit hook, which would fail the same way at exit
-                wandb.teardown()
-            except Exception:
-                pass
+        self.wandb = wandb_run.call(
+            self.wandb, "logging", lambda run: run.log({k: v for k, v in metrics.items() if k != "step"},
+                                                       step=int(metrics["step"])), self.stage_dir / "metrics.jsonl")
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> None:
@@ -664,7 +557,7 @@ class TrainRecipe:
             self.engine.save_checkpoint(str(tmp), tag=ckpt.ENGINE_TAG)
         # the same state whole, for a resume on another number of processes (every rank gathers;
         # ZeRO-3 partitions the module too: its checkpoints resume at their own world size only)
-        portable = ckpt.portable_state(self.engine) if self._zero_stage() < 3 else None
+        portable = ckpt.portable_state(self.engine) if self.start.zero_stage < 3 else None
         self.group.barrier()
         if self.main:
             if portable is not None:
@@ -672,7 +565,7 @@ class TrainRecipe:
                     ckpt.save_portable(portable, tmp)
             state = {"step": self.step, "stage": self.stage, "curriculum": self.curriculum.state_dict(),
                      "bad_total": self.bad_total, "best_tau": self.best_tau, "global_batch": self.global_batch,
-                     "world_size": self.world, "zero_stage": self._zero_stage(), "target": self.target_identity()}
+                     "world_size": self.world, "zero_stage": self.start.zero_stage, "target": self.identity}
             with ckpt.writing(self.ckpt_root, tmp, f"checkpoint step {self.step}"):
                 ckpt.finish(tmp, ckpt.step_dir(self.ckpt_root, self.step), state)
             ckpt.rotate(self.ckpt_root, self.cfg.checkpoint.keep)
@@ -690,24 +583,16 @@ class TrainRecipe:
             master = safe_get_full_fp32_param(p)  # None without a master copy (fp32, no ZeRO): p is it
             weights[n] = (p if master is None else master).detach().to("cpu", torch.float32)
         if self.main:
-            self._export(weights, name)
+            meta = {"stage": self.stage, "step": self.step, "command": " ".join(sys.argv),
+                    "config": OmegaConf.to_container(self.cfg, resolve=True)}
+            ckpt.export_head(self.engine.module, weights, self.stage_dir / name, meta, self.token_counts)
+            log.info("exported %s", self.stage_dir / name)
         self.group.barrier()
-
-    def _export(self, weights: dict[str, torch.Tensor], name: str) -> None:
-        meta = {"stage": self.stage, "step": self.step, "command": " ".join(sys.argv),
-                "config": OmegaConf.to_container(self.cfg, resolve=True)}
-        module = self.engine.module
-        head = type(module)(copy.deepcopy(module.config))  # the head's own class (msd, msd3, ...)
-        buffers = {n: b.detach().cpu() for n, b in module.named_buffers() if n in head.state_dict()}
-        head.load_state_dict({**buffers, **weights})  # saved buffers too (msd3's d2t, t2d)
-        head.config.dtype = "float32"  # what is stored
-        ckpt.export_atomic(head, self.stage_dir / name, {"training.json": json.dumps(meta, indent=1)},
-                           token_counts=self.token_counts)
-        log.info("exported %s", self.stage_dir / name)
 
     def cleanup(self, barrier: bool = True) -> None:
         """``barrier=False`` when another rank is gone (it would never arrive)."""
-        self._wandb("finishing its run", lambda run: run.finish())
+        self.wandb = wandb_run.call(self.wandb, "finishing its run", lambda run: run.finish(),
+                                    self.stage_dir / "metrics.jsonl")
         self._batches = self._batches_at = None  # ends the DataLoader's workers
         self.group.destroy(barrier)
         # DeepSpeed keeps a clone of the world group it made for the engine; once the group is

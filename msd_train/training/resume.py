@@ -1,9 +1,25 @@
-"""What a resumed launch continues: the settings that shaped a stage's checkpoints, compared.
+"""Where a launch of a stage starts, and what a resumed launch continues: the one resume path.
 
-A launch records the settings that shape training (the learning-rate schedule and optimizer,
-the head, the data it reads, the curriculum, the loss, the seed, the steps) in
-``stageN/settings.json`` before its first checkpoint. A relaunch that would resume from a
-checkpoint compares its own settings with that record, before anything loads:
+:func:`resume_point` reads the stage's checkpoints once, before anything heavy loads, and
+returns a :class:`ResumePoint`: the newest checkpoint that passes the cheap checks (its
+recipe state, and the older ones to fall back on), else the exported head of
+``stage.init_from``, else a fresh head. ``training.run`` (the entry point) calls it and
+hands the point to ``TrainRecipe``, which builds from it and, once the engine is built,
+loads the checkpoint with :func:`load`; the recipe calls it itself when made without one.
+What the newest checkpoint cannot continue is a :class:`ResumeRefused`, naming it and
+how to go on:
+
+- another number of processes or ZeRO stage whose state does not carry over
+  (``rundir.world_size_refusal``); one that does continues with the checkpoint's global
+  batch (``train.grad_accum`` recomputed, logged and recorded);
+- settings the checkpoint cannot take, and training data edited in place (below);
+- (at load) a checkpoint trained on another target than this launch's.
+
+The settings that shaped a stage's checkpoints, compared. A launch records the settings
+that shape training (the learning-rate schedule and optimizer, the head, the data it reads,
+the curriculum, the loss, the seed, the steps) in ``stageN/settings.json`` before its
+first checkpoint. A relaunch that would resume from a checkpoint compares its own settings
+with that record, before anything loads:
 
 - a change the checkpoint cannot take is refused, naming each key (checkpoint's value, this
   launch's) and how to go on: the checkpoint's values, or ``resume=false`` (the old outputs
@@ -29,12 +45,133 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from msd_train.runtime import atomic_write_text
+from msd_train.training import checkpoint as ckpt
+from msd_train.training import rundir
 
 log = logging.getLogger(__name__)
 
+
+class ResumeRefused(RuntimeError):
+    """This launch cannot continue what its stage holds: settings, data, a target or a layout of
+    processes the checkpoint cannot take, or no checkpoint that loads (the message names each
+    one and how to go on)."""
+
+
+@dataclass
+class ResumePoint:
+    """Where a launch of a stage starts (:func:`resume_point`)."""
+
+    stage_dir: Path
+    #: complete checkpoints that pass ``checkpoint.check_checkpoint``, newest first ([]: none to resume)
+    candidates: list[Path]
+    #: the newest one's recipe state (``recipe_state.json``; {} without one)
+    state: dict
+    #: this launch's number of processes and ZeRO stage, which the checkpoint is loaded into
+    world: int
+    zero_stage: int
+    #: resuming a checkpoint of another number of processes: the grad_accum that keeps its global batch
+    grad_accum: int | None = None
+    #: nothing to resume: the exported head the stage starts from (``stage.init_from``; None: a fresh head)
+    init_from: Path | None = None
+
+    @property
+    def checkpoint(self) -> Path | None:
+        return self.candidates[0] if self.candidates else None
+
+    @property
+    def step(self) -> int:
+        return int(self.state.get("step", 0))
+
+
+def resume_point(cfg, rank: int, world: int) -> ResumePoint:
+    """Read the stage's checkpoints once and say where this launch starts, or raise
+    :class:`ResumeRefused` (module docstring). Rank 0 logs the checkpoints skipped as
+    damaged, records the settings and what is applied in ``settings.json``, and starts
+    ``metrics.jsonl`` over when there is nothing to resume."""
+    stage_dir = rundir.stage_dir(cfg)
+    main = rank == 0
+    micro_batch_size = int(cfg.train.micro_batch_size)
+    candidates = [] if ckpt.resume_disabled(cfg) else \
+        ckpt.loadable_checkpoints(stage_dir / "checkpoints", log_skipped=main)
+    point = ResumePoint(stage_dir, candidates, ckpt.read_state(candidates[0]) if candidates else {}, world,
+                        ckpt.zero_stage(cfg))
+    if candidates:
+        refusal = rundir.world_size_refusal(candidates[0], point.state, world, micro_batch_size, point.zero_stage)
+        if refusal:
+            raise ResumeRefused(refusal)
+    # what the checkpoint was trained with vs this launch: a change it cannot take is refused
+    # (naming each key), one it can is applied and recorded (stageN/settings.json)
+    check_resume(cfg, stage_dir, point.checkpoint, point.state.get("step"), write=main)
+    if not candidates:
+        if main:  # killed before its first checkpoint: what it logged is not part of the run that starts now
+            rundir.truncate_metrics(stage_dir / "metrics.jsonl", 0)
+        point.init_from = Path(cfg.stage.init_from) if cfg.stage.init_from else None
+        return point
+    saved = point.state.get("world_size")
+    if saved is not None and int(saved) != world:
+        point.grad_accum = rundir.resumed_grad_accum(point.state, world, micro_batch_size)
+        if main:
+            global_batch = int(point.state["global_batch"])
+            log.warning("resume: %s was written by %s process(es), this launch has %d: train.grad_accum=%d (was %s) "
+                        "keeps its global batch of %d", point.checkpoint, saved, world, point.grad_accum,
+                        cfg.train.grad_accum, global_batch)
+            record_change(stage_dir, point.step, {
+                "world_size": {"checkpoint": int(saved), "now": world},
+                "train.grad_accum": {"checkpoint": global_batch // (int(saved) * micro_batch_size),
+                                     "now": point.grad_accum}})
+    return point
+
+
+def load(point: ResumePoint, engine, group, identity: dict) -> tuple[Path, dict]:
+    """Load the newest of ``point``'s checkpoints that loads into ``engine`` (built for this
+    launch: DeepSpeed's per-process state when the checkpoint was written by this layout of
+    processes, its portable state otherwise); every rank takes part. Returns that checkpoint
+    and its recipe state. One that cannot be loaded is skipped with the reason (a rank's
+    failure moves every rank to the next one); one trained on another target than
+    ``identity`` (``targets.identity.target_identity``) is refused."""
+    for cand in point.candidates:
+        state = ckpt.read_state(cand)
+        portable = rundir.needs_portable(state, point.world, point.zero_stage)
+        if portable and not (cand / ckpt.PORTABLE_FILE).is_file():
+            log.warning("rank %d: skipping checkpoint %s: written by %s process(es) (ZeRO stage %s) without %s, "
+                        "it cannot be loaded by %d (stage %d)", group.rank, cand, state.get("world_size"),
+                        state.get("zero_stage"), ckpt.PORTABLE_FILE, point.world, point.zero_stage)
+            continue
+        if state.get("target") is not None:
+            diffs = rundir.identity_differences(state["target"], identity)
+            if diffs:
+                raise ResumeRefused(
+                    f"{cand} was trained on another target than this launch's ({'; '.join(diffs)}). Resume with "
+                    f"the checkpoint's target, or start this stage over with resume=false (the old outputs "
+                    f"are moved aside).")
+        failed = False
+        try:
+            if portable:
+                ckpt.load_portable(engine, cand)
+            else:
+                engine.load_checkpoint(str(cand), tag=ckpt.ENGINE_TAG, load_optimizer_states=True,
+                                       load_lr_scheduler_states=True)
+        except Exception as e:  # a torch zip error, a missing rank's file, DeepSpeed's assertions
+            log.warning("rank %d: skipping checkpoint %s: it does not load (%s: %s)", group.rank, cand,
+                        type(e).__name__, e)
+            failed = True
+        # Every rank must resume from the same step: one rank's failure moves all to the next one.
+        if group.any(failed):
+            continue
+        if group.main:
+            log.info("resuming from %s%s", cand, f" (written by {state['world_size']} process(es), ZeRO stage "
+                                                 f"{state.get('zero_stage')})" if portable else "")
+        return cand, state
+    raise ResumeRefused(
+        f"no checkpoint in {point.stage_dir / 'checkpoints'} loads (reasons above); move the folder aside to start "
+        f"over, or set resume=false (which moves it aside for you)")
+
+
+# ----------------------------------------------------------------------------- the settings record
 RECORD = "settings.json"
 
 #: settings a resume cannot take: the optimizer state restores the learning rate, betas and
@@ -272,7 +409,3 @@ def _read(path: Path) -> dict:
 def _write(path: Path, record: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(record, indent=1) + "\n")
-
-
-class ResumeRefused(RuntimeError):
-    """A relaunch changes settings its checkpoint cannot take (the message names each one)."""

@@ -1,5 +1,6 @@
 """Who owns a run_dir and what a launch may do with what is already in it.
 
+- :func:`stage_dir`: where a stage's checkpoints, exports and records live (``run_dir/stageN``).
 - :class:`RunDirLock`: one launch per run_dir. ``run_dir/.lock`` holds the owner's pid,
   host, start time and command; a second launch is refused with that owner named. A lock
   that names no live owner on this host (its pid gone or reused, or no owner at all: empty,
@@ -9,7 +10,7 @@
   never mixed and nothing is deleted.
 - :func:`identity_differences` / :func:`world_size_refusal`: what must match between a
   checkpoint and the launch resuming it; another number of processes continues with the
-  checkpoint's global batch (:func:`resumed_grad_accum`).
+  checkpoint's global batch (:func:`resumed_grad_accum`). ``training.resume`` applies them.
 - :func:`truncate_metrics`: ``metrics.jsonl`` keeps only the steps of the run that continues.
 - :func:`exit_with_launcher`: the trainer stops (through its SIGTERM path: checkpoint, exit)
   when the launcher that started it is gone, instead of training on as an orphan.
@@ -32,6 +33,11 @@ from msd_train.runtime import atomic_write_text
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
+
+
+def stage_dir(cfg) -> Path:
+    """``run_dir/stageN`` of a config (``run_dir`` made absolute)."""
+    return Path(cfg.run_dir).resolve() / f"stage{int(cfg.stage.id)}"
 
 
 class RunDirError(RuntimeError):
@@ -89,7 +95,7 @@ _IDENTITY_KEYS = ("name", "family", "hidden_size", "vocab_size", "tokenizer_size
 
 def identity_differences(saved: dict, current: dict) -> list[str]:
     """What differs between the target a checkpoint was trained on and this launch's
-    (both from ``msd_train.features.generate.target_identity``)."""
+    (both from ``msd_train.targets.identity.target_identity``)."""
     diffs = [f"{k}: checkpoint {saved.get(k)!r}, this launch {current.get(k)!r}"
              for k in _IDENTITY_KEYS if saved.get(k) != current.get(k)]
     a, b = saved.get("weights_sha256"), current.get("weights_sha256")

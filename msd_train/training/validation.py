@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import torch
 
+from msd_train.targets import Features, TargetProtocol
 from msd_train.training.loss import draft_loss_mask
+from msd_train.training.objective import Objective
 
 
 @torch.no_grad()
-def rollout_stats(objective, target, feats, loss_mask: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+def rollout_stats(objective: Objective, target: TargetProtocol, feats: Features, loss_mask: torch.Tensor,
+                  k: int) -> dict[str, torch.Tensor]:
     """Counts for one batch: per step j, valid chains, correct-so-far chains, correct at j.
     The head's objective (``objective.rollout_hits``) says which steps of which chains hit."""
     hits = objective.rollout_hits(target, feats, k)
@@ -60,7 +63,7 @@ def summarise(stats: dict[str, torch.Tensor]) -> dict[str, object]:
 
 
 @torch.no_grad()
-def evaluate_split(objective, target, batches, feature_source, k: int) -> dict[str, object]:
+def evaluate_split(objective: Objective, target: TargetProtocol, batches, feature_source, k: int) -> dict[str, object]:
     """Loss and rollout metrics over an iterable of collated batches, as the head's
     training objective (``msd_train.training.objective``) measures them."""
     total = None
