@@ -17,6 +17,9 @@ Each measurement is a fresh process (``python THIS _one ...``) running what
 ``on_bad_sample=skip``, ``data.max_train=null``): ``build_split`` of the text file and of the
 mix, after the target is loaded (its load is not counted). Peak RSS is the process's own
 (``ru_maxrss``); the tokenising workers' (``num_proc``) is reported beside it.
+With ``--baseline`` the other code is measured in the same run, alternating with this one
+phase by phase (cold, then each warm repeat), so that load from elsewhere falls on both;
+``load_avg_1min`` is the machine's 1-minute load average before and after each measurement.
 With ``--append`` the runs are added to an existing ``--out`` file.
 """
 
@@ -118,22 +121,26 @@ def main(argv=None) -> None:
                 "(stage.splits=[text,multimodal], conf/data/sharegpt_llava665k.yaml settings), "
                 "embedded target data/tiny-llava; fresh process per measurement",
         "machine": machine(), "runs": []}
+    result.setdefault("runs", [])
     codes = [("new", ROOT)] + ([("old", Path(args.baseline))] if args.baseline else [])
-    for label, code in codes:
-        cache = tempfile.mkdtemp(prefix=f"bench-data-{label}-")
-        try:
-            runs = [("cold", measure(code, str(data), cache, "cold", args.num_proc, args.target, args.timeout))]
-            for _ in range(args.warm_repeats):
-                runs.append(("warm", measure(code, str(data), cache, "warm", args.num_proc, args.target,
-                                             args.timeout)))
-        finally:
+    caches = {label: tempfile.mkdtemp(prefix=f"bench-data-{label}-") for label, _ in codes}
+    command = " ".join(["python", "lab/scripts/bench_data_scale.py", *(argv or sys.argv[1:])])
+    # old and new alternate within each phase, so that a load from elsewhere on the machine
+    # falls on both (the 1-minute load average is recorded beside each measurement)
+    try:
+        for phase in ["cold"] + ["warm"] * args.warm_repeats:
+            for label, code in codes:
+                load = os.getloadavg()[0]
+                r = measure(code, str(data), caches[label], phase, args.num_proc, args.target, args.timeout)
+                row = {"code": label, "records": records, "mix_records": made["mix"]["records"],
+                       "sharegpt_records": made["sharegpt_records"], "phase": phase, "num_proc": args.num_proc,
+                       "target": Path(args.target).name, **r, "load_avg_1min": [round(load, 2), round(os.getloadavg()[0], 2)],
+                       "command": command}
+                result["runs"].append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        for cache in caches.values():
             shutil.rmtree(cache, ignore_errors=True)
-        for phase, r in runs:
-            row = {"code": label, "records": records, "mix_records": made["mix"]["records"],
-                   "sharegpt_records": made["sharegpt_records"], "phase": phase, "num_proc": args.num_proc, **r,
-                   "command": " ".join(["python", "lab/scripts/bench_data_scale.py", *(argv or sys.argv[1:])])}
-            result["runs"].append(row)
-            print(json.dumps(row), flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -36,18 +36,28 @@ def _conversations():
     ]
 
 
-@pytest.mark.parametrize("name", ["vicuna_v1", "chatml_qwen"])
-def test_python_templates_render_what_their_jinja_source_renders(name, monkeypatch):
-    template = chat.BUILTIN_TEMPLATES[name]
+@pytest.mark.parametrize("template", [chat.VICUNA_V1, chat.CHATML_QWEN, chat.SMOLLM2_CHATML],
+                         ids=["vicuna_v1", "chatml_qwen", "smollm2"])
+def test_python_templates_render_what_their_jinja_source_renders(template, monkeypatch):
     special = {"eos_token": "</s>", "bos_token": "<s>"}
-    fast = [chat.render_segments(m, name, "<IMG>", "</s>", **special) for m in _conversations()]
+    fast = [chat.render_segments(m, template, "<IMG>", "</s>", **special) for m in _conversations()]
+    prompts = [chat.render_prompt(m, template, "<IMG>", **special) for m in _conversations()]
     monkeypatch.setattr(chat, "_PYTHON_TEMPLATES", {})
-    slow = [chat.render_segments(m, name, "<IMG>", "</s>", **special) for m in _conversations()]
-    assert fast == slow
+    assert fast == [chat.render_segments(m, template, "<IMG>", "</s>", **special) for m in _conversations()]
+    assert prompts == [chat.render_prompt(m, template, "<IMG>", **special) for m in _conversations()]
+    monkeypatch.undo()
     for m in _conversations():
-        for gen in (True, False):
-            assert {"vicuna_v1": chat._vicuna_v1, "chatml_qwen": chat._chatml_qwen}[name](m, gen, **special) == \
-                chat._compiled(template).render(messages=m, add_generation_prompt=gen, **special)
+        for n in range(len(m) + 1):
+            for gen in (True, False):
+                assert chat._render(template, m[:n], gen, **special) == \
+                    chat._compiled(template).render(messages=m[:n], add_generation_prompt=gen, **special)
+
+
+def test_smollm2_folder_template_is_the_python_one():
+    folder = ROOT / "data" / "smollm2-llava" / "chat_template.jinja"
+    if not folder.is_file():
+        pytest.skip("data/smollm2-llava is built by scripts/make_smollm2_llava.py")
+    assert folder.read_text() == chat.SMOLLM2_CHATML
 
 
 def _embedded():
