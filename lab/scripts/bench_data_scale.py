@@ -104,6 +104,8 @@ def main(argv=None) -> None:
     p.add_argument("--warm-repeats", type=int, default=2)
     p.add_argument("--target", default=str(ROOT / "data" / "tiny-llava"))
     p.add_argument("--timeout", type=float, default=4 * 3600, help="seconds per measurement")
+    p.add_argument("--keep-cache", help="an empty folder for this code's data.cache_dir, kept afterwards (for "
+                                        "lab/scripts/bench_launch.py to start warm from)")
     args = p.parse_args(argv)
     data = Path(args.data)
     for f in ("llava_mix.json", "sharegpt.json", "manifest.json"):
@@ -123,7 +125,12 @@ def main(argv=None) -> None:
         "machine": machine(), "runs": []}
     result.setdefault("runs", [])
     codes = [("new", ROOT)] + ([("old", Path(args.baseline))] if args.baseline else [])
+    if args.keep_cache and Path(args.keep_cache).exists() and any(Path(args.keep_cache).iterdir()):
+        sys.exit(f"--keep-cache {args.keep_cache}: not empty; give an empty or new folder")
     caches = {label: tempfile.mkdtemp(prefix=f"bench-data-{label}-") for label, _ in codes}
+    if args.keep_cache:
+        shutil.rmtree(caches["new"])
+        caches["new"] = args.keep_cache
     command = " ".join(["python", "lab/scripts/bench_data_scale.py", *(argv or sys.argv[1:])])
     # old and new alternate within each phase, so that a load from elsewhere on the machine
     # falls on both (the 1-minute load average is recorded beside each measurement)
@@ -139,8 +146,9 @@ def main(argv=None) -> None:
                 result["runs"].append(row)
                 print(json.dumps(row), flush=True)
     finally:
-        for cache in caches.values():
-            shutil.rmtree(cache, ignore_errors=True)
+        for label, cache in caches.items():
+            if not (args.keep_cache and label == "new"):
+                shutil.rmtree(cache, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
 
