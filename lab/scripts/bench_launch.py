@@ -14,7 +14,7 @@ data=sharegpt_llava665k ...`` (the data files of ``--data``, ``data.cache_dir=--
 ``train.max_steps=1``, ``train.grad_accum=1``), each rank run through this file, which wraps
 the recipe's phases with clocks and then runs ``train.py`` as it is: ``start`` (the launcher,
 Python and the imports, until the entry point runs), ``join`` (the process group), ``target``
-(``load_target``), ``data`` (``Recipe._setup_data``: every split found in the cache and
+(``load_target``), ``data`` (``TrainRecipe._setup_data``: every split found in the cache and
 memory-mapped, or tokenised when ``--cache`` is cold), ``draft`` (the head, and the pass over
 every row's ids that counts the assistant tokens), ``engine`` (``deepspeed.initialize``),
 ``first_step`` (the loader, the first batch and the first optimizer step). Per rank, beside
@@ -68,11 +68,11 @@ def rank_main() -> None:
 
         setattr(owner, name, wrapper)
 
-    timed(recipe.Recipe, "setup", "setup")
+    timed(recipe.TrainRecipe, "setup", "setup")
     timed(runtime, "setup_group", "join")
     timed(recipe, "load_target", "target")
-    timed(recipe.Recipe, "_setup_data", "data")
-    timed(recipe.Recipe, "_build_draft", "draft")
+    timed(recipe.TrainRecipe, "_setup_data", "data")
+    timed(recipe.TrainRecipe, "_build_draft", "draft")
     timed(deepspeed, "initialize", "engine")
     step = DeepSpeedEngine.step
 
@@ -144,6 +144,9 @@ def collate_rate(data: Path, cache: str, target_path: str, workers: int, micro_b
     from msd_train.targets import load_target
 
     target = load_target(target_path)
+    # the rows of the target's own cache (found before its image processor is replaced below)
+    mm = build_split([{"path": str(data / "llava_mix.json"), "format": "llava", "image_root": str(data / "images")}],
+                     target, 2048, "skip", cache, 2, None).dataset
     if side is not None:
         from transformers import CLIPImageProcessor
 
@@ -152,8 +155,6 @@ def collate_rate(data: Path, cache: str, target_path: str, workers: int, micro_b
             size={"shortest_edge": side}, crop_size={"height": side, "width": side}, resample=3,
             do_center_crop=True, do_normalize=True, do_rescale=True, do_resize=True, do_convert_rgb=True,
             image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711])
-    mm = build_split([{"path": str(data / "llava_mix.json"), "format": "llava", "image_root": str(data / "images")}],
-                     target, 2048, "skip", cache, 2, None).dataset
     with_image = [i for i, n in enumerate(mm["n_visual"][: batches * micro_batch * 4]) if n][: (batches + 1) * micro_batch]
 
     class Plans:  # the curriculum's interface for StepSampler: step -> that step's global batch
@@ -189,7 +190,7 @@ def main() -> None:
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     p.add_argument("--workers", type=int, default=2, help="loader workers for the collate rate")
     p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--batches", type=int, default=12, help="micro-batches timed (after the first)")
+    p.add_argument("--batches", type=int, default=40, help="micro-batches timed (after the first)")
     p.add_argument("--timeout", type=float, default=3600)
     args = p.parse_args()
     data = Path(args.data)
