@@ -18,7 +18,9 @@ Python and the imports, until the entry point runs), ``join`` (the process group
 memory-mapped, or tokenised when ``--cache`` is cold), ``draft`` (the head, and the pass over
 every row's ids that counts the assistant tokens), ``engine`` (``deepspeed.initialize``),
 ``first_step`` (the loader, the first batch and the first optimizer step). Per rank, beside
-its peak RSS; the slowest rank's sum is the launch.
+its peak RSS and, at the first step, its own memory (``RssAnon``) and the pages of
+files it maps (``RssFile``: the cache's Arrow files, shared by a node's ranks through the page
+cache); the slowest rank's sum is the launch.
 
 **Collate.** ``StepBatches`` of the multimodal rows of the cache through the project's own
 loader (``step_loader``, ``--workers`` processes, micro-batch ``--micro-batch``), with the
@@ -81,6 +83,11 @@ def rank_main() -> None:
         if "first_step_end" not in marks and self.is_gradient_accumulation_boundary():
             marks["first_step_end"] = time.time()
             marks["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+            # now: the process's own memory, and the pages of files it maps (the cache's Arrow
+            # files: shared by the ranks of a node through the page cache, and reclaimable)
+            status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+            for key, name in (("RssAnon", "rss_anon_gb"), ("RssFile", "rss_file_gb")):
+                marks[name] = int(status[key].split()[0]) / 2**20
             rank = int(os.environ.get("RANK", "0"))
             (out / f"rank{rank}.json").write_text(json.dumps(marks))
         return result
@@ -101,7 +108,8 @@ def phases(launch: float, marks: dict) -> dict:
         out[name] = round(end - last, 2)
         last = end
     out["total"] = round(last - launch, 2)
-    out["peak_rss_gb"] = round(marks["peak_rss_gb"], 3)
+    for key in ("peak_rss_gb", "rss_anon_gb", "rss_file_gb"):
+        out[key] = round(marks[key], 3)
     return out
 
 
