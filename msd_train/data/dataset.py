@@ -1,12 +1,14 @@
 """Conversations -> tokenised ``datasets.Dataset`` with loss masks, cached on disk.
 
-The first launch reads the data files, checks every image cheaply (its header gives the
-size, its last bytes say whether the file was cut short: :func:`image_size`), counts each
-image's visual tokens from that size by the target family's rule
-(``Target.image_token_counts``: no pixels are computed here; collate does that) and
-tokenises in parallel (``datasets.Dataset.map`` with ``num_proc``) into Arrow files under
-``data.cache_dir``, one folder per split (``split-<key>``) with a ``manifest.json`` written
-last.
+The first launch streams the data files' records into an Arrow file on disk (no process
+holds them all: :func:`_read_to_disk`), checks every image cheaply, once per file and
+process (its header gives the size, its last bytes say whether the file was cut short:
+:func:`image_size`), counts each image's visual tokens from that size by the target
+family's rule (``Target.image_token_counts``: no pixels are computed here; collate does
+that) and tokenises in parallel (``datasets.Dataset.map`` with ``num_proc``, each process
+mapping its share of the records from disk, a batch of conversations per tokenizer call:
+``Target.encode_many``) into Arrow files under ``data.cache_dir``, one folder per split
+(``split-<key>``) with a ``manifest.json`` written last.
 
 Every later launch finds that folder from the data files' path, size and mtime, the
 target's identity (name, tokenizer, chat template, image processor) and this code's
