@@ -27,12 +27,15 @@ it on GPU boxes that lack them): deepspeed is imported only inside ``setup_group
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime
+import json
 import logging
 import os
 import shutil
 import socket
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -121,6 +124,10 @@ class JoinError(RuntimeError):
     """Not every process of the job met at the start (a node that never started its ranks)."""
 
 
+class UnreachableHostError(JoinError):
+    """A host the launcher names cannot be reached: its ranks could never start."""
+
+
 class SharedPathError(RuntimeError):
     """A path that must be either shared by every node or local to each is neither."""
 
@@ -135,6 +142,94 @@ def folder_scope(views: dict[int, list[int]], n: int) -> str | None:
     return None
 
 
+def launcher_hosts() -> tuple[list[str], int] | None:
+    """(the hosts of the job, this node's index among them) when DeepSpeed's multi-node
+    launcher started this process (``deepspeed --hostfile``: pdsh runs
+    ``deepspeed.launcher.launch --world_info=...`` on every host, this process's parent, and
+    that argument lists the hosts); None under any other launcher."""
+    try:
+        args = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    info = next((a.split("=", 1)[1] for a in args if a.startswith("--world_info=")), None)
+    if "deepspeed.launcher.launch" not in args or info is None:
+        return None
+    try:
+        hosts = list(json.loads(base64.urlsafe_b64decode(info)))
+    except ValueError:
+        return None
+    return hosts, int(os.environ.get("CROSS_RANK", "0"))
+
+
+def ssh_address(host: str) -> tuple[str, int]:
+    """(address, port) that ``ssh host`` (and so pdsh) connects to: the user's ssh
+    configuration (``ssh -G``: a ``Host`` alias, its ``HostName`` and ``Port``), else the name
+    itself and port 22."""
+    try:
+        out = subprocess.run(["ssh", "-G", host], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return host, 22
+    conf = dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
+    try:
+        return conf.get("hostname", host), int(conf.get("port", 22))
+    except ValueError:
+        return conf.get("hostname", host), 22
+
+
+def unreachable(address: str, port: int, timeout: float) -> str | None:
+    """Why ``address`` cannot be reached, or None: a name that does not resolve, or no answer
+    to a TCP connection on ``port`` within ``timeout`` seconds (a host that refuses the
+    connection answered, so it is up: the port it really listens on is not known here)."""
+    try:
+        socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        return f"the name {address} does not resolve ({e.strerror})"
+    try:
+        socket.create_connection((address, port), timeout=timeout).close()
+    except ConnectionRefusedError:
+        return None
+    except TimeoutError:
+        return f"no answer from {address} port {port} within {timeout:g} s"
+    except OSError as e:
+        return f"{address} port {port}: {e.strerror or e}"
+    return None
+
+
+#: seconds the pre-launch check waits for each host's answer
+HOST_CHECK_SECONDS = 5.0
+
+
+def check_launcher_hosts(timeout: datetime.timedelta, seconds: float = HOST_CHECK_SECONDS) -> None:
+    """Before joining: every other host the launcher names (:func:`launcher_hosts`) must be
+    reachable, all checked at once in ``seconds``; a host that is not would never start its
+    ranks, and every other rank would wait for it for ``timeout``. Raises
+    :class:`UnreachableHostError` naming the hosts and the fix. Every rank checks (a rank that
+    skipped it would wait for the ranks that stop here)."""
+    found = launcher_hosts()
+    if found is None:
+        return
+    hosts, me = found
+    others = [h for k, h in enumerate(hosts) if k != me]
+    if not others:
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(32, len(others))) as pool:
+        why = list(pool.map(lambda h: unreachable(*ssh_address(h), seconds), others))
+    bad = [(h, w) for h, w in zip(others, why) if w]
+    if not bad:
+        return
+    here = hosts[me] if me < len(hosts) else socket.gethostname()
+    listed = "; ".join(f"{h}: {w}" for h, w in bad)
+    raise UnreachableHostError(
+        f"the launch names {len(bad)} host{'s' if len(bad) > 1 else ''} that {here} cannot reach ({listed}): "
+        f"{'their' if len(bad) > 1 else 'its'} ranks would never start and the others would wait "
+        f"dist.timeout_minutes={timeout.total_seconds() / 60:g} for them. Correct or remove "
+        f"{', '.join(h for h, _ in bad)} in the hostfile (or start the machine, or fix the network or ssh "
+        f"configuration: `ssh HOST true` must work from here), then launch again; nothing was written. "
+        f"dist.check_hosts=false skips this check")
+
+
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -144,19 +239,24 @@ def backend_for(device: torch.device) -> str:
 TIMEOUT_MINUTES = 120
 
 
-def setup_group(device: torch.device, deepspeed: bool = False, timeout_minutes: float | None = None) -> Group:
+def setup_group(device: torch.device, deepspeed: bool = False, timeout_minutes: float | None = None,
+                check_hosts: bool = True) -> Group:
     """Join the process group the launcher prepared (``torchrun`` / ``deepspeed`` export
     RANK, WORLD_SIZE, MASTER_*).
 
     ``deepspeed=True`` (training) always makes a group, a one-process one under plain
     ``python``, because the engine needs one. Otherwise a single process gets no group and
     every collective is a no-op. ``timeout_minutes`` (default ``TIMEOUT_MINUTES``) bounds
-    every collective's wait, the NCCL ones and the gloo waits alike.
+    every collective's wait, the NCCL ones and the gloo waits alike. With ``check_hosts``
+    (``dist.check_hosts``) every host a multi-node DeepSpeed launch names is checked first
+    (:func:`check_launcher_hosts`).
     """
     import torch.distributed as dist
 
     backend = backend_for(device)
     timeout = datetime.timedelta(minutes=float(timeout_minutes or TIMEOUT_MINUTES))
+    if check_hosts:
+        check_launcher_hosts(timeout)
     try:
         return _join(dist, backend, timeout, deepspeed)
     except Exception as e:  # torch's DistStoreError: "Timed out after N seconds waiting for clients. 2/4 clients joined."

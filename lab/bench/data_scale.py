@@ -17,6 +17,9 @@ Each measurement is a fresh process (``python THIS _one ...``) running what
 ``on_bad_sample=skip``, ``data.max_train=null``): ``build_split`` of the text file and of the
 mix, after the target is loaded (its load is not counted). Peak RSS is the process's own
 (``ru_maxrss``); the tokenising workers' (``num_proc``) is reported beside it.
+With ``--baseline`` the other code is measured in the same run, alternating with this one
+phase by phase (cold, then each warm repeat), so that load from elsewhere falls on both;
+``load_avg_1min`` is the machine's 1-minute load average before and after each measurement.
 With ``--append`` the runs are added to an existing ``--out`` file.
 """
 
@@ -101,6 +104,8 @@ def main(argv=None) -> None:
     p.add_argument("--warm-repeats", type=int, default=2)
     p.add_argument("--target", default=str(ROOT / "data" / "tiny-llava"))
     p.add_argument("--timeout", type=float, default=4 * 3600, help="seconds per measurement")
+    p.add_argument("--keep-cache", help="an empty folder for this code's data.cache_dir, kept afterwards (for "
+                                        "lab.bench.launch to start warm from)")
     args = p.parse_args(argv)
     data = Path(args.data)
     for f in ("llava_mix.json", "sharegpt.json", "manifest.json"):
@@ -118,22 +123,32 @@ def main(argv=None) -> None:
                 "(stage.splits=[text,multimodal], conf/data/sharegpt_llava665k.yaml settings), "
                 "embedded target data/tiny-llava; fresh process per measurement",
         "machine": machine(), "runs": []}
+    result.setdefault("runs", [])
     codes = [("new", ROOT)] + ([("old", Path(args.baseline))] if args.baseline else [])
-    for label, code in codes:
-        cache = tempfile.mkdtemp(prefix=f"bench-data-{label}-")
-        try:
-            runs = [("cold", measure(code, str(data), cache, "cold", args.num_proc, args.target, args.timeout))]
-            for _ in range(args.warm_repeats):
-                runs.append(("warm", measure(code, str(data), cache, "warm", args.num_proc, args.target,
-                                             args.timeout)))
-        finally:
-            shutil.rmtree(cache, ignore_errors=True)
-        for phase, r in runs:
-            row = {"code": label, "records": records, "mix_records": made["mix"]["records"],
-                   "sharegpt_records": made["sharegpt_records"], "phase": phase, "num_proc": args.num_proc, **r,
-                   "command": " ".join(["python", "-m", "lab.bench.data_scale", *(argv or sys.argv[1:])])}
-            result["runs"].append(row)
-            print(json.dumps(row), flush=True)
+    if args.keep_cache and Path(args.keep_cache).exists() and any(Path(args.keep_cache).iterdir()):
+        sys.exit(f"--keep-cache {args.keep_cache}: not empty; give an empty or new folder")
+    caches = {label: tempfile.mkdtemp(prefix=f"bench-data-{label}-") for label, _ in codes}
+    if args.keep_cache:
+        shutil.rmtree(caches["new"])
+        caches["new"] = args.keep_cache
+    command = " ".join(["python", "-m", "lab.bench.data_scale", *(argv or sys.argv[1:])])
+    # old and new alternate within each phase, so that a load from elsewhere on the machine
+    # falls on both (the 1-minute load average is recorded beside each measurement)
+    try:
+        for phase in ["cold"] + ["warm"] * args.warm_repeats:
+            for label, code in codes:
+                load = os.getloadavg()[0]
+                r = measure(code, str(data), caches[label], phase, args.num_proc, args.target, args.timeout)
+                row = {"code": label, "records": records, "mix_records": made["mix"]["records"],
+                       "sharegpt_records": made["sharegpt_records"], "phase": phase, "num_proc": args.num_proc,
+                       "target": Path(args.target).name, **r, "load_avg_1min": [round(load, 2), round(os.getloadavg()[0], 2)],
+                       "command": command}
+                result["runs"].append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        for label, cache in caches.items():
+            if not (args.keep_cache and label == "new"):
+                shutil.rmtree(cache, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -97,14 +97,25 @@ def main() -> None:
     ap.add_argument("--budget", type=float, required=True, help="wall-clock seconds of training per arm")
     ap.add_argument("--max-steps", type=int, default=1000, help="at most this many steps; each arm's lr schedule horizon")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS),
+                    help="the arms to train now; the others' results (and 'before') are kept from OUT/results.json")
     ap.add_argument("--eval", nargs="*", default=[], choices=["chain", "tree"], help="eval.py decoders to run")
     ap.add_argument("--eval-args", nargs="*", default=[], help="extra eval.py overrides (target, bench, ...)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for both arms (after --)")
     args = ap.parse_args()
     head, out = Path(args.head).resolve(), Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    kept = out / "results.json"
     results: dict = {"arms": {}, "heads": {"before": str(head)}}
-    for arm, stage in ARMS.items():
+    if kept.is_file() and set(args.arms) != set(ARMS):
+        old = json.loads(kept.read_text())
+        if old["heads"]["before"] != str(head):
+            ap.error(f"{kept} compares heads trained from {old['heads']['before']}, not {head}: use another --out")
+        results = {"arms": {a: v for a, v in old["arms"].items() if a not in args.arms},
+                   "heads": {a: v for a, v in old["heads"].items() if a not in args.arms},
+                   "meta_kept": old.get("meta")}
+    for arm in args.arms:
+        stage = ARMS[arm]
         r = recipe([*stage, f"stage.init_from={head}", f"run_dir={out / arm}", f"train.max_steps={args.max_steps}",
                     "resume=false", "checkpoint.every=1000000", *args.overrides])
         try:
@@ -118,6 +129,8 @@ def main() -> None:
         print(arm, json.dumps({k: v for k, v in results["arms"][arm].items() if not isinstance(v, dict)}), flush=True)
     for method in args.eval:
         for arm, h in results["heads"].items():
+            if f"{method}_decoder" in results["arms"][arm]:
+                continue
             results["arms"][arm][f"{method}_decoder"] = decoder_tau(Path(h), out / f"eval-{arm}-{method}", method,
                                                                     args.eval_args)
     results["meta"] = {

@@ -1,12 +1,14 @@
 """Conversations -> tokenised ``datasets.Dataset`` with loss masks, cached on disk.
 
-The first launch reads the data files, checks every image cheaply (its header gives the
-size, its last bytes say whether the file was cut short: :func:`image_size`), counts each
-image's visual tokens from that size by the target family's rule
-(``Target.image_token_counts``: no pixels are computed here; collate does that) and
-tokenises in parallel (``datasets.Dataset.map`` with ``num_proc``) into Arrow files under
-``data.cache_dir``, one folder per split (``split-<key>``) with a ``manifest.json`` written
-last.
+The first launch streams the data files' records into an Arrow file on disk (no process
+holds them all: :func:`_read_to_disk`), checks every image cheaply, once per file and
+process (its header gives the size, its last bytes say whether the file was cut short:
+:func:`image_size`), counts each image's visual tokens from that size by the target
+family's rule (``Target.image_token_counts``: no pixels are computed here; collate does
+that) and tokenises in parallel (``datasets.Dataset.map`` with ``num_proc``, each process
+mapping its share of the records from disk, a batch of conversations per tokenizer call:
+``Target.encode_many``) into Arrow files under ``data.cache_dir``, one folder per split
+(``split-<key>``) with a ``manifest.json`` written last.
 
 Every later launch finds that folder from the data files' path, size and mtime, the
 target's identity (name, tokenizer, chat template, image processor) and this code's
@@ -31,15 +33,11 @@ import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from msd_train.data.formats import BadSample, BadSampleError, read_conversations
 from msd_train.paths import user_path
 from msd_train.targets.identity import tokenizer_identity
 from msd_train.targets.protocol import TargetProtocol
-
-if TYPE_CHECKING:
-    import torch
 
 log = logging.getLogger(__name__)
 
@@ -145,40 +143,65 @@ def image_size(path: str) -> tuple[int, int]:
     return size
 
 
-def _encode_row(row: dict, target: TargetProtocol, max_length: int, image_root_hint: str) -> dict:
-    """Tokenise one conversation, or say in ``bad`` why it cannot be used (``missing``: an
-    image file is not there, which a later launch checks again)."""
-    empty = {"input_ids": [], "loss_mask": [], "n_visual": 0, "bad": "", "fix": "", "missing": False}
-    sizes = []
-    for p in row["images"]:
-        try:
-            sizes.append(image_size(p))
-        except FileNotFoundError:
-            return {**empty, **_image_not_found(p, image_root_hint), "missing": True}
-        except Exception as e:  # DamagedImage, or an OSError reading it
-            return {**empty, "bad": f"image cannot be decoded ({Path(p).name}: {e})",
-                    "fix": f"re-download or remove the image {p}"}
-    enc = target.encode(row["messages"], counts=target.image_token_counts(sizes) if sizes else [])
-    ids, mask, refused = truncate(enc.input_ids, enc.loss_mask, target.image_token_id, max_length)
-    if refused:
-        return {**empty, "bad": refused[0], "fix": refused[1]}
-    return {"input_ids": ids.tolist(), "loss_mask": mask.tolist(), "n_visual": int((ids == target.image_token_id).sum()),
-            "bad": "", "fix": "", "missing": False}
+@functools.lru_cache(maxsize=1 << 16)
+def _image_size_of(path: str, size: int, mtime_ns: int) -> tuple[int, int]:
+    """:func:`image_size` of a file as it is at this size and mtime: an image that many
+    conversations share is read once per tokenising process."""
+    return image_size(path)
 
 
-def truncate(ids: torch.Tensor, mask: torch.Tensor, image_token_id: int, max_length: int):
+def _checked_image_size(path: str) -> tuple[int, int]:
+    st = os.stat(path)  # FileNotFoundError for a missing file
+    return _image_size_of(path, st.st_size, st.st_mtime_ns)
+
+
+def _encode_rows(batch: dict[str, list], target: TargetProtocol, max_length: int, image_root_hint: str) -> dict[str, list]:
+    """Tokenise a batch of conversations (one tokenizer call for all), or say in ``bad`` why
+    one cannot be used (``missing``: an image file is not there, which a later launch checks
+    again)."""
+    n = len(batch["messages"])
+    out = {"input_ids": [[] for _ in range(n)], "loss_mask": [[] for _ in range(n)], "n_visual": [0] * n,
+           "bad": [""] * n, "fix": [""] * n, "missing": [False] * n}
+    todo, conversations = [], []
+    for i, (messages, paths) in enumerate(zip(batch["messages"], batch["images"])):
+        sizes = []
+        for p in paths:
+            try:
+                sizes.append(_checked_image_size(p))
+            except FileNotFoundError:
+                why = _image_not_found(p, image_root_hint)
+                out["bad"][i], out["fix"][i], out["missing"][i] = why["bad"], why["fix"], True
+                break
+            except Exception as e:  # DamagedImage, or an OSError reading it
+                out["bad"][i] = f"image cannot be decoded ({Path(p).name}: {e})"
+                out["fix"][i] = f"re-download or remove the image {p}"
+                break
+        else:
+            todo.append(i)
+            conversations.append((messages, target.image_token_counts(sizes) if sizes else []))
+    image_token_id = target.image_token_id
+    for i, (ids, mask) in zip(todo, target.encode_many(conversations)):
+        ids, mask, refused = truncate(ids, mask, image_token_id, max_length)
+        if refused:
+            out["bad"][i], out["fix"][i] = refused
+            continue
+        out["input_ids"][i], out["loss_mask"][i], out["n_visual"][i] = ids, mask, ids.count(image_token_id)
+    return out
+
+
+def truncate(ids, mask, image_token_id: int, max_length: int):
     """``data.max_length``'s rule: (ids, loss mask, refusal), the sample cut to ``max_length``
     tokens, or ``refusal`` = (reason, fix) when it cannot be used. The one rule the training
-    data and ``check_data.py`` share."""
+    data and ``check_data.py`` share; ``ids`` and ``mask`` are lists or 1-D tensors (what is
+    returned is of the same kind)."""
     if len(ids) > max_length:
         # Truncation may only cut text: a partial image block would leave the target's
         # forward with fewer placeholders than visual embeddings.
-        visual = ids == image_token_id
-        if visual.any() and int(visual.nonzero().max()) >= max_length:
+        if image_token_id in ids[max_length:]:
             return ids, mask, (f"an image block ends after max_length={max_length} (length {len(ids)})",
                                "raise data.max_length or shorten the conversation before the image")
         ids, mask = ids[:max_length], mask[:max_length]
-    if int(mask.sum()) == 0:
+    if not (bool(mask.any()) if hasattr(mask, "any") else any(mask)):
         return ids, mask, (f"no assistant tokens left within max_length={max_length}",
                            "raise data.max_length or shorten the first user turn")
     return ids, mask, None
@@ -317,10 +340,25 @@ def _row_features():
         "missing": datasets.Value("bool")})
 
 
+def _record_features():
+    import datasets
+
+    return datasets.Features({
+        "id": datasets.Value("string"),
+        "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}],
+        "images": datasets.Sequence(datasets.Value("string")), "source": datasets.Value("string"),
+        "index": datasets.Value("int64")})
+
+
+#: conversations tokenised per tokenizer call (and written per Arrow batch)
+BATCH = 256
+
+
 def _tokenise(rows, target: TargetProtocol, max_length: int, num_proc: int, out: Path, name: str, hint: str):
-    """Tokenise ``rows`` (a ``datasets.Dataset``) into Arrow files under ``out`` (``num_proc`` processes)."""
+    """Tokenise ``rows`` (a memory-mapped ``datasets.Dataset``) into Arrow files under ``out``
+    (``num_proc`` processes, each mapping its share of the rows from disk)."""
     return rows.map(
-        _encode_row,
+        _encode_rows, batched=True, batch_size=BATCH,
         fn_kwargs={"target": target.tokenizing_view(), "max_length": max_length, "image_root_hint": hint},
         remove_columns=["messages"], features=_row_features(),
         num_proc=num_proc if num_proc > 1 and len(rows) > 1 else None,
@@ -328,25 +366,43 @@ def _tokenise(rows, target: TargetProtocol, max_length: int, num_proc: int, out:
     )
 
 
-def _build(sources: list[dict], target: TargetProtocol, max_length: int, on_bad_sample: str, num_proc: int,
-           limit: int | None, identity: dict, out: Path) -> None:
+def _read_to_disk(sources: list[dict], on_bad_sample: str, path: Path):
+    """Stream every source's conversations into the Arrow file ``path``, a batch at a time
+    (no list of all records is held): (the rows memory-mapped, or None when there are none;
+    the skipped samples as (usable rows before each, BadSample); the images' folders)."""
+    import datasets
+    from datasets.arrow_writer import ArrowWriter
+
+    skipped, image_dirs, n = [], set(), 0
+    batch: list[dict] = []
+    with ArrowWriter(features=_record_features(), path=str(path)) as writer:
+        for src in sources:
+            for rec in read_conversations(src["path"], src.get("format", "auto"), src.get("image_root")):
+                if isinstance(rec, BadSample):
+                    if on_bad_sample == "error":
+                        raise BadSampleError(rec)
+                    skipped.append((n, rec))
+                    continue
+                batch.append(rec)
+                n += 1
+                image_dirs.update(os.path.dirname(p) for p in rec["images"])
+                if len(batch) == BATCH:
+                    writer.write_batch({k: [r[k] for r in batch] for k in batch[0]})
+                    batch = []
+        if batch:
+            writer.write_batch({k: [r[k] for r in batch] for k in batch[0]})
+        writer.finalize()
+    return (datasets.Dataset.from_file(str(path)) if n else None), skipped, image_dirs
+
+
+def _build(sources: list[dict], target: TargetProtocol, max_length: int, on_bad_sample: str, num_proc: int, limit: int | None,
+           identity: dict, out: Path) -> None:
     """Read, tokenise and write one split into the folder ``out`` (its manifest last)."""
     import datasets
 
-    rows, skipped, image_dirs = [], [], set()  # skipped: (usable rows before it, BadSample)
-    for src in sources:
-        for rec in read_conversations(src["path"], src.get("format", "auto"), src.get("image_root")):
-            if isinstance(rec, BadSample):
-                if on_bad_sample == "error":
-                    raise BadSampleError(rec)
-                skipped.append((len(rows), rec))
-                continue
-            rows.append(rec)
-            image_dirs.update(os.path.dirname(p) for p in rec["images"])
+    rows, skipped, image_dirs = _read_to_disk(sources, on_bad_sample, out / "records.arrow")
     hint = ",".join(str(s.get("image_root")) for s in sources)
-    n = len(rows)
-    if n:  # one Arrow table; the Python records are let go before tokenising
-        rows = datasets.Dataset.from_list(rows)
+    n = 0 if rows is None else len(rows)
     parts, start, wanted = [], 0, limit if limit else n
     # ``limit``: the first ``limit`` usable conversations; tokenise just enough of the file.
     while start < n and wanted > 0:
@@ -357,6 +413,8 @@ def _build(sources: list[dict], target: TargetProtocol, max_length: int, on_bad_
         if on_bad_sample == "error" or not limit:
             break
         wanted -= sum(1 for b in ds.data.column("bad").to_pylist() if not b)
+    del rows
+    (out / "records.arrow").unlink()  # the tokenised rows are their own files
     ds = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0] if parts else None
     arrow = [] if ds is None else [Path(f["filename"]).name for f in ds.cache_files]
     # a conversation that cannot be tokenised raises before anything is written to the cache

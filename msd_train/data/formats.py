@@ -13,7 +13,9 @@ because real dumps mix int and string ids and nested schemas that Arrow refuses 
 
 from __future__ import annotations
 
+import codecs
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -91,37 +93,133 @@ def read_text(path: Path) -> str:
 
 def read_records(path: Path, strict: bool = False) -> Iterator[tuple[int, object]]:
     """(index, record) pairs of a JSON array file (index: the position in the array) or of
-    a JSONL file (index: the 0-based line number; blank lines are skipped).
+    a JSONL file (index: the 0-based line number; blank lines are skipped), read a chunk at a
+    time: memory stays bounded by the largest record, not the file (a 1 GB array is never
+    held whole).
 
     A file that is not UTF-8, or a JSON array that does not parse, is an error naming the
-    file, the line and the fix. A JSONL line that does not parse becomes a
-    :class:`BadSample` (one broken line need not spoil a training set; the caller's
-    ``on_bad_sample`` decides) or, with ``strict``, an error naming the file and the line
-    (a benchmark measures every item it lists or none).
+    file, the line and the fix (raised where the reading reaches it: records before it have
+    been yielded). A JSONL line that does not parse becomes a :class:`BadSample` (one broken
+    line need not spoil a training set; the caller's ``on_bad_sample`` decides) or, with
+    ``strict``, an error naming the file and the line (a benchmark measures every item it
+    lists or none).
     """
-    text = read_text(path)
-    if text.lstrip().startswith("["):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DataFileError(
-                f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); fix the file there, "
-                "or write it as JSONL, one record per line"
-                + ("" if strict else ", so that one broken record does not spoil the rest")
-            ) from None
-        yield from enumerate(data)
-        return
-    for lineno, line in enumerate(text.splitlines()):
-        if not line.strip():
-            continue
-        try:
-            yield lineno, json.loads(line)
-        except json.JSONDecodeError as e:
-            if strict:
-                raise DataFileError(f"{path}, line {lineno + 1}: not valid JSON ({e.msg} at column {e.colno}); "
-                                 "fix or delete that line") from None
-            yield lineno, BadSample(str(path), lineno, None, f"line {lineno + 1} is not valid JSON ({e.msg})",
-                                    "fix or delete that line")
+    with open(path, "rb") as f:
+        decoder = codecs.getincrementaldecoder("utf-8-sig")()
+        head, eof = "", False
+        while not head.lstrip() and not eof:
+            chunk = f.read(1 << 16)
+            eof = not chunk
+            try:
+                head += decoder.decode(chunk, final=eof)
+            except UnicodeDecodeError:
+                read_text(path)  # raises the error naming the line and byte offset
+                raise
+        if head.lstrip().startswith("["):
+            yielded = 0
+            try:
+                for record in _array_items(f, decoder, head, eof):
+                    yield yielded, record
+                    yielded += 1
+                return
+            except (_NotStreamable, UnicodeDecodeError):
+                pass
+            # the array does not parse as it streams: parse it whole for json's own message
+            try:
+                data = json.loads(read_text(path))
+            except json.JSONDecodeError as e:
+                raise DataFileError(
+                    f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); fix the file there, "
+                    "or write it as JSONL, one record per line"
+                    + ("" if strict else ", so that one broken record does not spoil the rest")
+                ) from None
+            yield from list(enumerate(data))[yielded:]
+            return
+        f.seek(0)
+        lineno = 0
+        for n, raw in enumerate(f):
+            try:
+                text = raw.decode("utf-8-sig" if n == 0 else "utf-8")
+            except UnicodeDecodeError:
+                read_text(path)  # raises the error naming the line and byte offset
+                raise
+            # the lines str.splitlines sees in the decoded text (it also splits at \r, \x1c..)
+            for line in text.splitlines():
+                lineno += 1
+                if not line.strip():
+                    continue
+                try:
+                    yield lineno - 1, json.loads(line)
+                except json.JSONDecodeError as e:
+                    if strict:
+                        raise DataFileError(f"{path}, line {lineno}: not valid JSON ({e.msg} at column {e.colno}); "
+                                            "fix or delete that line") from None
+                    yield lineno - 1, BadSample(str(path), lineno - 1, None,
+                                                f"line {lineno} is not valid JSON ({e.msg})", "fix or delete that line")
+
+
+class _NotStreamable(Exception):
+    """The array does not parse as it is read; :func:`read_records` parses it whole to name the error."""
+
+
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+_CHUNK = 1 << 23  # characters of an array file read at a time
+
+
+def _array_items(f, decoder, buf: str, eof: bool) -> Iterator[object]:
+    """The items of the JSON array whose text starts in ``buf`` and continues in the binary
+    file ``f`` (decoded by ``decoder``), one at a time; raises :class:`_NotStreamable` where
+    the text is not a valid array."""
+    scan = json.JSONDecoder().raw_decode
+    pos = 0
+
+    def more() -> None:
+        nonlocal buf, pos, eof
+        chunk = f.read(_CHUNK)
+        eof = not chunk
+        buf = buf[pos:] + decoder.decode(chunk, final=eof)
+        pos = 0
+
+    def next_char() -> str:
+        nonlocal pos
+        while True:
+            pos = _JSON_SPACE.match(buf, pos).end()
+            if pos < len(buf):
+                return buf[pos]
+            if eof:
+                return ""
+            more()
+
+    if next_char() != "[":
+        raise _NotStreamable
+    pos += 1
+    if next_char() == "]":
+        pos += 1
+    else:
+        while True:
+            next_char()
+            while True:
+                try:
+                    item, end = scan(buf, pos)
+                except json.JSONDecodeError:
+                    if eof:
+                        raise _NotStreamable from None
+                    more()  # the item may continue in the next chunk
+                    continue
+                if end == len(buf) and not eof:
+                    more()  # a number or literal may continue in the next chunk
+                    continue
+                break
+            pos = end
+            yield item
+            c = next_char()
+            pos += 1
+            if c == "]":
+                break
+            if c != ",":
+                raise _NotStreamable
+    if next_char() != "":
+        raise _NotStreamable  # text after the array
 
 
 def detect_format(record: dict) -> str:

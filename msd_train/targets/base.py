@@ -19,7 +19,7 @@ from torch import nn
 
 from msd_train.hf_compat import cache_kwargs, output_cache
 from msd_train.targets.chat import Segment, render_prompt, render_segments
-from msd_train.targets.tokenize import encode_segments
+from msd_train.targets.tokenize import encode_segments, encode_segments_many
 
 
 @dataclass
@@ -246,15 +246,24 @@ class Target(ABC):
         end-of-turn token included. With ``counts`` (each image's visual tokens, e.g. from
         :meth:`image_token_counts`) no image is needed and no pixels are computed.
         """
+        if counts is not None:
+            [(ids, mask)] = self.encode_many([(messages, counts)])
+            return Encoded(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long), {}, len(counts))
         segments = render_segments(
             messages, self.chat_template, self.image_prompt_text, self.end_of_turn,
             **self.template_vars(),
         )
-        if counts is not None:
-            ids, mask = encode_segments(self.tokenizer, segments, self.image_text, self.image_token_id, counts,
-                                        bos=self.add_bos())
-            return Encoded(ids, mask, {}, len(counts))
         return self._encode_rendered(segments, images)
+
+    def encode_many(self, conversations: list[tuple[list[dict], list[int]]]) -> list[tuple[list[int], list[int]]]:
+        """``encode(messages, counts=counts)`` of many ``(messages, counts)`` pairs, as lists of
+        ids and loss mask, with one tokenizer call for all of them: what the data cache's
+        tokenising workers run (no tensors, no pixels)."""
+        special, end_of_turn = self.template_vars(), self.end_of_turn
+        segments = [render_segments(m, self.chat_template, self.image_prompt_text, end_of_turn, **special)
+                    for m, _ in conversations]
+        return encode_segments_many(self.tokenizer, segments, self.image_text, self.image_token_id,
+                                    [c for _, c in conversations], bos=self.add_bos())
 
     def encode_prompt(self, messages: list[dict], images: list) -> Encoded:
         """The ids a target reads before generating the next assistant turn (no loss).

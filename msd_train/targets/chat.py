@@ -84,41 +84,66 @@ def _compiled(template: str):
     return ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False).from_string(template)
 
 
-def _vicuna_v1(messages: list[dict], add_generation_prompt: bool, **special) -> str:
-    eos = special.get("eos_token", "")
-    out = []
-    for k, m in enumerate(messages):
-        if m["role"] == "system":
-            out.append(m["content"])
-        elif m["role"] == "user":
-            out.append((" USER: " if k == 0 else "USER: ") + m["content"] + " ")
-        else:
-            out.append("ASSISTANT: " + m["content"] + eos)
-    return "".join(out) + ("ASSISTANT:" if add_generation_prompt else "")
+# The Python twins of the templates below render one message at a time, ``(k, message,
+# **special) -> text``: a prefix of a conversation renders as the sum of its messages' texts,
+# plus the generation prompt. ``tests/unit/test_data_scale.py`` holds each to its Jinja source.
+def _vicuna_v1_turn(k: int, m: dict, eos_token: str = "", **_) -> str:
+    if m["role"] == "system":
+        return m["content"]
+    if m["role"] == "user":
+        return (" USER: " if k == 0 else "USER: ") + m["content"] + " "
+    return "ASSISTANT: " + m["content"] + eos_token
 
 
-def _chatml_qwen(messages: list[dict], add_generation_prompt: bool, **special) -> str:
-    out = []
-    for k, m in enumerate(messages):
-        if k == 0 and m["role"] != "system":
-            out.append("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
-        out.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
-    return "".join(out) + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+def _chatml_turn(system_prompt: str):
+    """ChatML with a default system prompt when the conversation has none."""
+    opening = f"<|im_start|>system\n{system_prompt}<|im_end|>\n"
+
+    def turn(k: int, m: dict, **_) -> str:
+        head = opening if k == 0 and m["role"] != "system" else ""
+        return f"{head}<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
+
+    return turn
 
 
-#: the built-in templates written as Python: the same text as their Jinja source renders
-#: (``tests/unit/test_data_scale.py`` holds them to it), without a Jinja render per segment.
-#: A folder's template is matched by its source, so a target shipping one of them gets it too.
-_PYTHON_TEMPLATES = {VICUNA_V1: _vicuna_v1, CHATML_QWEN: _chatml_qwen}
+# SmolLM2-Instruct's own template (the one ``conf/target/smollm2_llava.yaml``'s folder ships).
+SMOLLM2_CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+#: template source -> (one message's text, the generation prompt): the same text as the Jinja
+#: source renders, without a Jinja render per segment. A folder's template is matched by its
+#: source, so a target shipping one of them gets it too.
+_PYTHON_TEMPLATES = {
+    VICUNA_V1: (_vicuna_v1_turn, "ASSISTANT:"),
+    CHATML_QWEN: (_chatml_turn("You are a helpful assistant."), "<|im_start|>assistant\n"),
+    SMOLLM2_CHATML: (_chatml_turn("You are a helpful AI assistant named SmolLM, trained by Hugging Face"),
+                     "<|im_start|>assistant\n"),
+}
 
 
 def _render(template: str, messages: list[dict], add_generation_prompt: bool, **special) -> str:
+    return _prefix_renderer(template, messages, special)(len(messages), add_generation_prompt)
+
+
+def _prefix_renderer(template: str, messages: list[dict], special: dict):
+    """``render(n, add_generation_prompt)``: the rendering of ``messages[:n]``. A template with
+    a Python twin renders each message once (a prefix is a slice of the whole); any other is
+    rendered by Jinja for each prefix asked for."""
     fast = _PYTHON_TEMPLATES.get(template)
-    if fast is not None:
-        return fast(messages, add_generation_prompt, **special)
-    return _compiled(template).render(
-        messages=messages, add_generation_prompt=add_generation_prompt, **special
-    )
+    if fast is None:
+        compiled = _compiled(template)
+        return lambda n, gen: compiled.render(messages=messages[:n], add_generation_prompt=gen, **special)
+    turn, generation = fast
+    texts = [turn(k, m, **special) for k, m in enumerate(messages)]
+    ends = [0]
+    for t in texts:
+        ends.append(ends[-1] + len(t))
+    whole = "".join(texts)
+    return lambda n, gen: whole[: ends[n]] + (generation if gen else "")
 
 
 def render_segments(
@@ -138,17 +163,18 @@ def render_segments(
     """
     template = resolve_template(template)
     msgs = [{**m, "content": m["content"].replace(IMAGE_MARKER, image_text)} for m in messages]
+    render = _prefix_renderer(template, msgs, special)
     segments: list[Segment] = []
     done = ""
     for i, m in enumerate(msgs):
         if m["role"] == "assistant":
-            head = _render(template, msgs[:i], True, **special)
+            head = render(i, True)
             if not head.startswith(done):
                 raise ValueError("chat template does not render prefixes as prefixes")
             if head != done:
                 segments.append(Segment(head[len(done):], False))
             done = head
-            full = _render(template, msgs[: i + 1], False, **special)
+            full = render(i + 1, False)
             if not full.startswith(done):
                 raise ValueError(
                     "chat template renders the generation prompt differently from an "
@@ -160,7 +186,7 @@ def render_segments(
             if turn[cut:]:
                 segments.append(Segment(turn[cut:], False))
             done = full
-    tail = _render(template, msgs, False, **special)
+    tail = render(len(msgs), False)
     if tail != done and tail.startswith(done):
         segments.append(Segment(tail[len(done):], False))
     return segments

@@ -9,6 +9,67 @@ import torch
 from msd_train.targets.chat import Segment
 
 
+def tokenize_texts(tokenizer, texts: list[str]) -> list[list[int]]:
+    """The ids of each text, no special tokens added: ``tokenizer(texts,
+    add_special_tokens=False)["input_ids"]``. A fast tokenizer with no truncation or padding
+    set is asked directly (the Rust tokenizer's batch call, which is what that call runs,
+    without the per-text offsets, strings and Python conversion around it); the ids are
+    the same (``tests/unit/test_data_scale.py`` holds every family's tokenizer to it)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (backend is not None and hasattr(backend, "encode_batch") and backend.truncation is None
+            and backend.padding is None
+            and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False))):
+        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def encode_segments_many(
+    tokenizer,
+    conversations: Sequence[Sequence[Segment]],
+    image_text: str,
+    image_token_id: int,
+    tokens_per_image: Sequence[Sequence[int]],
+    bos: bool = True,
+) -> list[tuple[list[int], list[int]]]:
+    """:func:`encode_segments` of many conversations with one tokenizer call, as lists."""
+    bos_id = tokenizer.bos_token_id if bos else None
+    pieces: list[list[tuple[str, bool]]] = []  # per conversation: (text, loss); "" is an image slot
+    texts: list[str] = []
+    for segments in conversations:
+        mine = []
+        for seg in segments:
+            for j, part in enumerate(seg.text.split(image_text)):
+                if j > 0:
+                    mine.append(("", False))
+                if part:
+                    mine.append((part, seg.loss))
+                    texts.append(part)
+        pieces.append(mine)
+    encoded = iter(tokenize_texts(tokenizer, texts) if texts else [])
+    out = []
+    for mine, counts in zip(pieces, tokens_per_image):
+        ids: list[int] = [] if bos_id is None else [bos_id]
+        mask: list[int] = [0] * len(ids)
+        image_index = 0
+        for part, loss in mine:
+            if part:
+                toks = next(encoded)
+                ids.extend(toks)
+                mask.extend([int(loss)] * len(toks))
+                continue
+            if image_index >= len(counts):
+                raise ValueError(f"more image placeholders than images ({len(counts)})")
+            n = counts[image_index]
+            image_index += 1
+            ids.extend([image_token_id] * n)
+            mask.extend([0] * n)
+        if image_index != len(counts):
+            raise ValueError(f"{len(counts)} images but {image_index} image placeholders in the text")
+        out.append((ids, mask))
+    return out
+
+
 def encode_segments(
     tokenizer,
     segments: Sequence[Segment],
@@ -24,38 +85,5 @@ def encode_segments(
     copies of ``image_token_id`` for the i-th image, the count the target's own forward
     expects. Returns ``(input_ids, loss_mask)``, both 1-D int64.
     """
-    ids: list[int] = []
-    mask: list[int] = []
-    if bos and tokenizer.bos_token_id is not None:
-        ids.append(tokenizer.bos_token_id)
-        mask.append(0)
-    image_index = 0
-    # one tokenizer call for every text piece (a fast tokenizer encodes a batch at once)
-    pieces: list[tuple[str, bool]] = []
-    for seg in segments:
-        for j, part in enumerate(seg.text.split(image_text)):
-            if j > 0:
-                pieces.append(("", False))  # an image slot
-            if part:
-                pieces.append((part, seg.loss))
-    texts = [p for p, _ in pieces if p]
-    encoded = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
-    for part, loss in pieces:
-        if part:
-            toks = next(encoded)
-            ids.extend(toks)
-            mask.extend([int(loss)] * len(toks))
-            continue
-        if image_index >= len(tokens_per_image):
-            raise ValueError(
-                f"more image placeholders than images ({len(tokens_per_image)})"
-            )
-        n = tokens_per_image[image_index]
-        image_index += 1
-        ids.extend([image_token_id] * n)
-        mask.extend([0] * n)
-    if image_index != len(tokens_per_image):
-        raise ValueError(
-            f"{len(tokens_per_image)} images but {image_index} image placeholders in the text"
-        )
+    [(ids, mask)] = encode_segments_many(tokenizer, [segments], image_text, image_token_id, [tokens_per_image], bos)
     return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)

@@ -139,7 +139,8 @@ class TrainRecipe:
 
         cfg = self.cfg
         self.device = runtime.local_device(cfg.target.device)
-        self.group = runtime.setup_group(self.device, deepspeed=True, timeout_minutes=cfg.dist.timeout_minutes)
+        self.group = runtime.setup_group(self.device, deepspeed=True, timeout_minutes=cfg.dist.timeout_minutes,
+                                         check_hosts=cfg.dist.get("check_hosts", True))
         self.rank, self.world, self.local_rank = self.group.rank, self.group.world, self.group.local_rank
         self.main = self.group.main
         if self.start is None:

@@ -207,3 +207,60 @@ def test_a_hostfile_host_that_ssh_cannot_reach_is_one_message(tmp_path, loopback
     assert "error: not every process of the job joined within dist.timeout_minutes=0.3" in out, out[-5000:]
     assert "2/4 clients joined" in out and "Check `ssh HOST true` for every host" in out
     assert not (tmp_path / "run" / "stage1" / "metrics.jsonl").exists()
+
+
+def test_a_hostfile_host_that_cannot_be_reached_stops_the_launch_at_once(tmp_path):
+    """What ``deepspeed --hostfile`` starts on the first host (``deepspeed.launcher.launch`` with
+    the hosts in ``--world_info``), for a hostfile whose second host does not exist: every rank
+    checks the hosts before joining, so the launch stops in seconds naming the host and the fix,
+    instead of after dist.timeout_minutes, and nothing is written."""
+    import base64
+
+    bad = "msd-node-that-does-not-exist.invalid"  # RFC 6761: never resolves
+    world = base64.urlsafe_b64encode(json.dumps({"127.0.0.1": [0], bad: [0]}).encode()).decode()
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}", "--node_rank=0",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", f"{ROOT}/train.py", "stage=1",
+           f"run_dir={run}", f"data.cache_dir={tmp_path / 'cache'}", *FAST]
+    t0 = time.time()
+    res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out[-3000:]
+    assert f"the launch names 1 host that 127.0.0.1 cannot reach ({bad}: the name {bad} does not resolve" in out, \
+        out[-3000:]
+    assert f"Correct or remove {bad} in the hostfile" in out and "dist.check_hosts=false skips this check" in out
+    assert time.time() - t0 < 120  # the join would have waited dist.timeout_minutes=120
+    assert not (tmp_path / "cache").exists() and not (run / "stage1" / "metrics.jsonl").exists()
+
+
+def test_the_host_check_tells_a_silent_host_from_one_that_answers():
+    """A host that answers (even refusing the port) is up; one that never answers within the
+    wait, or whose name does not resolve, is named with why. The silent host is a listening
+    socket whose backlog is full, found at run time: connections to it are not answered."""
+    import socket
+
+    from msd_train.runtime import unreachable
+
+    closed = free_port()  # nothing listens there: the connection is refused, so the host answered
+    assert unreachable("127.0.0.1", closed, 2.0) is None
+    assert "does not resolve" in unreachable("msd-node-that-does-not-exist.invalid", 22, 2.0)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(0)
+    port = silent.getsockname()[1]
+    fill = []
+    try:
+        for _ in range(4):  # fill the accept queue: later SYNs are dropped, as a dead host's would be
+            c = socket.socket()
+            c.setblocking(False)
+            c.connect_ex(("127.0.0.1", port))
+            fill.append(c)
+        time.sleep(0.2)
+        t0 = time.time()
+        why = unreachable("127.0.0.1", port, 1.0)
+        assert why == f"no answer from 127.0.0.1 port {port} within 1 s", why
+        assert 0.9 < time.time() - t0 < 10
+    finally:
+        for c in fill:
+            c.close()
+        silent.close()

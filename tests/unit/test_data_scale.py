@@ -36,18 +36,28 @@ def _conversations():
     ]
 
 
-@pytest.mark.parametrize("name", ["vicuna_v1", "chatml_qwen"])
-def test_python_templates_render_what_their_jinja_source_renders(name, monkeypatch):
-    template = chat.BUILTIN_TEMPLATES[name]
+@pytest.mark.parametrize("template", [chat.VICUNA_V1, chat.CHATML_QWEN, chat.SMOLLM2_CHATML],
+                         ids=["vicuna_v1", "chatml_qwen", "smollm2"])
+def test_python_templates_render_what_their_jinja_source_renders(template, monkeypatch):
     special = {"eos_token": "</s>", "bos_token": "<s>"}
-    fast = [chat.render_segments(m, name, "<IMG>", "</s>", **special) for m in _conversations()]
+    fast = [chat.render_segments(m, template, "<IMG>", "</s>", **special) for m in _conversations()]
+    prompts = [chat.render_prompt(m, template, "<IMG>", **special) for m in _conversations()]
     monkeypatch.setattr(chat, "_PYTHON_TEMPLATES", {})
-    slow = [chat.render_segments(m, name, "<IMG>", "</s>", **special) for m in _conversations()]
-    assert fast == slow
+    assert fast == [chat.render_segments(m, template, "<IMG>", "</s>", **special) for m in _conversations()]
+    assert prompts == [chat.render_prompt(m, template, "<IMG>", **special) for m in _conversations()]
+    monkeypatch.undo()
     for m in _conversations():
-        for gen in (True, False):
-            assert {"vicuna_v1": chat._vicuna_v1, "chatml_qwen": chat._chatml_qwen}[name](m, gen, **special) == \
-                chat._compiled(template).render(messages=m, add_generation_prompt=gen, **special)
+        for n in range(len(m) + 1):
+            for gen in (True, False):
+                assert chat._render(template, m[:n], gen, **special) == \
+                    chat._compiled(template).render(messages=m[:n], add_generation_prompt=gen, **special)
+
+
+def test_smollm2_folder_template_is_the_python_one():
+    folder = ROOT / "data" / "smollm2-llava" / "chat_template.jinja"
+    if not folder.is_file():
+        pytest.skip("data/smollm2-llava is built by scripts/make_smollm2_llava.py")
+    assert folder.read_text() == chat.SMOLLM2_CHATML
 
 
 def _embedded():
@@ -225,3 +235,41 @@ def test_a_cache_of_another_target_or_version_is_not_used(llava_target, targets,
     with caplog.at_level(logging.INFO, logger="msd_train.data.dataset"):
         build_split(src, llava_target, 4096, cache_dir=cache)
     assert "does not belong to this launch" in caplog.text
+
+
+@pytest.mark.parametrize("which", ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "embedded",
+                                   "lab_tiny_qwen"])
+def test_the_tokenizers_batch_call_gives_its_own_ids(targets, which):
+    """The cold path asks the Rust tokenizer directly: the same ids as the tokenizer's own call,
+    special tokens, placeholders, odd spacing and non-ASCII text included."""
+    from msd_train.targets.tokenize import tokenize_texts
+
+    if which not in targets:
+        pytest.skip(f"{which} needs a newer transformers")
+    tok = targets[which].tokenizer
+    texts = ["hello world", "  two  spaces\n\nand lines\t", " USER: <image>\nWhat is it? ASSISTANT: a cat</s>",
+             "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>hi<|im_end|>\n", "café ½ 東京 🙂", "",
+             tok.eos_token or "", "x" * 300]
+    assert tokenize_texts(tok, texts) == tok(texts, add_special_tokens=False)["input_ids"]
+
+
+def test_a_json_array_is_read_a_chunk_at_a_time(tmp_path, monkeypatch):
+    """Records cut anywhere by the chunks come out whole; the file is never read in one piece
+    (``read_text`` is only for naming an error); a break names its line as json does."""
+    import msd_train.data.formats as formats
+
+    recs = [{"id": i, "conversations": [{"from": "human", "value": "é" * i + "\n"}], "n": i * 1.5e-3, "ok": i % 2 == 0}
+            for i in range(40)]
+    p = tmp_path / "a.json"
+    p.write_text("\ufeff" + json.dumps(recs, indent=1, ensure_ascii=False), encoding="utf-8")
+    monkeypatch.setattr(formats, "_CHUNK", 7)
+    monkeypatch.setattr(formats, "read_text", lambda path: pytest.fail("the whole file was read"))
+    assert [r for _, r in formats.read_records(p)] == recs
+    monkeypatch.undo()
+    monkeypatch.setattr(formats, "_CHUNK", 7)
+    text = p.read_text(encoding="utf-8-sig")
+    p.write_text(text[: text.index('"id": 30')] + '"id": 30 "x": 1}]', encoding="utf-8")
+    got = []
+    with pytest.raises(ValueError, match=r"a.json: not valid JSON \(Expecting ',' delimiter at line \d+, column \d+\)"):
+        got.extend(r for _, r in formats.read_records(p))
+    assert got == recs[:30]
