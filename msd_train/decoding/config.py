@@ -74,10 +74,10 @@ def use_draft_vocabulary(draft, target, size: int | None) -> None:
     if draft is None:
         return
     if size is None:
-        size = getattr(getattr(draft, "config", None), "train_vocab", None)
+        size = draft.config.train_vocab if draft.supports_restrict_vocabulary else None
     if size is not None and size >= target.vocab_size:
         size = None
-    restrict = getattr(draft, "restrict_vocabulary", None)  # a capability of msd heads only
+    restrict = draft.restrict_vocabulary if draft.supports_restrict_vocabulary else None  # a declared capability
     if size is None:
         if restrict is not None:
             restrict(target, None)

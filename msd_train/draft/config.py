@@ -74,6 +74,15 @@ class MSDDraftConfig(PreTrainedConfig):
     model_type = "msd_draft"
     ignore_keys_at_rope_validation = {"mrope_section"}
 
+    #: keys a later stage may change on the head it starts from (``draft.<key>`` of its launch)
+    stage_overridable = ("decouple_visual", "visual_offset", "draft_positions", "visual_compression",
+                         "visual_compression_tokens")
+    #: fields other engines' layouts (vLLM's, EAGLE-3's) have no key for: their "msd" block keeps them
+    layout_extras = ("fc_bias", "first_layer_input_norm", "decouple_visual", "visual_offset", "draft_positions",
+                     "visual_compression", "visual_compression_tokens", "layer_family", "mrope_section",
+                     "target_name_or_path", "target_vocab_size", "target_hidden_size", "target_adapter",
+                     "target_model_type")
+
     # Read by transformers' decoder-layer classes, fixed for every MSD head and therefore
     # class attributes rather than saved fields.
     attention_bias = False  # LlamaAttention; Qwen2 layers hard-code q/k/v bias
@@ -238,6 +247,12 @@ class MSD3DraftConfig(MSDDraftConfig):
     """
 
     model_type = "msd3_draft"
+
+    stage_overridable = ("decouple_visual", "draft_positions", "ttt_steps", "ttt_decay", "visual_compression",
+                         "visual_compression_tokens")
+    layout_extras = ("decouple_visual", "draft_positions", "ttt_steps", "ttt_decay", "layer_family", "mrope_section",
+                     "target_name_or_path", "target_num_layers", "target_adapter", "target_hidden_size",
+                     "visual_compression", "visual_compression_tokens", "target_model_type")
 
     feature_layers: list[int] | None = None
     target_num_layers: int | None = None

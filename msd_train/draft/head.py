@@ -20,10 +20,19 @@ call only the members below, never the concrete ``forward`` signature or the tar
                                         pass along its tokens, each step reading the
                                         head's own previous states (training-time test)
 
-Optional capabilities are members only of the heads that have them:
-``restrict_vocabulary(target, ids)`` (decode over a subset of the target's vocabulary: msd)
-and ``set_vocabulary(d2t, t2d)`` (a draft vocabulary of its own: msd3). How a head kind is
-trained (its loss, held-out loss and rollout hits) is its ``Objective``, not the head's.
+Optional capabilities are declared class attributes, which the trainer and the decoder
+read (never ``hasattr``): ``supports_restrict_vocabulary`` (``restrict_vocabulary(target,
+ids)``: decode over a subset of the target's vocabulary: msd) and ``has_draft_vocabulary``
+(``set_vocabulary(d2t, t2d)``: a draft vocabulary of its own, built from the stage's token
+counts: msd3). How a head kind is trained (its loss, held-out loss and rollout hits) is its
+``Objective`` (``training/objective.py``), not the head's.
+
+What else differs between head kinds is declared by the head, and the trainer and the hub
+ask: its config class's ``stage_overridable`` (the keys a later stage may change on the head
+it starts from) and ``layout_extras`` (the fields other engines' layouts have no key for,
+kept in their ``"msd"`` block), and the head class's ``card`` (its section of a model card,
+a ``HeadCard``). A new head is its own module (config + head class, ``register_head``), its
+objective (``register_objective``) and a ``conf/head/`` file: nothing else lists heads.
 
 The pairing rule lives in ``pair``: draft position t reads the target feature h_t and
 the embedding e_{t+1} of the next token, and is trained to predict token t+2.
@@ -33,7 +42,9 @@ from __future__ import annotations
 
 import json
 from abc import ABCMeta, abstractmethod
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 from transformers import PreTrainedConfig, PreTrainedModel
@@ -41,6 +52,7 @@ from transformers.cache_utils import DynamicCache
 
 from msd_train.draft.compression import SlotMap, slot_map
 from msd_train.draft.families import LAYER_FAMILIES
+from msd_train.targets.protocol import TargetProtocol
 
 #: architecture name (``draft.architecture`` in conf/head/*.yaml) -> head class
 HEADS: dict[str, type] = {}
@@ -90,10 +102,27 @@ def pair(first: torch.Tensor, per_token: torch.Tensor) -> tuple[torch.Tensor, to
     return first[:, 1:], per_token[:, :-1]
 
 
+@dataclass
+class HeadCard:
+    """What a model card says about one head (``DraftHead.card``); the rest of the card
+    (usage, serving, target, training, evaluation) is the same for every head kind
+    (``msd_train.hub.card``)."""
+
+    name: str  # the title reads "<name> for <the target>"
+    summary: str  # the paragraph under the title
+    rows: list[tuple[str, Any]]  # the Head table (a row whose value is None is left out)
+    tags: tuple[str, ...] = ()  # Hub tags besides the project's and the target family's
+    usage: list[str] = field(default_factory=list)  # Python lines after ``load_head`` in the Use snippet
+
+
 class DraftHead(PreTrainedModel, metaclass=ABCMeta):
     """The members every head architecture implements (see the module docstring)."""
 
     architecture: str = ""
+    #: ``restrict_vocabulary(target, ids)`` drafts over a subset of the target's vocabulary
+    supports_restrict_vocabulary: ClassVar[bool] = False
+    #: ``set_vocabulary(d2t, t2d)``: the head predicts over a draft vocabulary of its own
+    has_draft_vocabulary: ClassVar[bool] = False
     main_input_name = "input_embeds"
     # heads are built from these transformers layers and need attention that takes 4-D masks
     _no_split_modules = [f.decoder_layer.__name__ for f in LAYER_FAMILIES.values()]
@@ -121,8 +150,8 @@ class DraftHead(PreTrainedModel, metaclass=ABCMeta):
         return None
 
     @abstractmethod
-    def target_inputs(self, features, target=None, position_ids: torch.Tensor | None = None
-                      ) -> dict[str, torch.Tensor | None]:
+    def target_inputs(self, features, target: TargetProtocol | None = None,
+                      position_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor | None]:
         """``forward``'s keyword inputs over one target pass of L tokens (a
         ``targets.Features``), each over the L-1 draft positions. ``position_ids``: the
         head's own position ids of the L tokens when the caller has them (ensemble variants
@@ -143,7 +172,7 @@ class DraftHead(PreTrainedModel, metaclass=ABCMeta):
         embeds, _ = pair(features.inputs_embeds, features.inputs_embeds)
         return features.visual_mask[:, 1:].bool(), embeds
 
-    def read_pass(self, features, target=None, **kwargs) -> tuple[dict, SlotMap | None]:
+    def read_pass(self, features, target: TargetProtocol | None = None, **kwargs) -> tuple[dict, SlotMap | None]:
         """``target_inputs`` as the head reads them: each image's visual slots compressed
         to at most ``visual_compression_tokens`` slots when the config asks for it. Returns
         the inputs and the ``SlotMap`` whose ``expand`` puts outputs back on the L-1 slots
@@ -175,8 +204,41 @@ class DraftHead(PreTrainedModel, metaclass=ABCMeta):
                     past_key_values=past_key_values, use_cache=use_cache).last_hidden_state
 
     @abstractmethod
-    def logits(self, states: torch.Tensor, target) -> torch.Tensor:
+    def logits(self, states: torch.Tensor, target: TargetProtocol) -> torch.Tensor:
         """Logits over the target's vocabulary after the head's ``states``."""
+
+    def restrict_vocabulary(self, target: TargetProtocol, ids: torch.Tensor | None) -> None:
+        """Draft over target ids ``ids`` only (None: the whole vocabulary); heads with
+        ``supports_restrict_vocabulary``."""
+        raise NotImplementedError(f"an {self.architecture} head cannot draft over a subset of the target's vocabulary")
+
+    def set_vocabulary(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Set the head's own draft vocabulary (draft id i is target id i + d2t[i]; t2d marks
+        the members); heads with ``has_draft_vocabulary``."""
+        raise NotImplementedError(f"an {self.architecture} head has no draft vocabulary of its own")
+
+    @classmethod
+    def card(cls, config, num_parameters: int | None = None, dtype: str | None = None) -> HeadCard:
+        """This head's section of a model card (``HeadCard``), from its saved config. The
+        default describes any head by its architecture and layer sizes; a head kind says more."""
+        rows = [("architecture", cls.architecture), ("layer family", config.layer_family),
+                ("decoder layers", config.num_hidden_layers), ("hidden size", config.hidden_size),
+                ("intermediate size", config.intermediate_size),
+                ("attention heads (KV heads)", f"{config.num_attention_heads} ({config.num_key_value_heads})"),
+                ("visual decoupling", getattr(config, "decouple_visual", None)),
+                ("M-RoPE sections", config.mrope_section),
+                ("parameters", f"{num_parameters:,}" if num_parameters else None), ("dtype", dtype)]
+        summary = (f"A draft head for lossless speculative decoding of a multimodal model: an {cls.architecture} "
+                   "head. It is not a model on its own: it drafts from the target's features and embedding table, "
+                   "and the target verifies every drafted token, so outputs are exactly the target's. Trained with "
+                   "msd-train.")
+        return HeadCard(name=f"{cls.architecture} draft head", summary=summary, rows=rows)
+
+    @classmethod
+    def card_training(cls, draft: dict) -> str | None:
+        """The card's line on the head in one stage's training record (``draft``: that stage's
+        ``cfg.draft``), or None: nothing beyond the stage's settings."""
+        return None
 
     def unroll(self, inputs: dict, steps: int, forward=None) -> list[torch.Tensor]:
         """The head's states (B, T, H) for steps 0..steps-1 of the chain drafted from every

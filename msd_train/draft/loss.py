@@ -12,8 +12,8 @@ several GB per micro-batch otherwise), and each chunk's gradient with respect to
 draft's features is taken as it is computed, so the backward pass holds an (N, H)
 gradient instead of the logits (benchmarks/loss_memory/).
 
-Over a draft vocabulary (``draft.train_vocab=N``, ``TrainVocab``): both distributions are
-taken over the lm_head's rows of the N target tokens the training data uses most
+Over a draft vocabulary (``draft.train_vocab=N``, a ``VocabSubset`` of the lm_head): both
+distributions are taken over the lm_head's rows of the N target tokens the training data uses most
 (softmaxes over those N logits), and positions whose target argmax (over the whole
 vocabulary) falls outside them are left out of the token term, as EAGLE-3 trains its
 pruned head; the feature term is unchanged. The token term's two products and its
@@ -23,10 +23,10 @@ store where it was stored (``Features.target_top``), else computed once per step
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
+
+from msd_train.draft.vocabulary import VocabSubset
 
 
 def draft_loss_mask(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -50,39 +50,12 @@ def loss_index(mask: torch.Tensor) -> torch.Tensor:
 CHUNK = 512
 
 
-@dataclass
-class TrainVocab:
-    """The draft vocabulary of the token term: target ids ``ids`` (N,), sorted; their
-    lm_head rows, copied once; ``member`` (V,) marks them."""
-
-    ids: torch.Tensor
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    member: torch.Tensor
-
-    @classmethod
-    def of(cls, lm_head: torch.nn.Module, ids: torch.Tensor) -> TrainVocab:
-        weight = lm_head.weight
-        ids = ids.to(weight.device).sort().values
-        member = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)
-        member[ids] = True
-        bias = getattr(lm_head, "bias", None)
-        return cls(ids, weight[ids].detach().contiguous(), None if bias is None else bias[ids].detach(), member)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-    @property
-    def size(self) -> int:
-        return len(self.ids)
-
-
 class _TokenLoss(torch.autograd.Function):
     """sum_i w_i CE(softmax(lm_head f_i), log_softmax(lm_head p_i)), each position's top-1
     agreement and its acceptance probability sum_x min(p_target(x), p_draft(x)) (what
     speculative sampling accepts a draft from it with), chunk by chunk; the gradient with
     respect to ``p`` is computed in the forward pass. ``weight``: per-position w_i (None: 1).
-    With a ``TrainVocab``: over its rows, positions whose target top-1 ``top`` is outside
+    With a ``VocabSubset``: over its rows, positions whose target top-1 ``top`` is outside
     it weighted 0 (no host sync: every position is computed over N rows, then masked)."""
 
     @staticmethod
@@ -139,7 +112,7 @@ def msd_loss(
     w_tok: float = 0.1,
     index: torch.Tensor | None = None,
     chunk: int = CHUNK,
-    vocab: TrainVocab | None = None,
+    vocab: VocabSubset | None = None,
     target_top: torch.Tensor | None = None,
     weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -21,9 +21,11 @@ from transformers.utils import ModelOutput
 
 from msd_train.draft.config import MSDDraftConfig
 from msd_train.draft.families import layer_family
-from msd_train.draft.head import DraftHead, head_class_of_config, pair, register_head, saved_model_type
+from msd_train.draft.head import DraftHead, HeadCard, head_class_of_config, pair, register_head, saved_model_type
 from msd_train.draft.positions import draft_position_ids
+from msd_train.draft.vocabulary import VocabSubset
 from msd_train.hf_compat import cache_kwargs
+from msd_train.targets.protocol import TargetProtocol
 
 # Attention implementations that honour an arbitrary 4-D additive mask exactly (tree
 # drafting needs it); flash-attention variants only take padding masks.
@@ -172,6 +174,7 @@ class MSDDraftModel(DraftHead):
     architecture = "msd"
     config_class = MSDDraftConfig
     supports_gradient_checkpointing = True
+    supports_restrict_vocabulary = True
     _skip_keys_device_placement = ["past_key_values"]
 
     def __init__(self, config: MSDDraftConfig):
@@ -186,7 +189,7 @@ class MSDDraftModel(DraftHead):
         rotary_class = Qwen2VLRotaryEmbedding if config.uses_mrope else LlamaRotaryEmbedding
         self.rotary_emb = rotary_class(config)
         self.gradient_checkpointing = False
-        self._vocab_rows = None  # decode time: (ids, a linear layer of their lm_head rows), see restrict_vocabulary
+        self._vocab: VocabSubset | None = None  # decode time: see restrict_vocabulary
         self.post_init()
 
     @classmethod
@@ -203,8 +206,8 @@ class MSDDraftModel(DraftHead):
         check_finite(model.state_dict().items(), str(pretrained_model_name_or_path))
         return out
 
-    def target_inputs(self, features, target=None, position_ids: torch.Tensor | None = None
-                      ) -> dict[str, torch.Tensor | None]:
+    def target_inputs(self, features, target: TargetProtocol | None = None,
+                      position_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor | None]:
         """`forward`'s inputs over one target pass of L tokens, as keyword arguments.
 
         ``features`` holds ``inputs_embeds``, ``hidden_states``, ``visual_mask`` and
@@ -311,35 +314,42 @@ class MSDDraftModel(DraftHead):
 
     # ----- the head interface (msd_train.draft.head) ------------------------------------
 
-    def logits(self, states: torch.Tensor, target) -> torch.Tensor:
+    def logits(self, states: torch.Tensor, target: TargetProtocol) -> torch.Tensor:
         """The head predicts the target's next feature; the target's lm_head reads it
         (only its rows of the decode-time vocabulary, if one was set)."""
         states = states.to(target.dtype)
-        rows = self._vocab_rows
-        if rows is None:
-            return target.lm_head(states)
-        ids, layer = rows
-        out = states.new_full((*states.shape[:-1], target.lm_head.weight.shape[0]), float("-inf"))
-        return out.index_copy_(-1, ids, layer(states))
+        return target.lm_head(states) if self._vocab is None else self._vocab.logits(states)
 
-    def restrict_vocabulary(self, target, ids: torch.Tensor | None) -> None:
-        """Draft over target ids ``ids`` only: their lm_head rows are copied once here
-        (a gather per draft step would cost what the restriction saves)."""
+    def restrict_vocabulary(self, target: TargetProtocol, ids: torch.Tensor | None) -> None:
+        """Draft over target ids ``ids`` only (None: the whole vocabulary again): a
+        ``VocabSubset`` of the target's lm_head, made once here."""
         if ids is None:
-            self._vocab_rows = None
+            self._vocab = None
             return
-        lm_head = target.lm_head
-        ids = ids.to(lm_head.weight.device)
-        if self._vocab_rows is not None and torch.equal(self._vocab_rows[0], ids):
+        ids = ids.to(target.lm_head.weight.device)
+        if self._vocab is not None and torch.equal(self._vocab.ids, ids):
             return  # already these rows (a benchmark sets it once per prompt)
-        bias = getattr(lm_head, "bias", None)
-        layer = nn.Linear(lm_head.weight.shape[1], len(ids), bias=bias is not None, device=ids.device,
-                          dtype=lm_head.weight.dtype).requires_grad_(False)
-        with torch.no_grad():
-            layer.weight.copy_(lm_head.weight[ids])
-            if bias is not None:
-                layer.bias.copy_(bias[ids])
-        from msd_train.targets.cpu_linear import PackedLinear
+        self._vocab = VocabSubset(target.lm_head, ids)
 
-        # a target whose lm_head runs on oneDNN (eval.py in fp32 on a CPU) drafts over these rows the same way
-        self._vocab_rows = (ids, PackedLinear(layer) if isinstance(lm_head, PackedLinear) else layer)
+    @classmethod
+    def card(cls, config: MSDDraftConfig, num_parameters: int | None = None, dtype: str | None = None) -> HeadCard:
+        summary = ("A draft head for lossless speculative decoding of a multimodal model: MSD (Lin et al., "
+                   "arXiv 2505.14260), an EAGLE-style head that fuses the target's last hidden state with the next "
+                   "token's embedding and treats visual tokens apart from text tokens. It is not a model on its own: "
+                   "it uses the target's embedding table and `lm_head`, and the target verifies every drafted token, "
+                   "so outputs are exactly the target's. Trained with msd-train.")
+        rows = [
+            ("layer family", config.layer_family),
+            ("decoder layers", config.num_hidden_layers),
+            ("hidden size", config.hidden_size),
+            ("intermediate size", config.intermediate_size),
+            ("attention heads (KV heads)", f"{config.num_attention_heads} ({config.num_key_value_heads})"),
+            ("fc bias", config.fc_bias),
+            ("input norm on the first layer", config.first_layer_input_norm),
+            ("visual decoupling", config.decouple_visual),
+            ("visual offset", config.visual_offset),
+            ("M-RoPE sections", config.mrope_section),
+            ("parameters", f"{num_parameters:,}" if num_parameters else None),
+            ("dtype", dtype),
+        ]
+        return HeadCard(name="MSD draft head", summary=summary, rows=rows)

@@ -24,7 +24,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbeddin
 
 from msd_train.draft.config import MSD3DraftConfig
 from msd_train.draft.families import layer_family
-from msd_train.draft.head import DraftHead, pair, register_head
+from msd_train.draft.head import DraftHead, HeadCard, pair, register_head
 from msd_train.draft.model import (
     _SUPPORTED_ATTENTION,
     MSDDraftOutput,
@@ -32,7 +32,9 @@ from msd_train.draft.model import (
     check_finite,
 )
 from msd_train.draft.positions import draft_position_ids
+from msd_train.draft.vocabulary import on_target_ids
 from msd_train.hf_compat import cache_kwargs
+from msd_train.targets.protocol import TargetProtocol
 
 
 class _Replayed:
@@ -59,6 +61,7 @@ class MSD3DraftModel(DraftHead):
     architecture = "msd3"
     config_class = MSD3DraftConfig
     supports_gradient_checkpointing = True
+    has_draft_vocabulary = True
 
     def __init__(self, config: MSD3DraftConfig):
         super().__init__(config)
@@ -110,7 +113,7 @@ class MSD3DraftModel(DraftHead):
     def project(self, features: torch.Tensor) -> torch.Tensor:
         return self.fc(features.to(self.fc.weight.dtype))
 
-    def embeddings(self, features, target=None) -> torch.Tensor:
+    def embeddings(self, features, target: TargetProtocol | None = None) -> torch.Tensor:
         """The embedding stream over a target pass: the target's input embeddings (visual
         embeddings at image positions), or with ``decouple_visual`` off the placeholder's."""
         embeds = features.inputs_embeds
@@ -122,13 +125,10 @@ class MSD3DraftModel(DraftHead):
         placeholder = target.embed_tokens.weight[target.image_token_id].to(embeds.dtype)
         return torch.where(features.visual_mask[..., None].bool(), placeholder, embeds)
 
-    def target_inputs(self, features, target=None, position_ids: torch.Tensor | None = None, noise=None
-                      ) -> dict[str, torch.Tensor | None]:
-        """The paired inputs (``pair``) with the k layers' features fused by ``fc``
-        (``noise``, in training, is added to those features first)."""
+    def target_inputs(self, features, target: TargetProtocol | None = None,
+                      position_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor | None]:
+        """The paired inputs (``pair``) with the k layers' features fused by ``fc``."""
         embeds, states = pair(self.embeddings(features, target), self.head_features(features))
-        if noise is not None:
-            states = noise(states)
         pos = position_ids
         if pos is None and features.position_ids is not None:
             pos = draft_position_ids(self.config, features.position_ids)
@@ -175,8 +175,57 @@ class MSD3DraftModel(DraftHead):
         """Logits over the draft vocabulary."""
         return self.lm_head(self.norm(states))
 
-    def logits(self, states: torch.Tensor, target) -> torch.Tensor:
+    def logits(self, states: torch.Tensor, target: TargetProtocol) -> torch.Tensor:
         """Draft-vocabulary logits put at their target ids; -inf at every other id."""
         small = self.draft_logits(states.to(self.lm_head.weight.dtype)).to(target.dtype)
-        out = small.new_full((*small.shape[:-1], self.t2d.shape[0]), float("-inf"))
-        return out.index_copy_(-1, self.draft_ids, small)
+        return on_target_ids(small, self.draft_ids, self.t2d.shape[0])
+
+    # ----- the model card -------------------------------------------------------------------
+
+    @classmethod
+    def card(cls, config: MSD3DraftConfig, num_parameters: int | None = None, dtype: str | None = None) -> HeadCard:
+        visual = ("the target's visual embeddings (the projector's outputs) at image positions, as MSD does"
+                  if config.decouple_visual else
+                  "the image placeholder token's embedding at image positions (plain EAGLE-3, no visual decoupling)")
+        summary = (
+            "A draft head for lossless speculative decoding of a multimodal model: an msd3 head, EAGLE-3's "
+            "architecture (Li et al., arXiv 2503.01840)"
+            + (" with MSD's decoupled visual tokens (Lin et al., arXiv 2505.14260)" if config.decouple_visual else "")
+            + f". It fuses the inputs of {len(config.feature_layers)} target layers "
+            f"({', '.join(map(str, config.feature_layers))}), runs one decoder layer over them and the next token's "
+            f"embedding, and predicts tokens with its own `lm_head` over a draft vocabulary of "
+            f"{config.draft_vocab_size} target tokens; it was trained with EAGLE-3's training-time test "
+            f"({config.ttt_steps} steps on its own outputs) and reads {visual}. It is not a model on its own: it "
+            "uses the target's embedding table and layer features, and the target verifies every drafted token, "
+            "so outputs are exactly the target's. Trained with msd-train.")
+        decoupling = ("on: the projector's outputs at image positions" if config.decouple_visual
+                      else "off: the image placeholder's embedding at image positions (plain EAGLE-3)")
+        rows = [
+            ("architecture", "msd3 (EAGLE-3's head" + (" with MSD's visual decoupling)" if config.decouple_visual
+                                                       else ", visual decoupling off)")),
+            ("fused target layers", f"inputs of layers {', '.join(map(str, config.feature_layers))}"
+             + (f" of {config.target_num_layers}" if config.target_num_layers else "")),
+            ("draft vocabulary", f"{config.draft_vocab_size} tokens"
+             + (f" of the target's {config.target_vocab_size}" if config.target_vocab_size else "")
+             + " (`d2t`/`t2d` saved with the head)"),
+            ("training-time test steps", f"{config.ttt_steps} (step i's loss weighted {config.ttt_decay}^i)"),
+            ("visual decoupling", decoupling),
+            ("draft positions", config.draft_positions if config.mrope_section else None),
+            ("layer family", config.layer_family),
+            ("hidden size", config.hidden_size),
+            ("intermediate size", config.intermediate_size),
+            ("attention heads (KV heads)", f"{config.num_attention_heads} ({config.num_key_value_heads})"),
+            ("M-RoPE sections", config.mrope_section),
+            ("parameters", f"{num_parameters:,}" if num_parameters else None),
+            ("dtype", dtype),
+        ]
+        usage = ["", "# the EAGLE-3 layout (midlayer.*, fc, norm, lm_head, d2t, t2d) that EAGLE-3 and SpecForge read",
+                 "from msd_train.hub.eagle3 import export_eagle3", "export_eagle3(head, \"eagle3-head\")"]
+        return HeadCard(name="MSD-3 draft head (EAGLE-3 style)", summary=summary, rows=rows, tags=("eagle3",),
+                        usage=usage)
+
+    @classmethod
+    def card_training(cls, draft: dict) -> str | None:
+        return "- head: msd3, " + ", ".join(f"{k}={draft[k]}" for k in (
+            "ttt_steps", "ttt_decay", "decouple_visual", "feature_layers", "draft_vocab_size", "draft_positions")
+            if draft.get(k) is not None)

@@ -9,6 +9,11 @@ the output: it only stops the head proposing rare tokens, and makes each draft s
 lm_head (on a small model most of the step: ``benchmarks/real_lm/README.md``)
 ``V / size`` times cheaper.
 
+Both rules read the target's lm_head over a subset of its vocabulary the same way: a
+``VocabSubset`` (the ids, their lm_head rows copied once, the membership mask), which the
+token loss over ``draft.train_vocab`` (``draft/loss.py``), the msd3 objective's targets and
+an msd head's decode-time restriction all use.
+
 The counts travel with the head: training writes ``token_counts.safetensors`` beside
 every export (assistant tokens of the stage's training data); ``scripts/count_tokens.py``
 writes it for a head that was exported without one.
@@ -20,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 COUNTS_FILE = "token_counts.safetensors"
 
@@ -56,6 +62,52 @@ def draft_vocabulary(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, tor
     t2d = torch.zeros(len(counts), dtype=torch.bool)
     t2d[ids] = True
     return ids - torch.arange(size), t2d
+
+
+class VocabSubset:
+    """Target ids ``ids`` (N,), in the order given, with the target lm_head's rows for them,
+    copied once (a gather per call would cost what the subset saves): ``subset(x)`` is
+    ``lm_head(x)[..., ids]`` at N / V of the product, ``subset.logits(x)`` the same over the
+    whole vocabulary with -inf at every other id; ``member`` (V,) marks the ids. Over an
+    lm_head that runs on oneDNN (``targets.cpu_linear.PackedLinear``: eval.py in fp32 on a
+    CPU) the rows run there too, so a restricted draft step computes as the full one does."""
+
+    def __init__(self, lm_head: torch.nn.Module, ids: torch.Tensor):
+        weight = lm_head.weight
+        self.ids = ids.to(weight.device)
+        self.vocab_size = weight.shape[0]
+        self.member = torch.zeros(self.vocab_size, dtype=torch.bool, device=weight.device)
+        self.member[self.ids] = True
+        self.weight = weight[self.ids].detach().contiguous()
+        bias = getattr(lm_head, "bias", None)
+        self.bias = None if bias is None else bias[self.ids].detach()
+        self._packed = None
+        from msd_train.targets.cpu_linear import PackedLinear
+
+        if isinstance(lm_head, PackedLinear):
+            rows = torch.nn.Linear(self.weight.shape[1], len(self.ids), bias=self.bias is not None, device="meta")
+            rows.weight = torch.nn.Parameter(self.weight, requires_grad=False)
+            if self.bias is not None:
+                rows.bias = torch.nn.Parameter(self.bias, requires_grad=False)
+            self._packed = PackedLinear(rows)
+
+    @property
+    def size(self) -> int:
+        return len(self.ids)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., N) logits over the subset."""
+        return F.linear(x, self.weight, self.bias) if self._packed is None else self._packed(x)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., V) logits over the whole vocabulary: the subset's, -inf at every other id."""
+        return on_target_ids(self(x), self.ids, self.vocab_size)
+
+
+def on_target_ids(small: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(..., N) logits of target ids ``ids`` put at those ids of a (..., V) row of -inf."""
+    out = small.new_full((*small.shape[:-1], vocab_size), float("-inf"))
+    return out.index_copy_(-1, ids, small)
 
 
 def save_counts(folder: str | Path, counts: torch.Tensor) -> Path:

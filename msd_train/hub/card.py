@@ -17,7 +17,8 @@ import logging
 import re
 from pathlib import Path
 
-from msd_train.draft import MSD3DraftConfig, MSDDraftConfig
+from msd_train.draft import MSDDraftConfig
+from msd_train.draft.head import HEADS, DraftHead, head_class_of_config
 from msd_train.formatting import fmt
 from msd_train.hub.folders import is_repo_id
 from msd_train.targets import head_family
@@ -244,18 +245,20 @@ def _training_section(training: list[dict]) -> list[str]:
         if hp:
             lines.append("- " + ", ".join(hp))
         head = cfg.get("draft") or {}
-        if head.get("architecture") == "msd3":
-            lines.append("- head: msd3, " + ", ".join(f"{k}={head[k]}" for k in (
-                "ttt_steps", "ttt_decay", "decouple_visual", "feature_layers", "draft_vocab_size", "draft_positions")
-                if head.get(k) is not None))
+        head_cls = HEADS.get(head.get("architecture"))
+        line = head_cls.card_training(head) if head_cls is not None else None
+        if line:
+            lines.append(line)
         if cfg.get("deepspeed", {}).get("zero_optimization"):
             lines.append(f"- DeepSpeed ZeRO stage {cfg['deepspeed']['zero_optimization'].get('stage')}")
         lines.append("")
     return lines
 
 
-def _target_lines(config: MSDDraftConfig, target_id: str | None) -> tuple[str, list[str], str]:
-    """(title, lines of the Target section, the `load_target` argument of the snippet)."""
+def _target_lines(config: MSDDraftConfig, target_id: str | None, head: str = "MSD draft head"
+                  ) -> tuple[str, list[str], str]:
+    """(title, lines of the Target section, the `load_target` argument of the snippet);
+    ``head``: what the title calls the head (``HeadCard.name``)."""
     recorded = config.target_name_or_path
     shape = (f"a {head_family(config).display_name}-family model with hidden size "
              f"{config.hidden_size}" + (f" and a vocabulary of {config.target_vocab_size} tokens"
@@ -266,28 +269,27 @@ def _target_lines(config: MSDDraftConfig, target_id: str | None) -> tuple[str, l
             lines.append(f"- trained on a local copy of it (a folder named `{local_name(recorded)}`)")
         elif recorded and recorded != target_id:
             lines.append(f"- the head's config records `{recorded}` as its target")
-        return f"MSD draft head for {target_id}", lines, target_id
+        return f"{head} for {target_id}", lines, target_id
     if recorded:
         name = local_name(recorded)
-        return (f"MSD draft head for a local target (`{name}`)",
+        return (f"{head} for a local target (`{name}`)",
                 [f"- base model: not on the Hub. This head was trained on a local model folder named `{name}`, "
                  f"{shape}. Load that same model as the target (pass the path of your copy to `load_target`): "
                  "the head drafts from its features and its embedding, and `load_head` refuses a target of another "
                  "hidden size. (If that folder is a copy of a Hub model, the head's publisher can name it with "
                  "`base_model=OWNER/NAME` when pushing.)"],
                 f"path/to/{name}")
-    return ("MSD draft head (target not recorded)",
+    return (f"{head} (target not recorded)",
             [f"- base model: not recorded with this head. It was trained for {shape}; pass that model to "
              "`load_target`."],
             "path/or/hub-id/of/the-target")
 
 
-def _serving_section(config: MSDDraftConfig, repo_id: str, target_id: str | None, load_arg: str,
-                     msd3: bool) -> list[str]:
+def _serving_section(config: MSDDraftConfig, repo_id: str, target_id: str | None, load_arg: str) -> list[str]:
     """"Serve with vLLM": a snippet that runs as written in vLLM's environment (msd-train's
     scripts/vllm_env.sh; tests/serving/test_vllm_export.py runs it), or, for a head the vLLM export
     refuses (``hub.vllm.vllm_refusals``), why not and what serves it."""
-    from msd_train.hub.vllm import vllm_refusals
+    from msd_train.hub.vllm import vllm_layout, vllm_refusals
 
     lines = ["## Serve with vLLM", ""]
     refused = vllm_refusals(config)
@@ -295,7 +297,7 @@ def _serving_section(config: MSDDraftConfig, repo_id: str, target_id: str | None
         return lines + [
             "vLLM cannot serve this head as it was trained, so msd-train's vLLM export (`format=vllm`) refuses it: "
             + "; ".join(refused) + ". Serve it with msd-train's own decoder (Use above; `eval.py` measures it).", ""]
-    method = "eagle3" if msd3 else "eagle"
+    layout = vllm_layout(config)
     lines += ["```python", "from msd_train.hub.vllm import export_vllm", "from vllm import LLM, SamplingParams"]
     if target_id:
         model = json.dumps(target_id)
@@ -312,20 +314,27 @@ def _serving_section(config: MSDDraftConfig, repo_id: str, target_id: str | None
             f"target = vllm_target({json.dumps(load_arg)}, \"vllm-target\")",
         ]
     lines += [
-        f"llm = LLM(model={model}, speculative_config={{\"model\": \"head-vllm\", \"method\": \"{method}\", "
+        f"llm = LLM(model={model}, speculative_config={{\"model\": \"head-vllm\", \"method\": \"{layout.method}\", "
         "\"num_speculative_tokens\": 5})",
         "print(llm.generate([\"Say hello.\"], SamplingParams(max_tokens=32))[0].outputs[0].text)",
         "```",
         "",
         "Run it in vLLM's environment with msd-train installed (msd-train's `bash scripts/vllm_env.sh` builds one; "
         f"`python scripts/export.py checkpoint={repo_id} format=vllm out=head-vllm` writes the same folder). There "
-        "msd-train's plugin serves the head as trained (the target's visual embeddings at image positions"
-        + ("" if msd3 else ", the fc bias") + "); stock vLLM, without msd-train, serves the same folder in a "
-        "compatible mode that drafts from the image placeholder's embedding. Outputs are the target's either way. "
-        "See msd-train's docs/serving.md.",
+        f"msd-train's plugin serves the head as trained ({layout.plugin_keeps}); stock vLLM, without msd-train, "
+        "serves the same folder in a compatible mode that drafts from the image placeholder's embedding. Outputs are "
+        "the target's either way. See msd-train's docs/serving.md.",
         "",
     ]
     return lines
+
+
+def _head_class(config) -> type[DraftHead]:
+    cls = head_class_of_config(config.model_type)
+    if cls is None:
+        raise ValueError(f"no head architecture has a config of model_type {config.model_type!r}; "
+                         f"known: {sorted(HEADS)}")
+    return cls
 
 
 def model_card(
@@ -353,11 +362,9 @@ def model_card(
     if base_model is not None and hub_id(base_model) is None:
         raise ValueError(f"base_model={base_model}: give the target's Hub model id (OWNER/NAME), not a local path")
     target_id = base_model or hub_id(config.target_name_or_path)
-    title, target_lines, load_arg = _target_lines(config, target_id)
-    msd3 = isinstance(config, MSD3DraftConfig)
-    if msd3:
-        title = title.replace("MSD draft head", "MSD-3 draft head (EAGLE-3 style)", 1)
-    tags = TAGS + (["eagle3"] if msd3 else []) + list(head_family(config).hub_tags)
+    head = _head_class(config).card(config, num_parameters, dtype)  # the head's own section
+    title, target_lines, load_arg = _target_lines(config, target_id, head.name)
+    tags = TAGS + list(head.tags) + list(head_family(config).hub_tags)
     data = ModelCardData(
         base_model=target_id,
         license=license,
@@ -369,31 +376,7 @@ def model_card(
     adapter_arg = None
     if config.target_adapter:
         adapter_arg = hub_id(config.target_adapter) or f"path/to/{local_name(config.target_adapter)}"
-    lines = [f"# {title}", ""]
-    if msd3:
-        visual = ("the target's visual embeddings (the projector's outputs) at image positions, as MSD does"
-                  if config.decouple_visual else
-                  "the image placeholder token's embedding at image positions (plain EAGLE-3, no visual decoupling)")
-        lines += [
-            "A draft head for lossless speculative decoding of a multimodal model: an msd3 head, EAGLE-3's "
-            "architecture (Li et al., arXiv 2503.01840)"
-            + (" with MSD's decoupled visual tokens (Lin et al., arXiv 2505.14260)" if config.decouple_visual else "")
-            + f". It fuses the inputs of {len(config.feature_layers)} target layers "
-            f"({', '.join(map(str, config.feature_layers))}), runs one decoder layer over them and the next token's "
-            f"embedding, and predicts tokens with its own `lm_head` over a draft vocabulary of "
-            f"{config.draft_vocab_size} target tokens; it was trained with EAGLE-3's training-time test "
-            f"({config.ttt_steps} steps on its own outputs) and reads {visual}. It is not a model on its own: it "
-            "uses the target's embedding table and layer features, and the target verifies every drafted token, "
-            "so outputs are exactly the target's. Trained with msd-train.",
-        ]
-    else:
-        lines += [
-            "A draft head for lossless speculative decoding of a multimodal model: MSD (Lin et al., "
-            "arXiv 2505.14260), an EAGLE-style head that fuses the target's last hidden state with the next token's "
-            "embedding and treats visual tokens apart from text tokens. It is not a model on its own: it uses the "
-            "target's embedding table and `lm_head`, and the target verifies every drafted token, so outputs are "
-            "exactly the target's. Trained with msd-train.",
-        ]
+    lines = [f"# {title}", "", head.summary]
     lines += [
         "",
         "## Use",
@@ -409,59 +392,16 @@ def model_card(
         f"target = load_target({load_arg!r}" + (f", adapter={adapter_arg!r}" if adapter_arg else "")
         + ", device=\"cuda\")",
         f"head = load_head({repo_id!r}, target=target)",
+        *head.usage,
     ]
-    if msd3:
-        lines += [
-            "",
-            "# the EAGLE-3 layout (midlayer.*, fc, norm, lm_head, d2t, t2d) that EAGLE-3 and SpecForge read",
-            "from msd_train.hub.eagle3 import export_eagle3",
-            "export_eagle3(head, \"eagle3-head\")",
-        ]
-    lines += ["```", ""] + _serving_section(config, repo_id, target_id, load_arg, msd3)
+    lines += ["```", ""] + _serving_section(config, repo_id, target_id, load_arg)
     lines += [
         "## Head",
         "",
         "| field | value |",
         "|---|---|",
     ]
-    if msd3:
-        decoupling = ("on: the projector's outputs at image positions" if config.decouple_visual
-                      else "off: the image placeholder's embedding at image positions (plain EAGLE-3)")
-        rows = [
-            ("architecture", "msd3 (EAGLE-3's head" + (" with MSD's visual decoupling)" if config.decouple_visual
-                                                       else ", visual decoupling off)")),
-            ("fused target layers", f"inputs of layers {', '.join(map(str, config.feature_layers))}"
-             + (f" of {config.target_num_layers}" if config.target_num_layers else "")),
-            ("draft vocabulary", f"{config.draft_vocab_size} tokens"
-             + (f" of the target's {config.target_vocab_size}" if config.target_vocab_size else "")
-             + " (`d2t`/`t2d` saved with the head)"),
-            ("training-time test steps", f"{config.ttt_steps} (step i's loss weighted {config.ttt_decay}^i)"),
-            ("visual decoupling", decoupling),
-            ("draft positions", config.draft_positions if config.mrope_section else None),
-            ("layer family", config.layer_family),
-            ("hidden size", config.hidden_size),
-            ("intermediate size", config.intermediate_size),
-            ("attention heads (KV heads)", f"{config.num_attention_heads} ({config.num_key_value_heads})"),
-            ("M-RoPE sections", config.mrope_section),
-            ("parameters", f"{num_parameters:,}" if num_parameters else None),
-            ("dtype", dtype),
-        ]
-    else:
-        rows = [
-            ("layer family", config.layer_family),
-            ("decoder layers", config.num_hidden_layers),
-            ("hidden size", config.hidden_size),
-            ("intermediate size", config.intermediate_size),
-            ("attention heads (KV heads)", f"{config.num_attention_heads} ({config.num_key_value_heads})"),
-            ("fc bias", config.fc_bias),
-            ("input norm on the first layer", config.first_layer_input_norm),
-            ("visual decoupling", config.decouple_visual),
-            ("visual offset", config.visual_offset),
-            ("M-RoPE sections", config.mrope_section),
-            ("parameters", f"{num_parameters:,}" if num_parameters else None),
-            ("dtype", dtype),
-        ]
-    lines += [f"| {k} | {fmt(v)} |" for k, v in rows if v is not None]
+    lines += [f"| {k} | {fmt(v)} |" for k, v in head.rows if v is not None]
     if imported_from:
         lines += ["", f"Imported from the released head `{imported_from}` (weights unchanged)."]
     lines += ["", "## Target", ""] + target_lines

@@ -39,14 +39,11 @@ from msd_train.hub.load import load_head
 from msd_train.hub.target import cast_head
 from msd_train.runtime import atomic_dir
 from msd_train.targets import resolve_dtype
+from msd_train.targets.protocol import TargetProtocol
 
 log = logging.getLogger(__name__)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-#: MSD3DraftConfig fields the EAGLE-3 config has no key for
-_MSD_FIELDS = ("decouple_visual", "draft_positions", "ttt_steps", "ttt_decay", "layer_family", "mrope_section",
-               "target_name_or_path", "target_num_layers", "target_adapter", "target_hidden_size",
-               "visual_compression", "visual_compression_tokens", "target_model_type")
 
 
 def is_eagle3(config: dict) -> bool:
@@ -89,7 +86,7 @@ def eagle3_config(head: MSD3DraftModel) -> tuple[dict, list[str]]:
         "tie_word_embeddings": False,
         "torch_dtype": str(head.lm_head.weight.dtype).removeprefix("torch."),
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_layer_ids(c.feature_layers)},
-        "msd": {"feature_layers": list(c.feature_layers), **{k: getattr(c, k) for k in _MSD_FIELDS}},
+        "msd": {"feature_layers": list(c.feature_layers), **{k: getattr(c, k) for k in c.layout_extras}},
     }
     warnings = []
     if len(c.feature_layers) != 3:
@@ -239,7 +236,7 @@ def import_eagle3(folder: str | Path, target_num_layers: int | None = None) -> M
         draft_vocab_size=config["draft_vocab_size"], target_num_layers=msd.get("target_num_layers") or target_num_layers,
         target_hidden_size=config["hidden_size"], decouple_visual=False,
     )
-    fields.update({k: v for k, v in msd.items() if k in _MSD_FIELDS and v is not None})
+    fields.update({k: v for k, v in msd.items() if k in MSD3DraftConfig.layout_extras and v is not None})
     try:
         head = MSD3DraftModel(MSD3DraftConfig(**fields))
     except (TypeError, ValueError) as e:  # a size of the wrong type, heads that do not divide the width
@@ -260,7 +257,7 @@ def import_eagle3(folder: str | Path, target_num_layers: int | None = None) -> M
     return head.eval()
 
 
-def load_eagle3(folder: Path, target=None, source=None) -> MSD3DraftModel:
+def load_eagle3(folder: Path, target: TargetProtocol | None = None, source=None) -> MSD3DraftModel:
     """`import_eagle3`, with the fused layers' default taken from a loaded `target`."""
     layers = target.config.get_text_config(decoder=True).num_hidden_layers if target is not None else None
     return import_eagle3(folder, layers)

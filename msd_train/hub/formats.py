@@ -22,7 +22,8 @@ class HeadFormat:
     """One folder layout for heads.
 
     name:     ``format=`` of scripts/export.py, and what ``detect_layout`` returns.
-    heads:    the head architectures (``DraftHead.architecture``) its folders hold.
+    heads:    the head architectures (``DraftHead.architecture``) its folders hold; None:
+              every registered head (``draft.HEADS``, a head registered later included).
     write:    ``(head_or_checkpoint, out, **options) -> summary dict``; a checkpoint is a
               folder or Hub id of any format ``load_head`` opens.
     detect:   ``(config.json as a dict) -> bool``: whether a folder is in this format.
@@ -34,7 +35,7 @@ class HeadFormat:
     """
 
     name: str
-    heads: tuple[str, ...]
+    heads: tuple[str, ...] | None
     write: Callable[..., dict]
     detect: Callable[[dict], bool]
     describe: str
@@ -50,10 +51,13 @@ class HeadFormat:
                              f"(it takes {', '.join(f'{k}=' for k in self.options) or 'no options'})")
         return {"format": self.name, **self.write(head_or_checkpoint, out, **options)}
 
+    def holds(self, architecture: str) -> bool:
+        return self.heads is None or architecture in self.heads
+
     def check_holds(self, head, where) -> None:
         """Refuse a head this format cannot hold, naming the formats that can."""
-        if head.architecture not in self.heads:
-            others = [f.name for f in FORMATS.values() if head.architecture in f.heads]
+        if not self.holds(head.architecture):
+            others = [f.name for f in FORMATS.values() if f.holds(head.architecture)]
             raise ValueError(f"format={self.name} holds {' and '.join(self.heads)} heads; {where} is an "
                              f"{head.architecture} head (use {' or '.join(f'format={n}' for n in others)})")
 

@@ -5,16 +5,18 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from msd_train.draft import MSDDraftModel
+from msd_train.draft.head import DraftHead
 from msd_train.draft.vocabulary import load_counts
 from msd_train.hub import formats
 from msd_train.hub.folders import IncompleteHeadError, detect_layout, resolve_folder
 from msd_train.hub.target import cast_head
+from msd_train.targets.protocol import TargetProtocol
 
 log = logging.getLogger(__name__)
 
 
-def load_head(path_or_repo_id: str | Path, target=None, revision: str | None = None) -> MSDDraftModel:
+def load_head(path_or_repo_id: str | Path, target: TargetProtocol | None = None, revision: str | None = None
+              ) -> DraftHead:
     """Load a draft head, in eval mode, from any of:
 
     * this project's export folder (`config.json` with model_type "msd_draft" +
@@ -45,7 +47,7 @@ def load_head(path_or_repo_id: str | Path, target=None, revision: str | None = N
     return model.eval()
 
 
-def check_fits(model: MSDDraftModel, target, where: str) -> None:
+def check_fits(model: DraftHead, target: TargetProtocol, where: str) -> None:
     """Refuse a head whose width differs from the target's; warn when the head names
     another target, vocabulary size or LoRA adapter than the one it is loaded with."""
     config = model.config

@@ -15,6 +15,7 @@ from msd_train.hub.reference import IMPORT_RECORD, convert_reference, read_refer
 from msd_train.hub.target import TargetInfo, cast_head
 from msd_train.runtime import atomic_dir
 from msd_train.targets import resolve_dtype
+from msd_train.targets.protocol import TargetProtocol
 
 
 def export_msd(checkpoint, out: str | Path, target: TargetInfo | None = None, dtype: str | None = None) -> dict:
@@ -69,12 +70,12 @@ def is_export(config: dict) -> bool:
     return head_class_of_config(config.get("model_type")) is not None
 
 
-def load_msd(folder: Path, target=None, source=None):
+def load_msd(folder: Path, target: TargetProtocol | None = None, source=None) -> DraftHead:
     return load_export(folder)
 
 
 FORMAT = HeadFormat(
-    name="msd", heads=tuple(HEADS), write=export_msd, detect=is_export, options=("target", "dtype"), load=load_msd,
+    name="msd", heads=None, write=export_msd, detect=is_export, options=("target", "dtype"), load=load_msd,
     describe="this project's export folder, model_type "
              + " or ".join(repr(cls.config_class.model_type) for cls in HEADS.values()),
 )

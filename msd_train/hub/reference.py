@@ -47,6 +47,7 @@ from msd_train.hub.vocab import EmbeddingCheck, VocabMap, check_embedding
 from msd_train.paths import user_path
 from msd_train.runtime import atomic_dir
 from msd_train.targets import FAMILIES, head_family
+from msd_train.targets.protocol import TargetProtocol
 
 log = logging.getLogger(__name__)
 
@@ -569,7 +570,7 @@ def _write_released(out: Path, state: dict, ref_config: dict, weights: str) -> s
 # --- the format ------------------------------------------------------------------------------
 
 
-def load_reference(folder: Path, target=None, source=None) -> MSDDraftModel:
+def load_reference(folder: Path, target: TargetProtocol | None = None, source=None) -> MSDDraftModel:
     """A released-layout folder as a head, converted in memory exactly as the importer
     does (its notes logged); `target`: a loaded `Target`, whose embedding the released
     one is checked against."""

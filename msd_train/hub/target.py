@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-from msd_train.draft import MSDDraftModel
+from msd_train.draft.head import DraftHead
 from msd_train.targets import ADAPTERS, FAMILIES
+from msd_train.targets.protocol import TargetProtocol
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +75,8 @@ class TargetInfo:
                                f"trained for {self.name}; nothing was written")
 
     @classmethod
-    def of(cls, target) -> TargetInfo:
-        """A loaded `msd_train.targets.Target` (any object with `config` and `embed_tokens`)."""
+    def of(cls, target: TargetProtocol) -> TargetInfo:
+        """A loaded target (``TargetProtocol``: its `config` and `embed_tokens`)."""
         config = target.config
         text = config.get_text_config(decoder=True)
         return cls(
@@ -157,7 +158,7 @@ def read_target_embedding(name_or_path: str, revision: str | None = None) -> tor
         return f.get_tensor(key)
 
 
-def cast_head(model: MSDDraftModel, device=None, dtype: torch.dtype | None = None) -> MSDDraftModel:
+def cast_head(model: DraftHead, device=None, dtype: torch.dtype | None = None) -> DraftHead:
     """`model.to(device, dtype)` for the parameters only: buffers (the rotary `inv_freq`)
     keep their fp32 precision, as `from_pretrained(dtype=...)` leaves them. A plain
     `.to(torch.bfloat16)` would round the RoPE frequencies and shift every angle."""

@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,10 +53,11 @@ from safetensors.torch import load_file, save_file
 
 from msd_train.draft import MSD3DraftConfig, MSD3DraftModel, MSDDraftConfig, MSDDraftModel
 from msd_train.draft.families import layer_family
-from msd_train.draft.head import DraftHead
+from msd_train.draft.head import DraftHead, head_class, head_class_of_config
 from msd_train.hub.folders import IncompleteHeadError
 from msd_train.hub.formats import HeadFormat
 from msd_train.runtime import atomic_dir, resolve_dtype
+from msd_train.targets.protocol import TargetProtocol
 
 log = logging.getLogger(__name__)
 
@@ -66,41 +69,51 @@ DEFAULT_SPECULATIVE_TOKENS = 5
 
 _LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                  "rms_norm_eps", "hidden_act", "max_position_embeddings")
-#: head config fields with no key in the layouts, kept in the "msd" block
-_MSD_FIELDS = {
-    "msd": ("fc_bias", "first_layer_input_norm", "decouple_visual", "visual_offset", "draft_positions",
-            "visual_compression", "visual_compression_tokens", "layer_family", "mrope_section",
-            "target_name_or_path", "target_vocab_size", "target_hidden_size", "target_adapter"),
-    "msd3": ("decouple_visual", "visual_offset", "draft_positions", "visual_compression",
-             "visual_compression_tokens", "ttt_steps", "ttt_decay", "layer_family", "mrope_section",
-             "target_name_or_path", "target_num_layers", "target_adapter", "target_hidden_size"),
-}
 _QWEN2_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+_KEEP = "format=msd keeps it (served by this project's decoder: eval.py, msd_train.decoding)"
+
+
+def _architecture(config) -> str | None:
+    """The head architecture of a head config, or of an export's ``"msd"`` block (a dict)."""
+    if isinstance(config, dict):
+        return config.get("architecture")
+    cls = head_class_of_config(config.model_type)
+    return None if cls is None else cls.architecture
 
 
 def vllm_refusals(config) -> list[str]:
-    """Why this project's vLLM plugin cannot serve a head of ``config`` (an msd or msd3 head
-    config, or the ``"msd"`` block of an export as a dict) as it was trained: one sentence
-    per setting, naming it and the format that keeps it; [] when it can. ``export_vllm``
-    refuses such a head; the plugin refuses such a folder; the model card says so."""
+    """Why this project's vLLM plugin cannot serve a head of ``config`` (a head config, or
+    the ``"msd"`` block of an export as a dict) as it was trained: one sentence per setting,
+    naming it and the format that keeps it; [] when it can. ``export_vllm`` refuses such a
+    head; the plugin refuses such a folder; the model card says so."""
     get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
-    msd3 = get("architecture") == "msd3" if isinstance(config, dict) else isinstance(config, MSD3DraftConfig)
-    keep = "format=msd keeps it (served by this project's decoder: eval.py, msd_train.decoding)"
+    layout = vllm_layout(config)
+    if layout is None:
+        return [f"the layout holds {' and '.join(_LAYOUTS)} heads, and this is an {_architecture(config)} head; "
+                f"{_KEEP}"]
     out = []
     if (get("visual_compression") or "none") != "none":
         out.append(f"visual_compression={get('visual_compression')} (visual_compression_tokens="
                    f"{get('visual_compression_tokens')}): vLLM's draft keeps every visual token in its cache and "
                    f"the plugin has no compressed context, so vLLM would draft otherwise than the head was "
-                   f"trained and evaluated; {keep}")
-    if not msd3 and get("decouple_visual", True) and (get("visual_offset") or "released") != "released":
-        out.append(f"visual_offset={get('visual_offset')}: vLLM hands draft slot t the embedding of token t+1, "
-                   f"which is the 'released' offset only; {keep}")
+                   f"trained and evaluated; {_KEEP}")
     if get("mrope_section") and get("draft_positions") == "1d":
-        out.append(f"draft_positions=1d: vLLM feeds the draft the target's M-RoPE positions, not 1-D ones; {keep}")
-    if msd3 and layer_family(get("layer_family") or "llama").qkv_bias:
-        out.append(f"layer_family={get('layer_family')} in an msd3 head: the plugin's EAGLE-3 layer has no q/k/v bias; {keep} "
-                   f"(format=eagle3 writes it for SGLang, which skips the biases too)")
-    return out
+        out.append(f"draft_positions=1d: vLLM feeds the draft the target's M-RoPE positions, not 1-D ones; {_KEEP}")
+    return out + layout.refusals(get)
+
+
+def _msd_refusals(get) -> list[str]:
+    if get("decouple_visual", True) and (get("visual_offset") or "released") != "released":
+        return [f"visual_offset={get('visual_offset')}: vLLM hands draft slot t the embedding of token t+1, "
+                f"which is the 'released' offset only; {_KEEP}"]
+    return []
+
+
+def _msd3_refusals(get) -> list[str]:
+    if layer_family(get("layer_family") or "llama").qkv_bias:
+        return [f"layer_family={get('layer_family')} in an msd3 head: the plugin's EAGLE-3 layer has no q/k/v bias; "
+                f"{_KEEP} (format=eagle3 writes it for SGLang, which skips the biases too)"]
+    return []
 
 
 def _layer_config(c, num_layers: int, vocab_size: int, dtype: torch.dtype) -> dict:
@@ -116,9 +129,10 @@ def _layer_config(c, num_layers: int, vocab_size: int, dtype: torch.dtype) -> di
     return out
 
 
-def _msd_block(head, kind: str) -> dict:
+def _msd_block(head: DraftHead) -> dict:
+    """What the layout has no key for: the head config's ``layout_extras``."""
     c = head.config
-    return {"architecture": kind, "format_version": 1, **{k: getattr(c, k, None) for k in _MSD_FIELDS[kind]},
+    return {"architecture": head.architecture, "format_version": 1, **{k: getattr(c, k) for k in c.layout_extras},
             "extras": EXTRAS}
 
 
@@ -144,6 +158,11 @@ def _split_msd(head: MSDDraftModel) -> tuple[dict, dict, list[str]]:
     if c.decouple_visual:
         lost.append("the decoupled visual inputs (stock vLLM drafts from the image placeholder's embedding)")
     return stock, extras, lost
+
+
+def _eagle_config(head: MSDDraftModel, dtype: torch.dtype, verifier: str | None) -> dict:
+    c = head.config
+    return _layer_config(c, c.num_hidden_layers, c.target_vocab_size, dtype)
 
 
 def _speculators_config(head: MSD3DraftModel, dtype: torch.dtype, verifier: str | None) -> dict:
@@ -209,27 +228,20 @@ def export_vllm(head, out: str | Path, dtype: torch.dtype | str | None = None, v
         head = load_head(head)
     if isinstance(dtype, str):
         dtype = resolve_dtype(dtype, "cpu")
-    if not isinstance(head, (MSDDraftModel, MSD3DraftModel)):
-        raise ValueError(f"format=vllm holds msd and msd3 heads, not {type(head).__name__}")
+    FORMAT.check_holds(head, "the head")
     refused = vllm_refusals(head.config)
     if refused:
         raise ValueError(f"format=vllm cannot serve this {head.architecture} head as it was trained: "
                          + "; ".join(refused))
-    if isinstance(head, MSD3DraftModel):
-        kind, (stock, extras, lost) = "msd3", _split_msd3(head)
-    else:
-        kind, (stock, extras, lost) = "msd", _split_msd(head)
+    layout = _LAYOUTS[head.architecture]
+    stock, extras, lost = layout.split(head)
     if dtype is not None:
         stock = {k: v.to(dtype) if v.is_floating_point() else v for k, v in stock.items()}
         extras = {k: v.to(dtype) if v.is_floating_point() else v for k, v in extras.items()}
     weight_dtype = next(v.dtype for v in stock.values() if v.is_floating_point())
-    if kind == "msd":
-        config = _layer_config(head.config, head.config.num_hidden_layers, head.config.target_vocab_size,
-                               weight_dtype)
-    else:
-        config = _speculators_config(head, weight_dtype, verifier)
-    config["msd"] = _msd_block(head, kind)
-    if kind == "msd3":
+    config = layout.config(head, weight_dtype, verifier)
+    config["msd"] = _msd_block(head)
+    if "transformer_layer_config" in config:
         # vLLM builds an EAGLE-3 draft's config from transformer_layer_config (plus a few named
         # speculators fields): the plugin finds the block only there
         config["transformer_layer_config"]["msd"] = config["msd"]
@@ -244,12 +256,11 @@ def export_vllm(head, out: str | Path, dtype: torch.dtype | str | None = None, v
     atomic_dir(out, write)
     for x in lost:
         log.warning("stock vLLM (without this project's plugin) loses: %s", x)
-    return {"out": str(out), "format": "vllm", "method": "eagle" if kind == "msd" else "eagle3",
-            "stock_vllm_loses": lost}
+    return {"out": str(out), "format": "vllm", "method": layout.method, "stock_vllm_loses": lost}
 
 
 def is_vllm_export(config: dict) -> bool:
-    return (config.get("msd") or {}).get("architecture") in ("msd", "msd3") and (
+    return (config.get("msd") or {}).get("architecture") in _LAYOUTS and (
         "speculators_config" in config or config.get("architectures") == [EAGLE_ARCHITECTURE])
 
 
@@ -276,17 +287,9 @@ def import_vllm(folder: str | Path) -> MSDDraftModel | MSD3DraftModel:
     rope.setdefault("rope_type", "default")
     rope.pop("mrope_section", None)
     fields = {k: layer[k] for k in _LAYER_FIELDS}
-    fields.update({k: v for k, v in msd.items() if k in _MSD_FIELDS[msd["architecture"]]})
+    fields.update({k: v for k, v in msd.items() if k in head_class(msd["architecture"]).config_class.layout_extras})
     fields["rope_parameters"] = rope
-    if msd["architecture"] == "msd":
-        head = MSDDraftModel(MSDDraftConfig(num_hidden_layers=layer["num_hidden_layers"], **fields))
-    else:
-        fields.update(feature_layers=list(config["eagle_aux_hidden_state_layer_ids"]),
-                      target_vocab_size=layer["vocab_size"], draft_vocab_size=config["draft_vocab_size"])
-        head = MSD3DraftModel(MSD3DraftConfig(**fields))
-        state = {k.replace("layers.0.", "midlayer."): v for k, v in state.items()}
-        for name in ("d2t", "t2d"):  # left out of a full-vocabulary export: the identity map
-            state.setdefault(name, getattr(head, name).clone())
+    head, state = _LAYOUTS[msd["architecture"]].build(config, layer, fields, state)
     dtype = next(v.dtype for v in state.values() if v.is_floating_point())
     head = head.to(dtype)
     missing, unexpected = head.load_state_dict(state, strict=False)
@@ -297,11 +300,53 @@ def import_vllm(folder: str | Path) -> MSDDraftModel | MSD3DraftModel:
     return head.eval()
 
 
-def load_vllm(folder, target=None, source=None):
+def _build_msd(config: dict, layer: dict, fields: dict, state: dict) -> tuple[MSDDraftModel, dict]:
+    return MSDDraftModel(MSDDraftConfig(num_hidden_layers=layer["num_hidden_layers"], **fields)), state
+
+
+def _build_msd3(config: dict, layer: dict, fields: dict, state: dict) -> tuple[MSD3DraftModel, dict]:
+    fields.update(feature_layers=list(config["eagle_aux_hidden_state_layer_ids"]),
+                  target_vocab_size=layer["vocab_size"], draft_vocab_size=config["draft_vocab_size"])
+    head = MSD3DraftModel(MSD3DraftConfig(**fields))
+    state = {k.replace("layers.0.", "midlayer."): v for k, v in state.items()}
+    for name in ("d2t", "t2d"):  # left out of a full-vocabulary export: the identity map
+        state.setdefault(name, getattr(head, name).clone())
+    return head, state
+
+
+@dataclass(frozen=True)
+class VllmLayout:
+    """How the layout holds one head architecture: vLLM's ``method``, what the plugin serves
+    beyond stock vLLM (for the model card), and the head's own refusals, split of its tensors
+    into stock and extras, config.json and load-back."""
+
+    method: str
+    plugin_keeps: str
+    refusals: Callable
+    split: Callable
+    config: Callable
+    build: Callable
+
+
+_LAYOUTS = {
+    "msd": VllmLayout("eagle", "the target's visual embeddings at image positions, the fc bias", _msd_refusals,
+                      _split_msd, _eagle_config, _build_msd),
+    "msd3": VllmLayout("eagle3", "the target's visual embeddings at image positions", _msd3_refusals, _split_msd3,
+                       _speculators_config, _build_msd3),
+}
+
+
+def vllm_layout(config) -> VllmLayout | None:
+    """How the layout holds heads of ``config`` (a head config or an export's ``"msd"`` block);
+    None: it holds no such head."""
+    return _LAYOUTS.get(_architecture(config))
+
+
+def load_vllm(folder, target: TargetProtocol | None = None, source=None) -> DraftHead:
     return import_vllm(folder)
 
 
 FORMAT = HeadFormat(
-    name="vllm", heads=("msd", "msd3"), write=export_vllm, detect=is_vllm_export, load=load_vllm, options=("dtype",),
+    name="vllm", heads=tuple(_LAYOUTS), write=export_vllm, detect=is_vllm_export, load=load_vllm, options=("dtype",),
     describe='vLLM\'s EAGLE (msd heads) or speculators EAGLE-3 (msd3 heads) layout with an "msd" block',
 )

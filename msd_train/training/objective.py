@@ -4,7 +4,7 @@ A head (``msd_train.draft.DraftHead``) says how it reads a target pass and draft
 ``Objective`` says how it is trained and measured:
 
     objective = objective_for(head)
-    objective.training_loss(target, features, index, n_tokens, train)   (loss, named sums)
+    objective.training_loss(target, features, index, n_tokens, train, noise_seed)   (loss, named sums)
     objective.training_metrics(sums, train)                             the logged metrics
     objective.eval_loss(target, features, mask)                         held-out loss sum
     objective.rollout_hits(target, features, k)                         k-step chain hits
@@ -14,16 +14,25 @@ per head architecture and kind of training (``train.objective``), registered und
 head's ``architecture`` name and its ``kind``: ``supervised`` (the head reads the target's
 features at every position) or ``on_policy`` (the head is trained at the positions its own
 chains reach, reading its own predicted features: ``OnPolicy``).
+
+Feature noise (``train.noise``, ``train.noise_scale``: EAGLE's regulariser on the target
+features a head reads in training) is the objective's: ``feature_noise`` draws it from the
+seed the recipe gives each micro-batch, and each objective adds it where its head reads
+the features (msd: the head's input features; msd3: the k layers' features, before ``fc``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
+from typing import ClassVar
 
 import torch
 
 from msd_train.draft.head import pair, shift
-from msd_train.draft.loss import TrainVocab, lm_head_argmax, loss_index, msd_loss
+from msd_train.draft.loss import lm_head_argmax, loss_index, msd_loss
+from msd_train.draft.vocabulary import VocabSubset
+from msd_train.targets.protocol import TargetProtocol
 
 #: (head architecture (``DraftHead.architecture``), kind (``train.objective``)) -> its objective class
 OBJECTIVES: dict[tuple[str, str], type[Objective]] = {}
@@ -45,33 +54,60 @@ def objective_for(head, kind: str = "supervised") -> Objective:
     return OBJECTIVES[head.architecture, kind](head)
 
 
+def feature_noise(features: torch.Tensor, train, seed: int | None) -> torch.Tensor:
+    """``features`` plus ``train.noise`` (uniform: amplitude ``noise_scale * 512 / L`` over
+    L = ``features.shape[1]`` positions, as EAGLE/MSD; gaussian: std ``noise_scale``; none),
+    drawn on the features' device from a generator seeded with ``seed`` (None: no noise)."""
+    if seed is None or train.noise == "none" or train.noise_scale == 0:
+        return features
+    # Drawn on the device (no host-made tensor to copy per micro-batch); on CPU the same
+    # stream whatever the device count, on CUDA a different but equally reproducible one.
+    g = torch.Generator(device=features.device).manual_seed(seed)
+    if train.noise == "uniform":
+        amp = train.noise_scale * 512 / features.shape[1]
+        n = (torch.rand(features.shape, generator=g, device=features.device) - 0.5) * amp
+    elif train.noise == "gaussian":
+        n = torch.randn(features.shape, generator=g, device=features.device) * train.noise_scale
+    else:
+        raise ValueError(f"train.noise={train.noise}: use uniform, gaussian or none")
+    return features + n.to(features.device, features.dtype)
+
+
 class Objective(ABC):
     """How one head is trained and measured (see the module docstring)."""
 
     architecture: str = ""
     kind: str = "supervised"
+    #: ``set_train_vocabulary(target, ids)``: the token term over a subset of the target's
+    #: vocabulary (``draft.train_vocab``)
+    supports_train_vocabulary: ClassVar[bool] = False
 
     def __init__(self, head):
         self.head = head
 
+    def set_train_vocabulary(self, target: TargetProtocol, ids: torch.Tensor | None) -> None:
+        """Train the token term over target ids ``ids`` (objectives with ``supports_train_vocabulary``)."""
+        raise NotImplementedError(f"the {self.architecture} objective trains over no subset of the vocabulary")
+
     @abstractmethod
-    def training_loss(self, target, features, index, n_tokens: float, train, noise=None, forward=None):
+    def training_loss(self, target: TargetProtocol, features, index, n_tokens: float, train,
+                      noise_seed: int | None = None, forward=None):
         """(loss, sums): the batch's loss, already divided by ``n_tokens`` (the global
         count of loss positions), and detached named sums (with "n") to log.
-        ``index``: flat loss positions (``training.loss.loss_index``); ``noise``: applied
-        to the target features; ``forward``: the callable that runs the head (the
-        DeepSpeed engine in training)."""
+        ``index``: flat loss positions (``training.loss.loss_index``); ``noise_seed``: the
+        seed of this micro-batch's feature noise (``feature_noise``; None: none);
+        ``forward``: the callable that runs the head (the DeepSpeed engine in training)."""
 
     @abstractmethod
     def training_metrics(self, sums: dict[str, float], train) -> dict[str, float]:
         """The logged metrics of one step from its summed ``training_loss`` sums."""
 
     @abstractmethod
-    def eval_loss(self, target, features, mask: torch.Tensor) -> torch.Tensor:
+    def eval_loss(self, target: TargetProtocol, features, mask: torch.Tensor) -> torch.Tensor:
         """The held-out loss summed over ``mask`` (B, L-1) positions."""
 
     @abstractmethod
-    def rollout_hits(self, target, features, k: int) -> list[torch.Tensor]:
+    def rollout_hits(self, target: TargetProtocol, features, k: int) -> list[torch.Tensor]:
         """For each step j < k of the chain anchored at draft position a: (B, L-1) bool,
         True where the head's top-1 token equals the target's (token a+2+j), by anchor."""
 
@@ -82,22 +118,24 @@ class MSDObjective(Objective):
     vocabulary when one is set (``set_train_vocabulary``)."""
 
     architecture = "msd"
+    supports_train_vocabulary = True
 
     def __init__(self, head):
         super().__init__(head)
-        self.train_vocab: TrainVocab | None = None
+        self.train_vocab: VocabSubset | None = None
 
-    def set_train_vocabulary(self, target, ids: torch.Tensor | None) -> None:
+    def set_train_vocabulary(self, target: TargetProtocol, ids: torch.Tensor | None) -> None:
         """Train the token term over target ids ``ids`` (``draft.train_vocab``; None: the whole
-        vocabulary). Their lm_head rows are copied once; the head's saved config records the size."""
-        self.train_vocab = None if ids is None else TrainVocab.of(target.lm_head, ids)
+        vocabulary), sorted: a ``VocabSubset`` of the target's lm_head; the head's saved config
+        records the size."""
+        self.train_vocab = None if ids is None else VocabSubset(target.lm_head, ids.sort().values)
         self.head.config.train_vocab = None if ids is None else len(ids)
 
-    def training_loss(self, target, features, index, n_tokens: float, train, noise=None, forward=None):
+    def training_loss(self, target: TargetProtocol, features, index, n_tokens: float, train,
+                      noise_seed: int | None = None, forward=None):
         head = self.head
         inputs, plan = head.read_pass(features, target)
-        if noise is not None:
-            inputs["hidden_states"] = noise(inputs["hidden_states"])
+        inputs["hidden_states"] = feature_noise(inputs["hidden_states"], train, noise_seed)
         out = (forward or head)(**inputs).last_hidden_state
         out = out if plan is None else plan.expand(out)
         top = features.target_top[:, 1:] if features.target_top is not None else None
@@ -112,7 +150,7 @@ class MSDObjective(Objective):
         return {"loss": (train.w_feat * sums["feat_sum"] + train.w_tok * sums["tok_sum"]) / n,
                 "feat_loss": sums["feat_sum"] / n, "tok_loss": sums["tok_sum"] / n, "top1": sums["agree_sum"] / n}
 
-    def eval_loss(self, target, features, mask: torch.Tensor) -> torch.Tensor:
+    def eval_loss(self, target: TargetProtocol, features, mask: torch.Tensor) -> torch.Tensor:
         head = self.head
         inputs, plan = head.read_pass(features, target)
         out = head(**inputs).last_hidden_state
@@ -120,7 +158,7 @@ class MSDObjective(Objective):
         loss, _ = msd_loss(out, features.hidden_states[:, 1:], target.lm_head, mask, n_tokens=1.0)
         return loss
 
-    def rollout_hits(self, target, features, k: int) -> list[torch.Tensor]:
+    def rollout_hits(self, target: TargetProtocol, features, k: int) -> list[torch.Tensor]:
         """Step 1 reads the target's features, step j > 1 the head's own step j-1
         predictions at every earlier position (a proxy: real drafting keeps true features
         for committed tokens). Step j at position t belongs to the chain anchored at t-j."""
@@ -177,12 +215,12 @@ class MSDOnPolicy(MSDObjective):
 
     kind = "on_policy"
 
-    def training_loss(self, target, features, index, n_tokens: float, train, noise=None, forward=None):
+    def training_loss(self, target: TargetProtocol, features, index, n_tokens: float, train,
+                      noise_seed: int | None = None, forward=None):
         head = self.head
         steps, reach_weighted = _rollout_settings(train)
         inputs, plan = head.read_pass(features, target)
-        if noise is not None:
-            inputs["hidden_states"] = noise(inputs["hidden_states"])
+        inputs["hidden_states"] = feature_noise(inputs["hidden_states"], train, noise_seed)
         outs = head.unroll(inputs, steps, forward)
         truth = features.hidden_states[:, 1:]
         top = features.target_top[:, 1:] if features.target_top is not None else None
@@ -235,18 +273,17 @@ class MSD3Objective(Objective):
 
     architecture = "msd3"
 
-    def _targets(self, target, features):
+    def _targets(self, target: TargetProtocol, features):
         """Target probabilities over the draft vocabulary at each draft position (B, T, N)
         and whether the target's argmax lies in the draft vocabulary (B, T). Only the draft
-        vocabulary's rows of the lm_head are applied; the full argmax runs in chunks, unless
-        a feature store holds it (``Features.target_top``)."""
+        vocabulary's rows of the lm_head are applied (a ``VocabSubset``); the full argmax
+        runs in chunks, unless a feature store holds it (``Features.target_top``)."""
         head = self.head
         with torch.no_grad():
             hidden = features.hidden_states[:, 1:]
             lm_head = target.lm_head
-            rows = lm_head.weight[head.draft_ids]
-            bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias[head.draft_ids]
-            probs = torch.nn.functional.linear(hidden.to(rows.dtype), rows, bias).float().softmax(-1)
+            rows = VocabSubset(lm_head, head.draft_ids)
+            probs = rows(hidden.to(rows.weight.dtype)).float().softmax(-1)
             if features.target_top is not None:  # a feature store's: -1 only where no loss reads it
                 top = features.target_top[:, 1:]
                 in_vocab = head.t2d[top.clamp(min=0)] & (top >= 0)
@@ -254,13 +291,22 @@ class MSD3Objective(Objective):
                 in_vocab = head.t2d[lm_head_argmax(lm_head, hidden)]
         return probs, in_vocab
 
-    def _ttt(self, target, features, mask, noise=None, forward=None, steps=None, reach_weighted=False):
+    def _ttt(self, target: TargetProtocol, features, mask, train=None, noise_seed=None, forward=None, steps=None,
+             reach_weighted=False):
         """Per-step (weighted loss sum, hit count, valid count) of the unrolled head; valid:
-        the loss positions whose target token is in the draft vocabulary. ``steps``: None,
-        ``ttt_steps``; step i weighs ``ttt_decay**i``, or with ``reach_weighted`` the
-        (detached) probability that a sampled chain reaches it (``MSD3OnPolicy``)."""
+        the loss positions whose target token is in the draft vocabulary. ``noise_seed``:
+        ``train``'s feature noise on the k layers' features the head reads (before ``fc``).
+        ``steps``: None, ``ttt_steps``; step i weighs ``ttt_decay**i``, or with
+        ``reach_weighted`` the (detached) probability that a sampled chain reaches it
+        (``MSD3OnPolicy``)."""
         head = self.head
-        inputs, plan = head.read_pass(features, target, noise=noise)
+        if noise_seed is not None and features.layer_states is not None:
+            # the noise of the L-1 draft positions' features (``pair`` reads positions 0..L-2):
+            # drawn over exactly those, the last position's features left as they are
+            states = features.layer_states
+            noised = feature_noise(states[:, :-1], train, noise_seed)
+            features = dataclasses.replace(features, layer_states=torch.cat([noised, states[:, -1:]], 1))
+        inputs, plan = head.read_pass(features, target)
         probs, in_vocab = self._targets(target, features)
         outs = head.unroll(inputs, head.config.ttt_steps if steps is None else steps, forward)
         outs = outs if plan is None else [plan.expand(s) for s in outs]
@@ -280,10 +326,11 @@ class MSD3Objective(Objective):
             valid.append(ok.sum())
         return loss, hits, valid
 
-    def training_loss(self, target, features, index, n_tokens: float, train, noise=None, forward=None):
+    def training_loss(self, target: TargetProtocol, features, index, n_tokens: float, train,
+                      noise_seed: int | None = None, forward=None):
         B, T = features.hidden_states.shape[0], features.hidden_states.shape[1] - 1
         mask = _mask_of(index, B, T)
-        loss, hits, valid = self._ttt(target, features, mask, noise, forward, *self._steps(train))
+        loss, hits, valid = self._ttt(target, features, mask, train, noise_seed, forward, *self._steps(train))
         total = torch.stack(loss).sum()
         sums = {"loss_sum": total.detach(), "n": torch.full((), index.numel(), device=total.device)}
         for i, (h, v) in enumerate(zip(hits, valid)):
@@ -310,11 +357,11 @@ class MSD3Objective(Objective):
         out["top1"] = out["acc_0"]
         return out
 
-    def eval_loss(self, target, features, mask: torch.Tensor) -> torch.Tensor:
+    def eval_loss(self, target: TargetProtocol, features, mask: torch.Tensor) -> torch.Tensor:
         loss, _, _ = self._ttt(target, features, mask)
         return torch.stack(loss).sum()
 
-    def rollout_hits(self, target, features, k: int) -> list[torch.Tensor]:
+    def rollout_hits(self, target: TargetProtocol, features, k: int) -> list[torch.Tensor]:
         """The unrolled steps are the chains: step j at anchor a predicts token a+2+j."""
         head = self.head
         inputs, plan = head.read_pass(features, target)

@@ -254,9 +254,8 @@ class TrainRecipe:
                 raise TrainingError(
                     f"{init} (stage.init_from) holds an {draft.architecture} head, but this launch trains "
                     f"draft.architecture={head_cls.architecture}; use head={draft.architecture} or another init_from")
-            for key in ("decouple_visual", "visual_offset", "draft_positions", "ttt_steps", "ttt_decay",
-                        "visual_compression", "visual_compression_tokens"):
-                if key in overrides and hasattr(draft.config, key) and getattr(draft.config, key) != overrides[key]:
+            for key in draft.config.stage_overridable:  # what the head declares a later stage may change
+                if key in overrides and getattr(draft.config, key) != overrides[key]:
                     log.info("draft.%s=%s overrides the stage-1 value %s", key, overrides[key],
                              getattr(draft.config, key))
                     setattr(draft.config, key, overrides[key])
@@ -273,7 +272,7 @@ class TrainRecipe:
         earlier = load_counts(init) if init is not None else None
         if earlier is not None and earlier.shape == self.token_counts.shape:
             self.token_counts += earlier  # what the head saw in the stages before this one
-        if hasattr(draft, "set_vocabulary") and init is None:
+        if draft.has_draft_vocabulary and init is None:
             draft.set_vocabulary(*draft_vocabulary(self.token_counts, draft.config.draft_vocab_size))
         try:
             objective = objective_for(draft, cfg.train.get("objective", "supervised"))
@@ -281,7 +280,7 @@ class TrainRecipe:
             raise TrainingError(f"train.objective={cfg.train.get('objective')}: {e}") from None
         train_vocab = overrides.get("train_vocab", getattr(draft.config, "train_vocab", None))
         if train_vocab is not None:  # the token term over the N tokens this stage's data uses most
-            if not hasattr(objective, "set_train_vocabulary"):
+            if not objective.supports_train_vocabulary:
                 raise TrainingError(f"draft.train_vocab={train_vocab}: an {draft.architecture} head trains over its own "
                                     "draft vocabulary (draft.draft_vocab_size); drop draft.train_vocab")
             if isinstance(train_vocab, bool) or not isinstance(train_vocab, int) or \
@@ -338,26 +337,6 @@ class TrainRecipe:
         out["pixel"] = {k: v.to(self.device, non_blocking=nb) for k, v in batch["pixel"].items()}
         return out
 
-    def _noise(self, hidden: torch.Tensor, micro: int) -> torch.Tensor:
-        tc = self.cfg.train
-        if tc.noise == "none" or tc.noise_scale == 0:
-            return hidden
-        # Drawn on the device (no host-made tensor to copy per micro-batch); on CPU this is
-        # the same stream as ever, on CUDA a different but equally reproducible one.
-        # Keyed on the micro-batch's place in the global batch (rank r's micro-step a takes its
-        # rows (a * world + r) * micro_batch_size on: StepBatches), so a resume on another number
-        # of processes draws the same noise for the same samples; one process: (0, a) as before.
-        g = torch.Generator(device=hidden.device).manual_seed(
-            hash((self.cfg.seed, self.step, 0, micro * self.world + self.rank)) & 0x7FFFFFFF)
-        if tc.noise == "uniform":  # EAGLE/MSD: amplitude scale * 512 / L
-            amp = tc.noise_scale * 512 / hidden.shape[1]
-            n = (torch.rand(hidden.shape, generator=g, device=hidden.device) - 0.5) * amp
-        elif tc.noise == "gaussian":
-            n = torch.randn(hidden.shape, generator=g, device=hidden.device) * tc.noise_scale
-        else:
-            raise TrainingError(f"train.noise={tc.noise}: use uniform, gaussian or none")
-        return hidden + n.to(hidden.device, hidden.dtype)
-
     def train_step(self) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches of the planned global batch.
 
@@ -387,8 +366,12 @@ class TrainRecipe:
             feats = dataclasses.replace(
                 feats, inputs_embeds=_finite(feats.inputs_embeds), hidden_states=_finite(feats.hidden_states),
                 layer_states=None if feats.layer_states is None else _finite(feats.layer_states))
+            # The feature noise's seed is keyed on the micro-batch's place in the global batch (rank
+            # r's micro-step a takes its rows (a * world + r) * micro_batch_size on: StepBatches), so
+            # a resume on another number of processes draws the same noise for the same samples.
+            noise_seed = hash((self.cfg.seed, self.step, 0, micro * self.world + self.rank)) & 0x7FFFFFFF
             loss, parts = self.objective.training_loss(self.target, feats, index, n_global, tc,
-                                             noise=lambda h, micro=micro: self._noise(h, micro), forward=self.engine)
+                                                       noise_seed=noise_seed, forward=self.engine)
             ok = ok & torch.isfinite(loss)
             # The loss is already this micro-batch's share of the global-batch sum: skip
             # DeepSpeed's division by grad_accum, and undo its average over ranks.

@@ -14,7 +14,7 @@ from builders import random_image
 
 from msd_train.decoding import DecodeConfig, generate
 from msd_train.decoding.ensemble import EnsembleDrafter
-from msd_train.draft import HEADS, MSD3DraftConfig, MSD3DraftModel, MSDDraftConfig, MSDDraftModel
+from msd_train.draft import HEADS, MSD3DraftConfig, MSDDraftConfig, MSDDraftModel
 from msd_train.draft.loss import loss_index
 from msd_train.draft.vocabulary import draft_vocabulary, token_counts
 from msd_train.targets import Features
@@ -65,12 +65,12 @@ def target(request):
 # ----- the contract ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("architecture", ["msd", "msd3"])
+@pytest.mark.parametrize("architecture", sorted(HEADS))
 def test_contract(architecture, target):
     """Features in, logits over the target vocabulary out, a finite loss with gradients,
     and a drafting step (cache + one position) equals that position of a whole pass."""
     head = make_head(architecture, target, **({"draft_vocab_size": target.vocab_size - 5}
-                                              if architecture == "msd3" else {}))
+                                              if HEADS[architecture].has_draft_vocabulary else {}))
     feats = pass_of(target, head, prompt(target))
     inputs = head.target_inputs(feats, target)
     T = inputs["input_embeds"].shape[1]
@@ -78,7 +78,7 @@ def test_contract(architecture, target):
         whole = head(**inputs).last_hidden_state
         logits = head.logits(whole, target)
     assert logits.shape == (1, T, target.vocab_size)
-    if architecture == "msd3":  # the 5 ids outside the draft vocabulary are never drafted
+    if head.has_draft_vocabulary:  # the 5 ids outside the draft vocabulary are never drafted
         assert torch.isneginf(logits[..., ~head.t2d]).all() and torch.isfinite(logits[..., head.t2d]).all()
 
     # the same last position, drafted after a cache of the first T-1
@@ -102,16 +102,25 @@ def test_contract(architecture, target):
     assert 0 <= metrics["top1"] <= 1 and metrics["loss"] > 0
 
 
-def test_the_architecture_is_chosen_by_name_and_saved(llava_target, tmp_path):
-    head = make_head("msd3", llava_target, draft_vocab_size=20)
-    d2t, t2d = draft_vocabulary(torch.arange(llava_target.vocab_size) % 7, 20)
-    head.set_vocabulary(d2t, t2d)
+@pytest.mark.parametrize("architecture", sorted(HEADS))
+def test_the_architecture_is_chosen_by_name_and_saved(architecture, llava_target, tmp_path):
+    """``MSDDraftModel.from_pretrained`` opens every head kind as the class its config.json
+    names, weights (a draft vocabulary's maps included) bit for bit."""
+    cls = HEADS[architecture]
+    head = make_head(architecture, llava_target, **({"draft_vocab_size": 20} if cls.has_draft_vocabulary else {}))
+    if cls.has_draft_vocabulary:
+        head.set_vocabulary(*draft_vocabulary(torch.arange(llava_target.vocab_size) % 7, 20))
     head.save_pretrained(tmp_path)
     back = MSDDraftModel.from_pretrained(tmp_path)  # the class config.json names
-    assert type(back) is MSD3DraftModel and back.architecture == "msd3"
-    assert torch.equal(back.d2t, d2t) and torch.equal(back.t2d, t2d)
+    assert type(back) is cls and back.architecture == architecture
     for name, p in head.state_dict().items():
         assert torch.equal(back.state_dict()[name], p), name
+    if not cls.has_draft_vocabulary:  # a capability the head does not declare is refused
+        with pytest.raises(NotImplementedError):
+            head.set_vocabulary(torch.zeros(3, dtype=torch.long), torch.ones(3, dtype=torch.bool))
+    if not cls.supports_restrict_vocabulary:
+        with pytest.raises(NotImplementedError):
+            head.restrict_vocabulary(llava_target, torch.arange(3))
     assert type(MSDDraftModel(MSDDraftConfig.from_target_config(llava_target.config, "x"))) is MSDDraftModel
 
 

@@ -78,13 +78,13 @@ def _loss_and_grad(base, tgt, head, mask, **kw):
 
 def test_a_train_vocabulary_of_every_token_is_the_full_loss():
     """draft.train_vocab=V: the same loss, logged parts and gradient as the full-vocabulary term."""
-    from msd_train.draft.loss import TrainVocab
+    from msd_train.draft.vocabulary import VocabSubset
 
     torch.manual_seed(0)
     head = torch.nn.Linear(8, 50, bias=True).requires_grad_(False)
     tgt, base, mask = torch.randn(3, 7, 8), torch.randn(3, 7, 8), (torch.rand(3, 7) > 0.3).long()
     want = _loss_and_grad(base, tgt, head, mask)
-    got = _loss_and_grad(base, tgt, head, mask, vocab=TrainVocab.of(head, torch.randperm(50)), chunk=4)
+    got = _loss_and_grad(base, tgt, head, mask, vocab=VocabSubset(head, torch.randperm(50)), chunk=4)
     torch.testing.assert_close(got[0], want[0])
     torch.testing.assert_close(got[2], want[2])
     assert got[1]["agree_sum"] == want[1]["agree_sum"]
@@ -94,14 +94,15 @@ def test_a_pruned_train_vocabulary_is_eagle3s_rule():
     """Over N rows: both softmaxes over those rows, positions whose target top-1 (over all V)
     is outside them out of the token term, a stored top-1 giving what the computed one gives;
     the gradient is finite and differs from the full one."""
-    from msd_train.draft.loss import TrainVocab, lm_head_argmax
+    from msd_train.draft.loss import lm_head_argmax
+    from msd_train.draft.vocabulary import VocabSubset
 
     torch.manual_seed(1)
     head = torch.nn.Linear(8, 50, bias=False).requires_grad_(False)
     tgt, base, mask = torch.randn(2, 9, 8), torch.randn(2, 9, 8), torch.ones(2, 9, dtype=torch.long)
     top = lm_head_argmax(head, tgt)
     ids = torch.unique(torch.cat([top.flatten()[:10], torch.arange(0, 50, 3)]))  # some tops in, some out
-    vocab = TrainVocab.of(head, ids)
+    vocab = VocabSubset(head, ids)
     loss, parts, grad = _loss_and_grad(base, tgt, head, mask, vocab=vocab)
     m = mask.bool()
     p, f, t = base[m], tgt[m], top[m]
