@@ -38,7 +38,7 @@ from msd_train.decoding.cache import PositionCache, attention_width, key_mask
 from msd_train.decoding.graphs import StepGraphs
 from msd_train.decoding.sampling import SamplingParams, log_probs, logits_to_probs, sample
 from msd_train.decoding.tree import Tree, chain
-from msd_train.draft import draft_rope_deltas
+from msd_train.draft import DraftHead, draft_rope_deltas
 from msd_train.targets import Features, TargetProtocol
 
 
@@ -79,7 +79,7 @@ class Drafter(ABC):
     ``distribution`` over the drafter's rows; ``feed_pending`` and the node positions read
     the head's position offsets (``rope_deltas``, ``merged``)."""
 
-    draft: torch.nn.Module  # the draft head (``msd_train.draft.DraftHead``)
+    draft: DraftHead
     #: committed draft positions [0, cache.length); R rows for a drafter of R rows
     cache: PositionCache | None
     #: added to token indices for the head's position ids after the prompt: the target's
@@ -131,7 +131,7 @@ class Drafter(ABC):
 class HeadDrafter(Drafter):
     """One MSD head drafting over the prompt as it was trained (variant M): one row."""
 
-    def __init__(self, draft):
+    def __init__(self, draft: DraftHead):
         self.draft = draft
         self.cache: PositionCache | None = None
         self.rope_deltas: torch.Tensor | None = None
