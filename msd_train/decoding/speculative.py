@@ -47,12 +47,12 @@ from msd_train.targets import Encoded, TargetProtocol
 #: a capacity, hence the shapes of their captured steps
 CAPACITY_STEP = 256
 
-#: what the loops call at each phase boundary when nobody observes them
+#: what ``generate`` and ``speculate`` call with each phase's name as it ends (see ``speculate``)
 Observer = Callable[[str], None]
 
 
 def _unobserved(phase: str) -> None:
-    pass
+    """The observer when nobody observes the loop."""
 
 
 # ----- prefill --------------------------------------------------------------------------
