@@ -104,13 +104,13 @@ def validation(final: Path) -> dict:
 def alternating_draft_ms(target, heads: dict, items, config, rounds: int) -> dict[str, float]:
     """Median milliseconds of one ``draft_block`` per head, the heads taking turns on the same
     prompts (each prefilled once), so that a load change on the machine hits them alike."""
-    from msd_train.decoding import prefill
+    from msd_train.decoding import HeadDrafter, prefill
 
     states = {}
     for name, head in heads.items():
         for i, item in enumerate(items):
             prompt = target.encode_prompt([{"role": "user", "content": item.turns[0]}], item.load_images())
-            state = prefill(target, head, prompt)
+            state = prefill(target, HeadDrafter(head), prompt)
             state.tokens.append(int(state.next_logits.argmax()))
             states[name, i] = state
     times = {name: [] for name in heads}

@@ -203,7 +203,7 @@ def main(argv=None):
         "draft": {"path": draft_path, "note": draft_note,
                   "params_m": round(sum(p.numel() for p in draft.parameters()) / 1e6, 2)},
         "prompts": len(items), "max_new_tokens": args.max_new_tokens, "warmup_items": args.warmup,
-        "notes": "ms_per_cycle: mean time of each phase per verification cycle (DecodeConfig.timing: CUDA events on a GPU, perf_counter on a CPU); "
+        "notes": "ms_per_cycle: mean time of each phase per verification cycle (msd_train.evaluation.timing: CUDA events on a GPU, perf_counter on a CPU); "
                  "accept = acceptance + KV-cache bookkeeping + stop check. tau: tokens per verification "
                  "(bonus included). speedup: ratio of total tokens/s over plain decoding, prefill included.",
         "runs": runs,
@@ -248,7 +248,7 @@ def count_host_reads(target, draft, items, configs, args, draft_path, device) ->
     from collections import Counter
 
     from lab.transfers import HostReads
-    from msd_train.decoding import decode, prefill
+    from msd_train.decoding import HeadDrafter, decode, prefill
 
     firsts = {}
     for item in items:  # the first prompt of each category
@@ -263,7 +263,7 @@ def count_host_reads(target, draft, items, configs, args, draft_path, device) ->
         c = dataclasses.replace(c, eos_token_ids=())  # every prompt decodes max_new_tokens: comparable counts
         reads, cycles, kinds, tau = 0, 0, Counter(), []
         for prompt in prompts:
-            state = prefill(target, draft if c.method != "ar" else None, prompt)
+            state = prefill(target, HeadDrafter(draft) if c.method != "ar" else None, prompt)
             with HostReads() as counter:
                 out = decode(target, state, c)
             reads += counter.count

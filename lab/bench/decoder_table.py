@@ -257,7 +257,7 @@ class Snapshot:
 def _prefill(target, prompt, drafter=None, capacity: int = 1024):
     from msd_train.decoding import prefill
 
-    state = prefill(target, None, prompt, capacity=capacity, drafter=drafter)
+    state = prefill(target, drafter, prompt, capacity=capacity)
     state.tokens.append(int(state.next_logits.argmax(-1)))
     return state
 
@@ -385,11 +385,11 @@ def bench_cycle(target, draft, prompt, args, device, step_s: float) -> dict:
         accept,
         chain,
         commit,
-        decode,
         draft_chain,
         draft_tree,
         verify,
     )
+    from msd_train.evaluation.timing import timed_decode
     greedy = SamplingParams()
     state = _prefill(target, prompt, HeadDrafter(draft))
     state.workspace.graphs.configure("auto", device)  # the components as decode() runs them (warm-up captures)
@@ -467,13 +467,13 @@ def bench_cycle(target, draft, prompt, args, device, step_s: float) -> dict:
     ratio = cycle_s / step_s
 
     # the cycle as decode(method="tree") runs it, phases timed by events (random head: ~1 token a cycle)
-    cfg = DecodeConfig(method="tree", max_new_tokens=args.new_tokens, eos_token_ids=(), timing=True, **DEFAULT_TREE)
+    cfg = DecodeConfig(method="tree", max_new_tokens=args.new_tokens, eos_token_ids=(), **DEFAULT_TREE)
     in_loop = {"draft": [], "verify": [], "accept": [], "total": []}
     state0 = _prefill(target, prompt, HeadDrafter(draft))
     state0.tokens.clear()
     snap0 = Snapshot(state0)
     for i in range(1 + args.warmup + max(1, args.repeats // 2)):  # the first run captures
-        gen = decode(target, state0, cfg)
+        gen = timed_decode(target, state0, cfg)
         snap0.restore()
         if i > args.warmup:
             for c in gen.cycles:

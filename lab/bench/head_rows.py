@@ -65,7 +65,7 @@ def main() -> None:
 
     steps = {}
     for rows in (1, 2, 3, 4):
-        state = prefill(target, None, prompt, drafter=EnsembleDrafter(draft, ("M",) * rows, "ibed", 32))
+        state = prefill(target, EnsembleDrafter(draft, ("M",) * rows, "ibed", 32), prompt)
         e = target.embed_tokens(torch.tensor([[5]]))
         h = state.pending_hidden[None].expand(rows, -1, -1)
         pos = target.continue_positions(state.drafter.cache.length, 1, None)

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import torch
 
-from msd_train.decoding import DecodeConfig, generate
-from msd_train.decoding.speculative import prefill
+from msd_train.decoding import DecodeConfig, HeadDrafter, generate, prefill
 from msd_train.evaluation.bench import load_bench
 from msd_train.hub import load_head
 from msd_train.targets import load_target
@@ -32,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @torch.inference_mode()
 def first_draft(target, head, prompt) -> torch.Tensor:
     """Logits (target vocabulary) of the head's first draft after the decoder's prefill."""
-    state = prefill(target, head, prompt)
+    state = prefill(target, HeadDrafter(head), prompt)
     state.tokens.append(int(state.next_logits.argmax()))
     out = state.drafter.feed_pending(target, state.pending())
     return head.logits(out[:, None], target)[0, 0].float()

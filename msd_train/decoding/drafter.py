@@ -1,25 +1,26 @@
-"""The drafter: what proposes the tokens a cycle verifies.
+"""The drafter: what proposes the tokens a cycle verifies (vLLM's proposer).
 
-One interface, two implementations: ``HeadDrafter`` (one draft head over the prompt as
-it was trained) here, and ``EnsembleDrafter`` (the same head over several input variants
-of the prompt, one batch row each) in ``ensemble.py``. The decoder calls three methods:
+One interface (``Drafter``), two implementations: ``HeadDrafter`` (one draft head over the
+prompt as it was trained) here, and ``EnsembleDrafter`` (``ensemble.py``: a head drafter
+over several input variants of the prompt, one batch row each). The decoder calls two
+methods:
 
     drafter.prefill(target, prompt_pass, workspace, capacity)   the head reads the prompt
     tree = drafter.draft_block(target, pending, config)         a tree (or chain) of proposals
-    drafter.record_verified(path, logits, lm_head)              what the target said about them
 
 The drafter owns what only drafting reads (its head's cache and position offsets); what
-the last verification left for it comes in as an argument (``Pending``), so it never
-reads the decoder's state back.
+the last verification left for it comes in as an argument (``Pending``: the target's
+features and tokens to feed the head, and what the target said about the last block), so
+it never reads the decoder's state back.
 
-``draft_tree`` and ``draft_chain`` below are the block drafters. They read the drafter's
-rows through ``feed_pending`` (the pending pairs into the head's cache), ``head`` (the
-head over new positions of every row) and ``distribution`` (the draft distribution
-after the rows' outputs); an ensemble overrides ``head`` and ``distribution`` and wraps
-``draft_block``. Each tree records where its nodes' children came from
-(``Tree.children_from``) for drafters that look back at it.
+``draft_tree`` and ``draft_chain`` below are the block drafters (``propose`` picks the one
+the settings name). They read a drafter's rows through ``feed_pending`` (the pending pairs
+into the head's cache), ``head`` (the head over new positions of every row) and
+``distribution`` (the draft distribution after the rows' outputs). Each tree records
+where its nodes' children came from (``Tree.children_from``) for drafters that look back
+at it.
 
-Indexing (see ``speculative.py``): draft position t pairs the target feature h_t with the
+Indexing (see ``state.py``): draft position t pairs the target feature h_t with the
 embedding e_{t+1}; its position id is the target's position of x_t. The head's cache holds
 the committed draft positions; the pairs the last verification produced (``pending``)
 are the first thing the next block feeds it.
@@ -28,6 +29,7 @@ are the first thing the next block feeds it.
 from __future__ import annotations
 
 import copy
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -36,13 +38,13 @@ from msd_train.decoding.cache import PositionCache, attention_width, key_mask
 from msd_train.decoding.graphs import StepGraphs
 from msd_train.decoding.sampling import SamplingParams, log_probs, logits_to_probs, sample
 from msd_train.decoding.tree import Tree, chain
-from msd_train.draft import draft_rope_deltas
-from msd_train.targets import Features
+from msd_train.draft import DraftHead, draft_rope_deltas
+from msd_train.targets import Features, TargetProtocol
 
 
 @dataclass
 class PromptPass:
-    """One target pass over a prompt (batch 1), as ``speculative.prefill_target`` makes it."""
+    """One target pass over a prompt (batch 1), as ``speculative.prefill`` makes it."""
 
     ids: torch.Tensor  # (1, L)
     embeds: torch.Tensor  # (1, L, H)
@@ -58,39 +60,91 @@ class PromptPass:
 class Pending:
     """What the last verification left for the head: the target features h_{m-n} .. h_{m-1}
     (n, H), the tokens x_{m-n+1} .. x_m paired with them (n,), the root last (both on the
-    device), and m, the root's index in the sequence (known on the host)."""
+    device), m, the root's index in the sequence (known on the host), and what the target
+    said about the last block: its accepted path (tree nodes, root first) and the target's
+    logits (N, V) after each node (None before the first block; a TABED ensemble reads it)."""
 
     hidden: torch.Tensor
     tokens: torch.Tensor
     root: int
+    verified: tuple[list[int], torch.Tensor] | None = None
 
 
-class HeadDrafter:
-    """One MSD head drafting over the prompt as it was trained (variant M)."""
+class Drafter(ABC):
+    """What the decoder and the block drafters ask of a drafter.
 
-    rows = 1
+    The decoder: ``prefill``, ``draft_block``, ``clone``, and ``draft`` (its head: the
+    target features it reads) and ``cache`` (the head's cache, sized with the target's).
+    The block drafters (``draft_tree``, ``draft_chain``): ``feed_pending``, then ``head`` and
+    ``distribution`` over the drafter's rows; ``feed_pending`` and the node positions read
+    the head's position offsets (``rope_deltas``, ``merged``)."""
 
-    def __init__(self, draft):
+    draft: DraftHead
+    #: committed draft positions [0, cache.length); R rows for a drafter of R rows
+    cache: PositionCache | None
+    #: added to token indices for the head's position ids after the prompt: the target's
+    #: rope deltas, or zeros for a head with draft_positions="1d" (see msd_train.draft.positions)
+    rope_deltas: torch.Tensor | None
+    #: prompt slots the head's cache does not hold (visual compression merged them): its
+    #: cache entry i is draft position i + merged after the prompt's images
+    merged: int
+
+    @abstractmethod
+    def prefill(self, target: TargetProtocol, prompt: PromptPass, workspace, capacity: int) -> None:
+        """The head over the prompt; its cache into ``workspace``'s buffers (``capacity`` slots at least)."""
+
+    @abstractmethod
+    def draft_block(self, target: TargetProtocol, pending: Pending, config,
+                    generator: torch.Generator | None = None) -> Tree:
+        """The tree (or chain) of proposals ``config`` asks for, after feeding ``pending``."""
+
+    @abstractmethod
+    def clone(self, workspace) -> Drafter:
+        """A copy drafting over ``workspace`` (a clone of the one this drafter's prefill used)."""
+
+    @abstractmethod
+    def head(self, embeds: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, queries: torch.Tensor
+             ) -> torch.Tensor:
+        """The head over T new positions of every row (R, T, H); ``queries`` (T, A) bool:
+        which of the A newest cache slots (after the committed ones; these T queries are the
+        last T) each query sees."""
+
+    @abstractmethod
+    def distribution(self, target: TargetProtocol, out: torch.Tensor, sampling: SamplingParams,
+                     log: bool = False) -> torch.Tensor:
+        """The draft distribution (T, V) after the rows' head outputs ``out`` (R, T, H)."""
+
+    def feed_pending(self, target: TargetProtocol, pending: Pending) -> torch.Tensor:
+        """Feed the head the pairs (h_t, e_{t+1}) the last verification produced and commit
+        them to its cache. Returns (R, H), the head's output at the newest position of each
+        row: its prediction of the root's feature."""
+        n = pending.hidden.shape[0]
+        # positions past the prompt keep the target's index, however short the cache is
+        pos = target.continue_positions(self.cache.length + self.merged, n, self.rope_deltas)
+        hidden = self.draft.project(pending.hidden)[None]  # (1, n, H): after the prompt every row reads the same
+        causal = torch.ones(n, n, dtype=torch.bool, device=target.device).tril()
+        out = self.head(target.embed_tokens(pending.tokens)[None], hidden, pos, causal)
+        self.cache.length += n
+        return out[:, -1]
+
+
+class HeadDrafter(Drafter):
+    """One MSD head drafting over the prompt as it was trained (variant M): one row."""
+
+    def __init__(self, draft: DraftHead):
         self.draft = draft
-        self.cache: PositionCache | None = None  # committed draft positions [0, cache.length)
-        #: added to token indices for the head's position ids after the prompt: the target's
-        #: rope deltas, or zeros for a head with draft_positions="1d" (see msd_train.draft.positions)
+        self.cache: PositionCache | None = None
         self.rope_deltas: torch.Tensor | None = None
         self.graphs: StepGraphs | None = None  # the workspace's (set by ``prefill``)
-        #: prompt slots the head's cache does not hold (visual compression merged them): its
-        #: cache entry i is draft position i + merged after the prompt's images
         self.merged = 0
 
     def clone(self, workspace) -> HeadDrafter:
-        """A copy drafting over ``workspace`` (a clone of the one this drafter's prefill used)."""
         out = copy.copy(self)
         out.cache, out.graphs = workspace.caches["head"], workspace.graphs
         return out
 
-    # ----- the interface ----------------------------------------------------------------
-
     @torch.inference_mode()
-    def prefill(self, target, prompt: PromptPass, workspace, capacity: int) -> None:
+    def prefill(self, target: TargetProtocol, prompt: PromptPass, workspace, capacity: int) -> None:
         """The head over the prompt through ``draft.read_pass``, exactly as in training:
         decoupled visual slots match the head's ``visual_offset``, positions its
         ``draft_positions``, images compressed as its ``visual_compression`` says (so its
@@ -105,33 +159,38 @@ class HeadDrafter:
             features = Features(prompt.embeds, prompt.hidden, prompt.visual, prompt.pos, layer_states=prompt.layer_states)
             inputs, _ = self.draft.read_pass(features, target)
             self.draft(**inputs, past_key_values=cache, use_cache=True)
-        self.cache, self.graphs = workspace.load("head", cache, capacity), workspace.graphs
+        self.attach(workspace, workspace.load("head", cache, capacity))
         self.merged = max(prompt.ids.shape[1] - 1, 0) - self.cache.length
 
-    def draft_block(self, target, pending: Pending, config, generator: torch.Generator | None = None) -> Tree:
-        if config.method == "tree":
-            return draft_tree(self, target, pending, config.depth, config.top_k, config.total_tokens, config.sampling)
-        return draft_chain(self, target, pending, config.k, config.sampling, generator, config.draft_min_prob)
+    def attach(self, workspace, cache: PositionCache) -> None:
+        """Draft over ``cache`` (the workspace's ``"head"`` buffers) with the workspace's captured steps."""
+        self.cache, self.graphs = cache, workspace.graphs
 
-    def record_verified(self, path: list[int], logits: torch.Tensor, lm_head) -> None:
-        """A single head keeps no history."""
+    def draft_block(self, target: TargetProtocol, pending: Pending, config,
+                    generator: torch.Generator | None = None) -> Tree:
+        return propose(self, target, pending, config, generator)
 
     # ----- what the block drafters read ---------------------------------------------------
 
-    def head(self, embeds: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, queries: torch.Tensor,
-             key_bias: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the head over T new positions of every row; returns (R, T, H).
+    def head(self, embeds: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, queries: torch.Tensor
+             ) -> torch.Tensor:
+        """``embeds`` (1, T, H), ``hidden`` (1, T, H), ``pos`` the row's position ids."""
+        return self.run(embeds, hidden, pos, queries, self.mask(queries))
 
-        ``embeds`` (R, T, H), ``hidden`` (R, T, H), ``pos`` the rows' position ids.
-        ``queries`` (T, A) bool: which of the A newest cache slots (after the committed
-        ones; these T queries are the last T) each query sees. ``key_bias`` (R, 1, 1,
-        capacity): added on the keys (an ensemble's row padding), or None.
-        """
-        past, (t, a) = self.cache.length, queries.shape
+    def mask(self, queries: torch.Tensor) -> torch.Tensor:
+        """The additive mask (1, 1, T, width) of T queries (``queries`` (T, A), see ``head``)
+        over the committed slots and the A newest ones: width is the cache's capacity when
+        steps are captured, else the slots written so far (``cache.attention_width``)."""
+        past, a = self.cache.length, queries.shape[1]
         width = attention_width(self.graphs.enabled, self.cache.capacity, past + a)
-        mask = key_mask(past, width, queries, self.draft.dtype)
-        if key_bias is not None:
-            mask = mask + key_bias[..., :width]
+        return key_mask(past, width, queries, self.draft.dtype)
+
+    def run(self, embeds: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, queries: torch.Tensor,
+            mask: torch.Tensor) -> torch.Tensor:
+        """The head's step over T new positions of every row under ``mask``, written at the
+        last T of the A newest slots (``queries`` (T, A)); replayed from a captured graph
+        when capture is on. Returns (R, T, H)."""
+        past, (t, a) = self.cache.length, queries.shape
         write_index = torch.arange(past + a - t, past + a, device=embeds.device)
         return self.graphs.run("head", self._step, embeds=embeds, hidden=hidden, pos=pos, mask=mask,
                                write_index=write_index)[0]
@@ -141,37 +200,33 @@ class HeadDrafter:
         return (self.draft.step(embeds, hidden, position_ids=pos, attention_mask=mask,
                                 past_key_values=self.cache.at(write_index, mask.shape[-1]), use_cache=True),)
 
-    def distribution(self, target, out: torch.Tensor, sampling: SamplingParams, log: bool = False) -> torch.Tensor:
-        """The draft distribution (T, V) after the head's outputs ``out`` (R, T, H):
-        probabilities (sampling: warped; greedy: any distribution with the right argmax),
+    def distribution(self, target: TargetProtocol, out: torch.Tensor, sampling: SamplingParams,
+                     log: bool = False) -> torch.Tensor:
+        """Probabilities (sampling: warped; greedy: any distribution with the right argmax),
         or log-probabilities with ``log``."""
         logits = self.draft.logits(out[0], target)
         return log_probs(logits, sampling) if log else logits_to_probs(logits, sampling)
 
-    # ----- shared steps -------------------------------------------------------------
 
-    def feed_pending(self, target, pending: Pending) -> torch.Tensor:
-        """Feed the head the pairs (h_t, e_{t+1}) the last verification produced and commit
-        them to its cache. Returns (R, H), the head's output at the newest position of each
-        row: its prediction of the root's feature."""
-        n = pending.hidden.shape[0]
-        # positions past the prompt keep the target's index, however short the cache is
-        pos = target.continue_positions(self.cache.length + self.merged, n, self.rope_deltas)
-        hidden = self.draft.project(pending.hidden)[None].expand(self.rows, -1, -1)
-        causal = torch.ones(n, n, dtype=torch.bool, device=target.device).tril()
-        out = self.head(target.embed_tokens(pending.tokens)[None], hidden, pos, causal)
-        self.cache.length += n
-        return out[:, -1]
+# ----- the block drafters ---------------------------------------------------------------
 
 
-def _node_positions(drafter: HeadDrafter, target, root: int, depth: int, n: int) -> torch.Tensor:
+def propose(drafter: Drafter, target: TargetProtocol, pending: Pending, config,
+            generator: torch.Generator | None = None) -> Tree:
+    """The block ``config.method`` names over ``drafter``'s rows: ``draft_tree`` or ``draft_chain``."""
+    if config.method == "tree":
+        return draft_tree(drafter, target, pending, config.depth, config.top_k, config.total_tokens, config.sampling)
+    return draft_chain(drafter, target, pending, config.k, config.sampling, generator, config.draft_min_prob)
+
+
+def _node_positions(drafter: Drafter, target: TargetProtocol, root: int, depth: int, n: int) -> torch.Tensor:
     """Draft position ids of n nodes at tree depth ``depth`` (draft index m - 1 + depth)."""
     pos = target.continue_positions(root - 1 + depth, 1, drafter.rope_deltas)
     return pos.expand(*pos.shape[:-1], n)
 
 
 @torch.inference_mode()
-def draft_chain(drafter: HeadDrafter, target, pending: Pending, k: int, sampling: SamplingParams,
+def draft_chain(drafter: Drafter, target: TargetProtocol, pending: Pending, k: int, sampling: SamplingParams,
                 generator: torch.Generator | None = None, min_prob: float = 0.0) -> Tree:
     """Up to k draft tokens, one after another: the argmax of the draft distribution q when
     greedy, else a draw from it (q kept, for the acceptance test).
@@ -212,7 +267,7 @@ def draft_chain(drafter: HeadDrafter, target, pending: Pending, k: int, sampling
 
 
 @torch.inference_mode()
-def draft_tree(drafter: HeadDrafter, target, pending: Pending, depth: int, top_k: int, total_tokens: int,
+def draft_tree(drafter: Drafter, target: TargetProtocol, pending: Pending, depth: int, top_k: int, total_tokens: int,
                sampling: SamplingParams) -> Tree:
     """EAGLE-2 dynamic draft tree, built on the device with fixed shapes.
 

@@ -18,9 +18,10 @@ it ends where the target's prompt ends: RoPE only sees distances, so the row's o
 attention is unchanged), so after the prompt all rows share the same positions. Rows are
 left-padded to a common length; the padding is masked by an additive per-row key bias.
 
-``EnsembleDrafter`` is a ``drafter.HeadDrafter`` whose rows are the variants: the decoder
-sees the same interface (prefill, draft a block, record what was verified), and the head is
-read only through its own (``target_inputs``, ``forward``, ``step``, ``logits``).
+``EnsembleDrafter`` is a ``drafter.Drafter`` that wraps a ``HeadDrafter`` whose cache rows
+are the variants: the decoder sees the same interface (prefill, draft a block), and the head
+is read only through its own (``target_inputs``, ``forward``, ``step``, ``logits``). What
+the target said about the last block comes with the pending features (``Pending.verified``).
 
 Host reads: ``ibed`` adds none per cycle to the decoder's one (the active rows are read
 once); ``tabed`` adds three (the active rows of each block's new weights, and two
@@ -43,6 +44,7 @@ scores are summed per block (the search costs a sum, not a pass over the window)
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import itertools
@@ -50,15 +52,18 @@ import itertools
 import torch
 
 from msd_train.checks import VARIANTS  # the settings' choices live with their checks (checks.check_decoding)
-from msd_train.decoding.drafter import HeadDrafter, PromptPass
+from msd_train.decoding.drafter import Drafter, HeadDrafter, Pending, PromptPass, propose
 from msd_train.decoding.sampling import SamplingParams, logits_to_probs
+from msd_train.decoding.tree import Tree
 from msd_train.draft import attention_bias, draft_position_ids, draft_rope_deltas
-from msd_train.targets import Features
+from msd_train.targets import Features, TargetProtocol
 
 
-class EnsembleDrafter(HeadDrafter):
-    """One head over several input variants of the prompt, one batch row each (the head's
-    cache holds R rows)."""
+class EnsembleDrafter(Drafter):
+    """One head over several input variants of the prompt, one batch row each. It wraps a
+    ``HeadDrafter`` (``single``), whose cache holds the R rows and whose step runs them;
+    the ensemble adds the rows' prompts (``prefill``), their padding (``head``), their
+    mixture (``distribution``) and, for TABED, the weights learnt from verification."""
 
     def __init__(self, draft, variants, mode: str, window: int | str, captions: list[str] | None = None):
         if getattr(draft, "feature_layers", None) is not None:
@@ -72,7 +77,8 @@ class EnsembleDrafter(HeadDrafter):
                 f"ensemble drafting ({mode}) builds its input variants from the uncompressed prompt, and this head "
                 f"compresses images (visual_compression={draft.config.visual_compression}); decode it with "
                 f"decoding.method=tree or chain and no ensemble")
-        super().__init__(draft)
+        self.single = HeadDrafter(draft)
+        self.draft = draft
         self.variants = tuple(variants)
         self.mode = mode  # ibed | tabed
         #: tabed: verified positions the weight search looks back over; None ("all"): the
@@ -96,51 +102,62 @@ class EnsembleDrafter(HeadDrafter):
         self.block_out: list[torch.Tensor] = []
         self.block_index: torch.Tensor | None = None
 
+    # the head's cache and positions are the single head drafter's (rows are never compressed)
+    cache = property(lambda self: self.single.cache)
+    rope_deltas = property(lambda self: self.single.rope_deltas)
+    merged = property(lambda self: self.single.merged)
+
     @property
     def rows(self) -> int:
         return len(self.variants)
 
     def clone(self, workspace) -> EnsembleDrafter:
-        out = super().clone(workspace)
+        out = copy.copy(self)
+        out.single = self.single.clone(workspace)
         out.weights, out.block_out = self.weights.clone(), list(self.block_out)
         return out
 
-    def key_bias(self) -> torch.Tensor | None:
-        """(R, 1, 1, capacity) key bias, or None when no row is padded."""
-        if self.pad_bias is None:
-            return None
-        if self.pad_bias.shape[1] < self.cache.capacity:  # the cache grew
+    def prefill(self, target: TargetProtocol, prompt: PromptPass, workspace, capacity: int) -> None:
+        _prefill_rows(self, target, prompt, workspace, capacity)
+
+    def draft_block(self, target: TargetProtocol, pending: Pending, config,
+                    generator: torch.Generator | None = None) -> Tree:
+        """What the target said about the last block (TABED's history: ``record_verified``),
+        the weights for this block (``begin_block``), then the block drafted over every row;
+        the tree's ``children_from`` says which mixing call each node's children came from."""
+        if pending.verified is not None:
+            path, logits = pending.verified
+            self.record_verified(path, logits, functools.partial(self.draft.logits, target=target))
+        self.begin_block()
+        tree = propose(self, target, pending, config, generator)
+        self.block_index = tree.children_from
+        return tree
+
+    def head(self, embeds: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, queries: torch.Tensor
+             ) -> torch.Tensor:
+        """``embeds`` (1, T, H) and ``pos`` (batch 1) are shared by the rows, ``hidden`` is
+        each row's (R, T, H) or shared (1, T, H); the rows' left padding is masked."""
+        rows = self.rows
+        if rows > 1:
+            embeds, hidden = embeds.expand(rows, -1, -1), hidden.expand(rows, -1, -1)
+            pos = pos.expand(*pos.shape[:-2], rows, pos.shape[-1])
+        mask = self.single.mask(queries)
+        if self.pad_bias is not None:
+            mask = mask + self.key_bias()[..., : mask.shape[-1]]
+        return self.single.run(embeds, hidden, pos, queries, mask)
+
+    def key_bias(self) -> torch.Tensor:
+        """(R, 1, 1, capacity): ``pad_bias`` over the cache's capacity (it may have grown)."""
+        if self.pad_bias.shape[1] < self.cache.capacity:
             grown = self.pad_bias.new_zeros(self.rows, self.cache.capacity)
             grown[:, : self.pad_bias.shape[1]] = self.pad_bias
             self.pad_bias = grown
         return self.pad_bias[:, None, None, :]
 
-    def prefill(self, target, prompt: PromptPass, workspace, capacity: int) -> None:
-        _prefill_rows(self, target, prompt, workspace, capacity)
-
-    def draft_block(self, target, pending, config, generator: torch.Generator | None = None):
-        """The weights for this block (``begin_block``), then the block drafted over every
-        row; the tree's ``children_from`` says which mixing call each node's children
-        came from (what ``record_verified`` reads)."""
-        self.begin_block()
-        tree = super().draft_block(target, pending, config, generator)
-        self.block_index = tree.children_from
-        return tree
-
-    def head(self, embeds: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, queries: torch.Tensor,
-             key_bias: torch.Tensor | None = None) -> torch.Tensor:
-        """The head over T new positions of every row: ``embeds`` (1, T, H) and ``pos``
-        (batch 1) are shared by the rows, ``hidden`` (R, T, H) is each row's; the rows'
-        left padding is masked (``key_bias``)."""
-        rows = hidden.shape[0]
-        if rows > 1:
-            embeds = embeds.expand(rows, -1, -1)
-            pos = pos.expand(*pos.shape[:-2], rows, pos.shape[-1])
-        return super().head(embeds, hidden, pos, queries, self.key_bias())
-
     # ----- mixing -----------------------------------------------------------------------
 
-    def distribution(self, target, out: torch.Tensor, sampling: SamplingParams, log: bool = False) -> torch.Tensor:
+    def distribution(self, target: TargetProtocol, out: torch.Tensor, sampling: SamplingParams,
+                     log: bool = False) -> torch.Tensor:
         """The rows' mixture (T, V), or its log (what a tree ranks by: the mixture of the
         rows' raw distributions when ``sampling.rank_by`` is raw)."""
         q = self.mix(out.to(target.dtype), functools.partial(self.draft.logits, target=target), sampling, raw=log and sampling.rank_by == "raw")
@@ -195,7 +212,7 @@ class EnsembleDrafter(HeadDrafter):
 # ----- input variants -------------------------------------------------------------------
 
 
-def image_blocks(target, prompt: PromptPass) -> list[tuple[int, int, int]]:
+def image_blocks(target: TargetProtocol, prompt: PromptPass) -> list[tuple[int, int, int]]:
     """(start, grid height, grid width) of every image's token block, in order."""
     idx = prompt.visual[0].nonzero().flatten().tolist()
     if not idx:
@@ -220,7 +237,7 @@ def _pool_block(x: torch.Tensor, first: int, gh: int, gw: int) -> torch.Tensor:
     return torch.nn.functional.avg_pool2d(grid, 2, ceil_mode=True).flatten(2)[0].T[None].to(x.dtype)
 
 
-def _pooled(target, p: PromptPass):
+def _pooled(target: TargetProtocol, p: PromptPass):
     """Variant P: each image's block average-pooled 2x2 over its grid (ceil at odd edges)."""
     blocks = image_blocks(target, p)
     embeds, hidden, pos, visual = p.embeds, p.hidden, p.pos, p.visual
@@ -242,7 +259,7 @@ def _pooled(target, p: PromptPass):
 
 
 @torch.inference_mode()
-def _captioned(target, p: PromptPass, captions: list[str] | None):
+def _captioned(target: TargetProtocol, p: PromptPass, captions: list[str] | None):
     """Variant C: the prompt with each image's tokens replaced by its caption's, read by
     the target (text only) for its features; positions shifted to end where ``p`` ends."""
     blocks = image_blocks(target, p)
@@ -265,7 +282,7 @@ def _captioned(target, p: PromptPass, captions: list[str] | None):
     return embeds, hidden, pos, torch.zeros_like(ids_c, dtype=torch.bool)
 
 
-def variant_inputs(target, draft, variant: str, prompt: PromptPass, captions: list[str] | None = None
+def variant_inputs(target: TargetProtocol, draft, variant: str, prompt: PromptPass, captions: list[str] | None = None
                    ) -> dict[str, torch.Tensor | None]:
     """The head's prefill inputs for one variant of a prompt (``draft.target_inputs``'
     keyword inputs), each over the variant's draft positions.
@@ -302,12 +319,12 @@ def _left_pad(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def _prefill_rows(self: EnsembleDrafter, target, p: PromptPass, workspace, capacity: int) -> None:
+def _prefill_rows(self: EnsembleDrafter, target: TargetProtocol, p: PromptPass, workspace, capacity: int) -> None:
     """The head's prefix built once per variant, as one left-padded batch of rows."""
     from transformers import DynamicCache
 
     device, draft, variants = target.device, self.draft, self.variants
-    self.rope_deltas = draft_rope_deltas(draft.config, p.rope_deltas)
+    self.single.rope_deltas = draft_rope_deltas(draft.config, p.rope_deltas)
     if bool(p.ids[0, -1] == target.image_token_id):
         raise ValueError("ensemble drafting needs a prompt that ends in text, not in image tokens")
     rows = [variant_inputs(target, draft, v, p, self.captions) for v in variants]
@@ -333,8 +350,8 @@ def _prefill_rows(self: EnsembleDrafter, target, p: PromptPass, workspace, capac
         # positions are never read: they stay masked as keys by ``pad_bias`` later)
         mask = attention_bias(valid, len(variants), n, 0, draft.dtype, device) if self.pad_bias is not None else None
         draft(**inputs, attention_mask=mask, past_key_values=cache, use_cache=True)
-    self.cache, self.graphs = workspace.load("head", cache, capacity), workspace.graphs
-    self.cache.length = n
+    self.single.attach(workspace, workspace.load("head", cache, capacity))
+    self.single.cache.length = n
 
 
 # ----- mixture weights ------------------------------------------------------------------

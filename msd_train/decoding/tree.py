@@ -99,12 +99,3 @@ def chain(root: torch.Tensor, tokens: torch.Tensor | None = None, draft_probs: t
         draft_probs = torch.cat([torch.zeros_like(draft_probs[:1]), draft_probs], dim=0)
     return Tree(toks, idx - 1, idx, draft_probs, is_chain=True, max_depth=toks.shape[0] - 1)
 
-
-def tree_attention_bias(tree_mask: torch.Tensor, past: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive 4-D mask (1, 1, N, past + A): each of N query nodes sees the whole cached
-    prefix and, of the A tree nodes after it (the queries last), those ``tree_mask`` (N, A)
-    allows: its own ancestors and itself (``Tree.ancestor_mask`` gives the square case)."""
-    n, a = tree_mask.shape
-    bias = torch.zeros(n, past + a, dtype=dtype, device=tree_mask.device)
-    bias[:, past:].masked_fill_(~tree_mask, torch.finfo(dtype).min)
-    return bias[None, None]

@@ -16,13 +16,13 @@ from msd_train.decoding import DecodeConfig, Workspace
 from msd_train.evaluation.bench import BenchItem
 from msd_train.evaluation.runner import answer_turns
 from msd_train.formatting import fmt
+from msd_train.targets import TargetProtocol
 
 
 def variant_configs(config: DecodeConfig) -> dict[str, DecodeConfig]:
     """``{name: config}``: each variant alone (M is the plain decoder, the others a one-row
-    ensemble), then the ensemble itself under ``<ensemble>-<variants>``; all time their
-    phases (``DecodeConfig.timing``), the drafting time is what this report compares."""
-    config = dataclasses.replace(config, timing=True)
+    ensemble), then the ensemble itself under ``<ensemble>-<variants>``; the runner times
+    their phases (``timing.py``), the drafting time is what this report compares."""
     out = {}
     for v in config.variants:
         if v == "M":
@@ -37,7 +37,7 @@ def ensemble_name(config: DecodeConfig) -> str:
     return f"{config.ensemble}-{''.join(config.variants)}"
 
 
-def run_variants(target, draft, items: list[BenchItem], configs: dict[str, DecodeConfig], warmup: int = 1,
+def run_variants(target: TargetProtocol, draft, items: list[BenchItem], configs: dict[str, DecodeConfig], warmup: int = 1,
                  progress: bool = False) -> dict[str, list[dict]]:
     """Per configuration, one row per turn: category, accepted per cycle, drafting seconds."""
     from tqdm.auto import tqdm
@@ -87,7 +87,7 @@ def summarize_variants(rows: dict[str, list[dict]], single: str = "M") -> dict:
     return out
 
 
-def ensemble_report(target, draft, items: list[BenchItem], config: DecodeConfig, warmup: int = 1,
+def ensemble_report(target: TargetProtocol, draft, items: list[BenchItem], config: DecodeConfig, warmup: int = 1,
                     progress: bool = False) -> dict:
     """The ``ensemble`` section of ``report.json``."""
     configs = variant_configs(config)

@@ -26,6 +26,7 @@ from msd_train.evaluation.report import write_report
 from msd_train.evaluation.runner import evaluate
 from msd_train.paths import user_path
 from msd_train.runtime import local_device, setup_group
+from msd_train.targets import TargetProtocol
 from msd_train.validate import ConfigError, check_eval, check_head
 
 log = logging.getLogger(__name__)
@@ -204,9 +205,8 @@ def _checked_items(cfg: dict, config: DecodeConfig) -> list:
 
 def _load_models(cfg: dict, config: DecodeConfig, device: torch.device):
     """The target, and the head unless the method is plain autoregressive decoding (then None)."""
-    from msd_train.targets import load_target
-
     from msd_train.evaluation.cpu_setting import choose
+    from msd_train.targets import load_target
 
     tc = cfg["target"]
     setting = choose(tc, device)
@@ -232,7 +232,7 @@ def _load_models(cfg: dict, config: DecodeConfig, device: torch.device):
     return target, draft
 
 
-def _evaluate_shard(cfg: dict, target, draft, shard: list, config: DecodeConfig, out: Path, group, progress: bool,
+def _evaluate_shard(cfg: dict, target: TargetProtocol, draft, shard: list, config: DecodeConfig, out: Path, group, progress: bool,
                     report_of, workspace: Workspace) -> list[dict]:
     """This rank's records, each appended to its samples file as it is measured; their
     ``item`` is the index over the whole benchmark, not the shard."""
@@ -265,7 +265,7 @@ def _merge_rank_records(out: Path, world: int) -> list[dict]:
     return records
 
 
-def _report(cfg: dict, draft, config: DecodeConfig, device, target, world: int, command: str | None,
+def _report(cfg: dict, draft, config: DecodeConfig, device, target: TargetProtocol, world: int, command: str | None,
             workspace: Workspace, records: list[dict]) -> dict:
     tc = cfg["target"]
     bench_name = cfg["bench"].get("name", "bench")

@@ -3,8 +3,9 @@
 For every item both decoders answer every turn of the conversation, each with its own
 previous answers in the context (as a user of that decoder would see them). They are
 interleaved item by item, after a warm-up, so that the two timings see the same
-machine state. The speculative decoder runs with ``timing`` on (per-phase CUDA events,
-read once per generation: no synchronisation per phase); plain decoding needs none.
+machine state. Every generation is timed from outside the decoder (``timing.py``: a
+``PhaseTimer`` observes the loop, CUDA events read once per generation, no synchronisation
+per phase); plain decoding has no phases to time.
 Both decode in one ``Workspace`` for the whole benchmark, so each step is captured once
 per shape (CUDA graphs), not once per prompt; capture time is kept out of the timings.
 
@@ -20,31 +21,32 @@ import dataclasses
 
 import torch
 
-from msd_train.decoding import DecodeConfig, Generation, Workspace, generate
-from msd_train.decoding.speculative import prefill_target
+from msd_train.decoding import DecodeConfig, Generation, Workspace, prefill
 from msd_train.evaluation.bench import BenchItem
 from msd_train.evaluation.metrics import classify_mismatch
-from msd_train.targets import Encoded
+from msd_train.evaluation.timing import timed_generate
+from msd_train.targets import Encoded, TargetProtocol
 from msd_train.targets.chat import count_image_markers
 
 
-def answer_turns(target, draft, item: BenchItem, config: DecodeConfig, images: list,
+def answer_turns(target: TargetProtocol, draft, item: BenchItem, config: DecodeConfig, images: list,
                  generator: torch.Generator | None = None, workspace: Workspace | None = None
                  ) -> list[tuple[Encoded, Generation]]:
-    """Each turn's (prompt, generation); every answer is fed into the next turn."""
+    """Each turn's (prompt, generation), the generation timed (``timing.timed_generate``);
+    every answer is fed into the next turn."""
     messages, out = [], []
     for turn in item.turns:
         messages.append({"role": "user", "content": turn})
         n_images = count_image_markers(messages)
         prompt = target.encode_prompt(messages, images[:n_images])
-        gen = generate(target, draft, prompt, config, generator, captions=item.captions[:n_images],
-                       workspace=workspace)
+        gen = timed_generate(target, draft, prompt, config, generator, captions=item.captions[:n_images],
+                             workspace=workspace)
         out.append((prompt, gen))
         messages.append({"role": "assistant", "content": gen.text})
     return out
 
 
-def compare_outputs(target, prompt: Encoded, ar_prompt: Encoded, spec: list[int], ar: list[int]) -> dict:
+def compare_outputs(target: TargetProtocol, prompt: Encoded, ar_prompt: Encoded, spec: list[int], ar: list[int]) -> dict:
     """Where the speculative tokens part from plain decoding's: the first position, the
     target's top-2 logit margin there (one target forward over the prompt and plain
     decoding's tokens before it) and the kind (``metrics.classify_mismatch``). A turn whose
@@ -58,7 +60,7 @@ def compare_outputs(target, prompt: Encoded, ar_prompt: Encoded, spec: list[int]
     if first >= min(len(spec), len(ar)):  # one output stops where the other goes on: not a rounding question
         return {"first_mismatch": first, "mismatch_top2_margin": None, "mismatch": "real"}
     ids = torch.cat([ar_prompt.input_ids, torch.as_tensor(ar[:first], dtype=ar_prompt.input_ids.dtype)])
-    state, _ = prefill_target(target, Encoded(ids, torch.zeros_like(ids), ar_prompt.pixel), capacity=len(ids))
+    state = prefill(target, None, Encoded(ids, torch.zeros_like(ids), ar_prompt.pixel), capacity=len(ids))
     margin, kind = classify_mismatch(state.next_logits, spec[first], ar[first])
     return {"first_mismatch": first, "mismatch_top2_margin": margin, "mismatch": kind}
 
@@ -97,7 +99,7 @@ def _record(index: int, item: BenchItem, turn: int, prompt_len: int, spec: Gener
     }
 
 
-def evaluate(target, draft, items: list[BenchItem], config: DecodeConfig, warmup: int = 1, seed: int = 0,
+def evaluate(target: TargetProtocol, draft, items: list[BenchItem], config: DecodeConfig, warmup: int = 1, seed: int = 0,
              progress: bool = True, on_record=None, workspace: Workspace | None = None) -> list[dict]:
     """Per-turn records (see ``_record``) for every item; ``warmup`` items are decoded
     first by both decoders and not recorded. ``on_record(record)`` is called per turn.
@@ -107,7 +109,6 @@ def evaluate(target, draft, items: list[BenchItem], config: DecodeConfig, warmup
     workspace = workspace if workspace is not None else Workspace()
     # the plain baseline: a chain's drafting options (draft_min_prob) mean nothing to it, and its checks refuse them
     ar_config = dataclasses.replace(config, method="ar", draft_min_prob=0.0)
-    config = dataclasses.replace(config, timing=True)  # the records carry per-phase seconds
     greedy = config.sampling.greedy
 
     def generator(i: int):

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from builders import fit_head, random_image
-from msd_train.decoding import DecodeConfig, draft_tree, generate, prefill
+from msd_train.decoding import DecodeConfig, HeadDrafter, draft_tree, generate, prefill
 from msd_train.draft import MSD3DraftConfig, MSD3DraftModel, MSDDraftConfig, MSDDraftModel, draft_rope_deltas
 from msd_train.draft.vocabulary import draft_vocabulary
 from msd_train.targets import Encoded, Features
@@ -163,7 +163,7 @@ def assert_tree_children_are_the_heads_top_k(target, head, prompts) -> None:
     cumulative log-probabilities a from-scratch head rollout gives (tree mask and node
     positions are right)."""
     prompt = prompts["image"]
-    state = prefill(target, head, prompt)
+    state = prefill(target, HeadDrafter(head), prompt)
     first = int(state.next_logits.argmax())
     state.tokens.append(first)
     tree = draft_tree(state.drafter, target, state.pending(), depth=2, top_k=3, total_tokens=12,

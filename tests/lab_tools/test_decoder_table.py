@@ -88,7 +88,7 @@ def test_small_config_writes_every_field(tmp_path):
         # speedup small enough (0.0349) that the rounding exceeds the relative tolerance
         assert s == pytest.approx(float(tau) / cy["cycle_over_step"], rel=1e-3, abs=5e-5)
     loop = cy["in_decode_loop_ms"]
-    assert loop["total"]["n"] == loop["draft"]["n"] > 0  # decode(timing=True) timed every cycle
+    assert loop["total"]["n"] == loop["draft"]["n"] > 0  # timed_decode timed every cycle
 
     # 5b. ensemble rows
     en = r["ensemble"]

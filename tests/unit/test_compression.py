@@ -11,7 +11,7 @@ from builders.heads import CHAIN, TREE, assert_tree_children_are_the_heads_top_k
 from builders.runs import recipe
 from builders.sampling import assert_same_distribution
 
-from msd_train.decoding import DecodeConfig, decode, prefill
+from msd_train.decoding import DecodeConfig, HeadDrafter, decode, prefill
 from msd_train.decoding.sampling import SamplingParams, logits_to_probs
 from msd_train.draft import MSD3DraftConfig, MSD3DraftModel, MSDDraftConfig, MSDDraftModel
 from msd_train.draft.compression import SlotMap, kmeans, slot_map
@@ -87,7 +87,7 @@ def test_a_compressed_head_decodes_exactly(setup, method):
     accepted = []
     for name, images in (("image", 1), ("two_images", 2)):
         prompt = prompts[name]
-        state = prefill(target, head, prompt)
+        state = prefill(target, HeadDrafter(head), prompt)
         assert state.drafter.cache.length == len(prompt.input_ids) - 1 - images * (N_VISUAL - 4)
         plain = run(target, None, prompt, method="ar", eos_token_ids=())
         for config in (TREE, CHAIN):
@@ -106,7 +106,7 @@ def test_a_compressed_msd3_head_decodes_exactly(qwen_setup, decouple):
         target.config, target.name, visual_compression="kmeans", visual_compression_tokens=4,
         decouple_visual=decouple)).eval()
     prompt = prompts["two_images"]
-    assert prefill(target, head, prompt).drafter.cache.length == len(prompt.input_ids) - 1 - 2 * (N_VISUAL - 4)
+    assert prefill(target, HeadDrafter(head), prompt).drafter.cache.length == len(prompt.input_ids) - 1 - 2 * (N_VISUAL - 4)
     plain = run(target, None, prompt, method="ar", eos_token_ids=())
     for config in (TREE, CHAIN):
         assert run(target, head, prompt, eos_token_ids=(), **config).tokens == plain.tokens
@@ -173,7 +173,7 @@ def test_sampling_with_a_compressed_head_is_lossless(llava_setup, config):
     target, head, prompts = llava_setup
     head = compressed(target, head, "kmeans", 4)
     sampling = SamplingParams(temperature=1.0, top_k=3)
-    state0 = prefill(target, head, prompts["image"])
+    state0 = prefill(target, HeadDrafter(head), prompts["image"])
     settings = DecodeConfig(max_new_tokens=2, eos_token_ids=(), sampling=sampling, **config)
     gen = torch.Generator().manual_seed(0)
     counts: dict[tuple, int] = {}

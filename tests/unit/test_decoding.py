@@ -21,6 +21,7 @@ from lab.capture import TracedCapture
 from lab.transfers import HostReads
 from msd_train.decoding import (
     DecodeConfig,
+    HeadDrafter,
     PositionCache,
     Tree,
     Workspace,
@@ -30,15 +31,16 @@ from msd_train.decoding import (
     draft_chain,
     draft_tree,
     generate,
+    key_mask,
     prefill,
     read_acceptance,
-    tree_attention_bias,
     verify,
 )
 from msd_train.decoding.graphs import StepGraphs
 from msd_train.decoding.stopping import StopCriteria, find_stop
 from msd_train.draft import MSDDraftConfig, MSDDraftModel
 from msd_train.errors import ConfigError
+from msd_train.evaluation.timing import timed_generate
 from msd_train.targets import Encoded, Features
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -101,7 +103,7 @@ def test_tree_verification_matches_sequential_forward(setup):
     """Every node's logits from the one tree forward equal those of running the target on
     prefix + that node's path one token at a time (positions and mask are right)."""
     target, head, prompts = setup
-    state = prefill(target, head, prompts["image"])
+    state = prefill(target, HeadDrafter(head), prompts["image"])
     state.tokens.append(int(state.next_logits.argmax()))
     tree = draft_tree(state.drafter, target, state.pending(), depth=3, top_k=3, total_tokens=14,
                       sampling=DecodeConfig().sampling)
@@ -130,7 +132,7 @@ def test_caches_hold_exactly_the_committed_tokens(setup):
     sequence, and the head's cache equals the head run over it in one go."""
     target, head, prompts = setup
     prompt = prompts["two_images"]
-    state = prefill(target, head, prompt)
+    state = prefill(target, HeadDrafter(head), prompt)
     state.tokens.append(int(state.next_logits.argmax()))
     reordered = 0
     for _ in range(12):
@@ -202,7 +204,7 @@ def test_a_draft_vocabulary_drafts_only_its_tokens_and_keeps_outputs_exact(llava
         for method in (TREE, CHAIN):
             out = run(target, head, prompt, eos_token_ids=(), draft_vocab=size, **method)
             assert out.tokens == plain.tokens, method["method"]
-        state = prefill(target, head, prompt)
+        state = prefill(target, HeadDrafter(head), prompt)
         state.tokens.append(int(state.next_logits.argmax()))
         tree = draft_tree(state.drafter, target, state.pending(), depth=2, top_k=3, total_tokens=12,
                           sampling=DecodeConfig().sampling)
@@ -243,7 +245,7 @@ def test_a_chain_stopped_by_draft_min_prob_keeps_outputs_exact(setup):
 
 def test_chain_draft_leaves_head_cache_at_committed_length(llava_setup):
     target, head, prompts = llava_setup
-    state = prefill(target, head, prompts["text"])
+    state = prefill(target, HeadDrafter(head), prompts["text"])
     state.tokens.append(int(state.next_logits.argmax()))
     tree = draft_chain(state.drafter, target, state.pending(), k=5, sampling=DecodeConfig().sampling)
     assert tree.is_chain and len(tree) == 6 and tree.draft_probs is None
@@ -251,7 +253,8 @@ def test_chain_draft_leaves_head_cache_at_committed_length(llava_setup):
 
 
 def test_tree_shape():
-    """Ancestor mask, additive bias and the cache move on a hand-made tree."""
+    """Ancestor mask, the additive mask verification builds from it and the cache move on a
+    hand-made tree."""
     # 0 -> 1 -> 3 ; 0 -> 2 -> 4 -> 5
     tree = Tree(torch.tensor([9, 8, 7, 6, 5, 4]), torch.tensor([-1, 0, 0, 1, 2, 4]), torch.tensor([0, 1, 1, 2, 2, 3]),
                 max_depth=3)
@@ -259,9 +262,9 @@ def test_tree_shape():
     assert anc[5].tolist() == [True, False, True, False, True, True]
     assert anc[3].tolist() == [True, True, False, True, False, False]
     assert tree.children() == [[1, 2], [3], [4], [], [5], []]
-    bias = tree_attention_bias(anc, past=3, dtype=torch.float32)
-    assert bias.shape == (1, 1, 6, 9) and (bias[0, 0, :, :3] == 0).all()
-    assert (bias[0, 0, :, 3:] == 0).equal(anc)
+    bias = key_mask(3, 11, anc, torch.float32)  # 3 committed slots, the 6 nodes, 2 slots beyond
+    assert bias.shape == (1, 1, 6, 11) and (bias[0, 0, :, :3] == 0).all()
+    assert (bias[0, 0, :, 3:9] == 0).equal(anc) and (bias[0, 0, :, 9:] < 0).all()
 
     assert tree.paths()[5].tolist() == [0, 2, 4, 5] and tree.paths()[3].tolist() == [0, 1, 3, -1]
 
@@ -278,7 +281,7 @@ def test_tree_shape():
 
 def test_draft_tree_is_a_valid_eagle2_tree(llava_setup):
     target, head, prompts = llava_setup
-    state = prefill(target, head, prompts["image"])
+    state = prefill(target, HeadDrafter(head), prompts["image"])
     state.tokens.append(int(state.next_logits.argmax()))
     before = state.drafter.cache.get_seq_length()
     tree = draft_tree(state.drafter, target, state.pending(), depth=2, top_k=3, total_tokens=10,
@@ -289,7 +292,7 @@ def test_draft_tree_is_a_valid_eagle2_tree(llava_setup):
     assert tree.depths.max() <= 3  # depth 2: up to 3 draft tokens on a path
     assert state.drafter.cache.get_seq_length() == before + 1  # pending fed, tree entries beyond the length
     # depth 0 is just the root's top_k children
-    state = prefill(target, head, prompts["image"])
+    state = prefill(target, HeadDrafter(head), prompts["image"])
     state.tokens.append(int(state.next_logits.argmax()))
     small = draft_tree(state.drafter, target, state.pending(), depth=0, top_k=3, total_tokens=10, sampling=DecodeConfig().sampling)
     assert len(small) == 4 and small.depths.tolist() == [0, 1, 1, 1]
@@ -299,7 +302,7 @@ def test_draft_tree_is_a_valid_eagle2_tree(llava_setup):
 def test_one_host_read_per_greedy_cycle(llava_setup, method):
     """A greedy cycle reads the device once (the accepted tokens); counted, not timed."""
     target, head, prompts = llava_setup
-    state = prefill(target, head, prompts["image"], capacity=200)
+    state = prefill(target, HeadDrafter(head), prompts["image"], capacity=200)
     config = DecodeConfig(max_new_tokens=24, eos_token_ids=(), **method)
     with HostReads() as reads:
         out = decode(target, state, config)
@@ -370,21 +373,36 @@ def test_a_second_prompt_replays_the_first_prompts_graphs(llava_setup):
     with the graphs the first captured, and capture time is kept out of decode time."""
     target, head, prompts = llava_setup
     workspace = emulated()
-    first = run(target, None, prompts["text"], workspace, method="ar")
+
+    def timed(draft, prompt, **config):  # the evaluation runner's timing (msd_train.evaluation.timing)
+        return timed_generate(target, draft, prompt, DecodeConfig(max_new_tokens=40, **config), workspace=workspace)
+
+    first = timed(None, prompts["text"], method="ar")
     buffers = workspace.caches["target"].layers[0].keys
     assert workspace.graphs.captures == 1 and first.t_capture > 0
-    second = run(target, None, prompts["second_turn"], workspace, method="ar")
+    second = timed(None, prompts["second_turn"], method="ar")
     assert workspace.graphs.captures == 1 and second.t_capture == 0  # replayed, not captured again
     assert workspace.caches["target"].layers[0].keys is buffers
     assert second.tokens == run(target, None, prompts["second_turn"], method="ar").tokens
 
     for name in ("image", "two_images"):  # speculative: the verify step is captured once for both prompts
-        out = run(target, head, prompts[name], workspace, timing=True, **TREE)
+        out = timed(head, prompts[name], **TREE)
         assert out.tokens == run(target, head, prompts[name], **TREE).tokens
         phases = sum(c.t_draft + c.t_verify + c.t_accept for c in out.cycles)
         assert 0 < phases <= out.t_total and all(c.t_draft > 0 and c.t_verify > 0 for c in out.cycles)
     steps = [key[0] for key in workspace.graphs.graphs]
     assert steps.count("verify") == 1 and workspace.graphs.backend.captures == len(steps)
+
+
+def test_the_loop_tells_its_observer_each_phase(llava_setup):
+    """The decoder keeps no times: whoever times it (the evaluation runner) is called once the
+    prefill is done, then as each cycle starts and as each of its phases ends."""
+    target, head, prompts = llava_setup
+    seen = []
+    config = DecodeConfig(max_new_tokens=12, eos_token_ids=(), **TREE)
+    out = generate(target, head, prompts["image"], config, observe=seen.append)
+    assert len(out.cycles) > 1 and seen == ["prefill"] + ["cycle", "draft", "verify", "accept"] * len(out.cycles)
+    assert out.t_total == 0 and all(c.t_draft == c.t_verify == 0 for c in out.cycles)  # nobody timed it
 
 
 def test_ensemble_drafting_replays_exactly(llava_setup):
@@ -488,7 +506,7 @@ def test_find_stop_order():
 def test_decode_reuses_a_prefill(llava_setup):
     """``decode`` from a cloned prefill gives the same tokens as ``generate``."""
     target, head, prompts = llava_setup
-    state = prefill(target, head, prompts["image"])
+    state = prefill(target, HeadDrafter(head), prompts["image"])
     a = decode(target, state.clone(), DecodeConfig(max_new_tokens=12, **TREE))
     b = decode(target, state.clone(), DecodeConfig(max_new_tokens=12, **TREE))
     assert a.tokens == b.tokens == run(target, head, prompts["image"], max_new_tokens=12, **TREE).tokens

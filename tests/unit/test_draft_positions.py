@@ -145,13 +145,13 @@ def test_the_decoder_drafts_at_the_heads_positions(qwen_target, positions):
     """After the prefill, the head's prediction for the root's children is what the head
     gives over the whole sequence at its own convention's ids (a "1d" head: token indices,
     as the released Qwen heads run), and decoding stays exact."""
-    from msd_train.decoding import DecodeConfig, generate, prefill
+    from msd_train.decoding import DecodeConfig, HeadDrafter, generate, prefill
     from msd_train.targets import Features
 
     enc = qwen_target.encode_prompt(PROMPT, [random_image(1, 32), random_image(2, 24)])
     torch.manual_seed(0)
     head = MSDDraftModel(qwen_config(qwen_target, positions)).eval()
-    state = prefill(qwen_target, head, enc)
+    state = prefill(qwen_target, HeadDrafter(head), enc)
     root = int(state.next_logits.argmax())
     state.tokens.append(root)
     state.pending_tokens = None

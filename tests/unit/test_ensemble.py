@@ -62,8 +62,7 @@ def test_single_m_row_is_the_plain_decoder(llava, method):
 
 def prefill_ensemble(target, draft, prompt, variants, mode, window, captions=None):
     """A prefilled state whose drafter is the head over ``variants``."""
-    return prefill(target, None, prompt, capacity=256,
-                   drafter=EnsembleDrafter(draft, variants, mode, window, captions))
+    return prefill(target, EnsembleDrafter(draft, variants, mode, window, captions), prompt, capacity=256)
 
 
 def _head(state, embeds, hidden, pos, seen=None):

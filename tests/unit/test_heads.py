@@ -186,7 +186,7 @@ def test_decoupling_reaches_the_decoders_prefill(llava_target):
     """The decoder's prefill feeds the head the same embedding stream training does: two
     heads with equal weights that differ only in ``decouple_visual`` cache different keys
     at image positions and draft different first distributions after the prompt."""
-    from msd_train.decoding.speculative import prefill
+    from msd_train.decoding import HeadDrafter, prefill
 
     target, enc = llava_target, prompt(llava_target)
     on, off = make_head("msd3", target), make_head("msd3", target, decouple_visual=False)
@@ -195,7 +195,7 @@ def test_decoupling_reaches_the_decoders_prefill(llava_target):
     keys, firsts = [], []
     for head in (on, off):
         head.requires_grad_(False)
-        state = prefill(target, head, enc)
+        state = prefill(target, HeadDrafter(head), enc)
         state.tokens.append(int(state.next_logits.argmax()))
         keys.append(state.drafter.cache.layers[0].keys[0, :, : len(slots)].clone())
         with torch.inference_mode():

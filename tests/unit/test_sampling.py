@@ -17,6 +17,7 @@ from builders.sampling import PROMPT, TinyHead, TinyTarget, V, assert_same_distr
 
 from msd_train.decoding import (
     DecodeConfig,
+    HeadDrafter,
     SamplingParams,
     Tree,
     accept_sampling,
@@ -64,7 +65,7 @@ def test_decode_loop_is_lossless(method, head, sampling):
              "pruned": lambda: TinyHead(target.lm, vocab=vocab)}[head]()
     config = DecodeConfig(method=method, depth=1, top_k=3, total_tokens=6, k=2, max_new_tokens=3,
                           eos_token_ids=(), sampling=sampling)
-    state0 = prefill(target, draft, Encoded(PROMPT, torch.zeros_like(PROMPT)))
+    state0 = prefill(target, HeadDrafter(draft), Encoded(PROMPT, torch.zeros_like(PROMPT)))
     gen = torch.Generator().manual_seed(0)
     counts: dict[tuple, int] = {}
     accepted = cycles = 0
