@@ -15,6 +15,8 @@
 import ast
 from pathlib import Path
 
+from builders.imports import imported_names
+
 PKG = Path(__file__).resolve().parents[2] / "msd_train"
 TRAINING_ONLY = {"deepspeed", "hydra", "wandb", "datasets", "omegaconf"}
 
@@ -219,27 +221,9 @@ def test_every_package_imports_only_from_lower_layers():
 # --- the product and the lab ------------------------------------------------------------------
 
 
-def _imported_names(path: Path) -> set[str]:
-    """Every module a file imports, anywhere in it: import statements (absolute) and
-    importlib.import_module / __import__ of a constant name."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
-                and isinstance(node.args[0].value, str):
-            func = node.func
-            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-            if called in ("import_module", "__import__"):
-                names.add(node.args[0].value)
-    return names
-
-
 def test_the_product_never_imports_the_lab():
     importers = sorted(mod for mod, path in _all_modules().items()
-                       if any(n == "lab" or n.startswith("lab.") for n in _imported_names(path)))
+                       if any(n == "lab" or n.startswith("lab.") for n in imported_names(path)))
     assert not importers, f"msd_train modules that import the lab package: {importers}"
 
 
@@ -247,7 +231,7 @@ def test_the_lab_check_sees_function_level_and_dynamic_imports(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("import os\ndef f():\n    from lab.targets import random\n"
                  "def g():\n    importlib.import_module('lab.transfers')\n")
-    assert {"lab.targets", "lab.transfers", "os"} <= _imported_names(f)
+    assert {"lab.targets", "lab.transfers", "os"} <= imported_names(f)
 
 
 def test_only_the_serving_package_knows_vllm():

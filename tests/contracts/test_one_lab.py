@@ -8,6 +8,8 @@ import re
 import subprocess
 from pathlib import Path
 
+from builders.imports import imported_names
+
 ROOT = Path(__file__).resolve().parents[2]
 
 #: what a user runs (README.md, docs/) and what CI runs (.ci/run)
@@ -21,19 +23,6 @@ def _tracked(*patterns: str) -> list[Path]:
     if out.returncode != 0:  # not a git checkout (an unpacked sdist): the folders as they are
         return sorted(p for pat in patterns for p in ROOT.glob(pat))
     return [ROOT / line for line in out.stdout.splitlines()]
-
-
-def _imports(path: Path) -> set[str]:
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
-                and getattr(node.func, "attr", getattr(node.func, "id", "")) in ("import_module", "__import__"):
-            names.add(str(node.args[0].value))
-    return names
 
 
 def test_scripts_holds_the_user_commands_and_ci_scripts_only():
@@ -57,7 +46,7 @@ def test_benchmarks_holds_results_only():
 def test_nothing_outside_the_lab_and_the_tests_imports_the_lab():
     files = [p for p in _tracked("*.py") if p.parts[len(ROOT.parts)] not in ("lab", "tests")]
     importers = sorted(str(p.relative_to(ROOT)) for p in files
-                       if any(n == "lab" or n.startswith("lab.") for n in _imports(p)))
+                       if any(n == "lab" or n.startswith("lab.") for n in imported_names(p)))
     assert not importers, f"files outside lab/ and tests/ that import the lab: {importers}"
 
 

@@ -99,8 +99,10 @@ def test_stage3_from_a_feature_store_over_a_train_vocabulary(mini_run, tmp_path)
     assert json.loads((tmp_path / "stage3" / "final" / "config.json").read_text())["train_vocab"] == 32
     # a store made for stage 1 (text only) lacks stage 3's multimodal conversations: named, with the fix
     generate(gen_cfg(mini_run, tmp_path / "text-store", "splits=[text,heldout_text]"))
+    # (a run_dir of its own: in this one, stage 3's finished checkpoints with other settings are refused first)
+    fresh = [*common[:-1], f"run_dir={tmp_path / 'fresh'}"]
     with pytest.raises(Exception, match=r"data.multimodal: not in the store[\s\S]*regenerate it"):
-        recipe(["stage='3'", *offline[:1], f"features.path={tmp_path / 'text-store'}", *offline[2:], *common])
+        recipe(["stage='3'", *offline[:1], f"features.path={tmp_path / 'text-store'}", *offline[2:], *fresh])
 
 
 def launch(overrides, capsys):

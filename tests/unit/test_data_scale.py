@@ -56,7 +56,7 @@ def test_python_templates_render_what_their_jinja_source_renders(template, monke
 def test_smollm2_folder_template_is_the_python_one():
     folder = ROOT / "data" / "smollm2-llava" / "chat_template.jinja"
     if not folder.is_file():
-        pytest.skip("data/smollm2-llava is built by scripts/make_smollm2_llava.py")
+        pytest.skip("data/smollm2-llava is built by python -m lab.targets.make_smollm2_llava")
     assert folder.read_text() == chat.SMOLLM2_CHATML
 
 

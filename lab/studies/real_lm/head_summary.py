@@ -99,6 +99,9 @@ def main() -> None:
         "tau_vs_epochs": table,
         "on_policy": on_policy(),
     }
+    if "served" in summary:  # scale_summary's vLLM figures were taken of the heads before this entry's training
+        summary["served_note"] = (f"'served' and 'vllm_served_speedup' were measured on the heads scale_summary saw; "
+                                  f"{a.head} has trained on since (heads.{a.head}.tau_vs_epochs), unserved since")
     path.write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({k: v for k, v in summary["heads"][a.head].items() if k not in ("by_cpu", "on_policy")}, indent=1))
 
