@@ -33,6 +33,11 @@ def rows(run: str) -> list[dict]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
+def _rounded(x: float | None) -> float | None:
+    """None for a split the validation did not have (JSON has no NaN)."""
+    return None if x is None else round(x, 4)
+
+
 def tau_vs_epochs(lineage: list[str]) -> tuple[list[dict], dict]:
     """Held-out simulated tau at each validation of the lineage's last run, beside the epochs of
     text and images seen by then (all runs before it counted in full)."""
@@ -50,8 +55,8 @@ def tau_vs_epochs(lineage: list[str]) -> tuple[list[dict], dict]:
                 table.append({"run": run, "step": r["step"], "epochs_text": round(seen["text"], 3),
                               "epochs_images": round(seen["images"], 3),
                               "sim_tau_text": round(r["val/text/sim_tau"], 4),
-                              "sim_tau_images": round(r.get("val/mm/sim_tau", float("nan")), 4),
-                              "top1_text": round(r["val/text/top1"], 4), "top1_images": round(r.get("val/mm/top1", float("nan")), 4)})
+                              "sim_tau_images": _rounded(r.get("val/mm/sim_tau")),
+                              "top1_text": round(r["val/text/top1"], 4), "top1_images": _rounded(r.get("val/mm/top1"))})
     return table, {key: round(v, 3) for key, v in seen.items()}
 
 

@@ -17,9 +17,10 @@ run=$1
 S1=${S1:-1500} S2=${S2:-500}
 seed=${SEED:-0}
 [[ $run =~ -seed([0-9]+)$ ]] && seed=${BASH_REMATCH[1]}
-common=("${DATA[@]}" features=offline "features.path=$STORE" train.bucket_window=64 train.loader_workers=0
-        eval.every=250 checkpoint.every=250 seed="$seed" logging.wandb.mode=disabled logging.progress=false)
-train() { OMP_NUM_THREADS="${THREADS:-2}" nice -n "${NICE:-0}" python train.py "${common[@]}" "$@"; }
+shared=("${DATA[@]}" train.bucket_window=64 seed="$seed" logging.wandb.mode=disabled logging.progress=false)
+offline=(features=offline "features.path=$STORE" train.loader_workers=0 eval.every=250 checkpoint.every=250)
+launch() { OMP_NUM_THREADS="${THREADS:-2}" nice -n "${NICE:-0}" python train.py "${shared[@]}" "$@"; }
+train() { launch "${offline[@]}" "$@"; }   # from the store
 stage1=(stage=1 train.max_steps="$S1" train.lr=6e-4 train.warmup_steps=50)
 stage2=(stage=2 train.max_steps="$S2" train.lr=3e-4 train.warmup_steps=20 stage.curriculum.ramp_steps=$((S2 / 2)))
 msd=(draft.train_vocab=8192)
@@ -34,11 +35,9 @@ case $run in
   msd-stage2-seed*) train "${stage2[@]}" "${msd[@]}" run_dir="$W/runs/$run" stage.init_from="$W/runs/msd/stage1/final" ;;
   msd-nodecouple*) train "${stage2[@]}" "${msd[@]}" draft.decouple_visual=false run_dir="$W/runs/$run" \
                         stage.init_from="$W/runs/msd/stage1/final" ;;
-  msd-cont*) OMP_NUM_THREADS="${THREADS:-2}" nice -n "${NICE:-0}" python train.py "${DATA[@]}" target.dtype=bf16 \
-        train.loader_workers=1 train.bucket_window=64 eval.every=100 checkpoint.every=50 seed="$seed" \
-        logging.wandb.mode=disabled logging.progress=false stage=2 train.max_steps="${S2:-500}" train.lr=1e-4 \
-        train.warmup_steps=30 train.grad_accum=4 stage.curriculum.start=0.5 stage.curriculum.end=0.5 \
-        stage.init_from=data/smollm2-llava-heads/msd-stage2 "${msd[@]}" run_dir="$W/runs/$run" ;;
+  msd-cont*) launch target.dtype=bf16 train.loader_workers=1 eval.every=100 checkpoint.every=50 stage=2 \
+        train.max_steps="$S2" train.lr=1e-4 train.warmup_steps=30 train.grad_accum=4 stage.curriculum.start=0.5 \
+        stage.curriculum.end=0.5 stage.init_from=data/smollm2-llava-heads/msd-stage2 "${msd[@]}" run_dir="$W/runs/$run" ;;
   sweep-*) train "${stage1[@]}" "${msd[@]}" data.max_train="${run#sweep-}" run_dir="$W/runs/$run" ;;
   *) echo "unknown run $run (msd, msd3, msd-nodecouple, msd-stage2-seedN, msd-cont, sweep-N)" >&2; exit 2 ;;
 esac
