@@ -350,9 +350,14 @@ def check_head(draft, draft_vocab=None) -> None:
     if draft_vocab is not None:
         from msd_train.hub.folders import read_config
 
+        import msd_train.draft  # noqa: F401  (registers the heads)
+        from msd_train.draft.head import head_class_of_config
+
         config = read_config(path)
-        if layout == "eagle3" or config.get("model_type") == "msd3_draft":
-            raise ConfigError(f"decoding.draft_vocab={draft_vocab}: draft={draft} is an msd3 head, which drafts over "
+        head = head_class_of_config(config.get("model_type", ""))
+        if layout == "eagle3" or (head is not None and head.has_draft_vocabulary):
+            kind = head.architecture if head is not None else "msd3"  # an EAGLE-3 folder imports as msd3
+            raise ConfigError(f"decoding.draft_vocab={draft_vocab}: draft={draft} is an {kind} head, which drafts over "
                               f"the {config.get('draft_vocab_size')}-token vocabulary it was trained with "
                               f"(draft.draft_vocab_size at training); decoding.draft_vocab is for msd heads: drop it")
 

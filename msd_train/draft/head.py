@@ -22,9 +22,11 @@ call only the members below, never the concrete ``forward`` signature or the tar
 
 Optional capabilities are declared class attributes, which the trainer and the decoder
 read (never ``hasattr``): ``supports_restrict_vocabulary`` (``restrict_vocabulary(target,
-ids)``: decode over a subset of the target's vocabulary: msd) and ``has_draft_vocabulary``
+ids)``: decode over a subset of the target's vocabulary: msd), ``has_draft_vocabulary``
 (``set_vocabulary(d2t, t2d)``: a draft vocabulary of its own, built from the stage's token
-counts: msd3). How a head kind is trained (its loss, held-out loss and rollout hits) is its
+counts: msd3) and ``rollout_reads_cache`` (its on-policy rollout keeps a key cache, so
+``stage=3`` cannot checkpoint its layers: msd). How a head kind is trained (its loss,
+held-out loss and rollout hits) is its
 ``Objective`` (``training/objective.py``), not the head's.
 
 What else differs between head kinds is declared by the head, and the trainer and the hub
@@ -123,6 +125,9 @@ class DraftHead(PreTrainedModel, metaclass=ABCMeta):
     supports_restrict_vocabulary: ClassVar[bool] = False
     #: ``set_vocabulary(d2t, t2d)``: the head predicts over a draft vocabulary of its own
     has_draft_vocabulary: ClassVar[bool] = False
+    #: its on-policy rollout reads its own earlier steps' keys from a cache (which layers under
+    #: gradient checkpointing drop): the trainer refuses the two together
+    rollout_reads_cache: ClassVar[bool] = False
     main_input_name = "input_embeds"
     # heads are built from these transformers layers and need attention that takes 4-D masks
     _no_split_modules = [f.decoder_layer.__name__ for f in LAYER_FAMILIES.values()]

@@ -175,6 +175,7 @@ class MSDDraftModel(DraftHead):
     config_class = MSDDraftConfig
     supports_gradient_checkpointing = True
     supports_restrict_vocabulary = True
+    rollout_reads_cache = True
     _skip_keys_device_placement = ["past_key_values"]
 
     def __init__(self, config: MSDDraftConfig):

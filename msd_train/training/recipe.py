@@ -160,9 +160,9 @@ class TrainRecipe:
         self.features = make_feature_source(cfg, self.target, self.draft.feature_layers)
         tc = cfg.train
         precision = tc.precision if tc.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
-        if tc.gradient_checkpointing and self.objective.kind == "on_policy" and self.draft.architecture == "msd":
-            raise TrainingError("train.gradient_checkpointing=true: an msd head's on-policy rollout reads its own "
-                                "earlier steps' keys from a cache, which checkpointed layers drop; set "
+        if tc.gradient_checkpointing and self.objective.kind == "on_policy" and self.draft.rollout_reads_cache:
+            raise TrainingError(f"train.gradient_checkpointing=true: an {self.draft.architecture} head's on-policy "
+                                "rollout reads its own earlier steps' keys from a cache, which checkpointed layers drop; set "
                                 "train.gradient_checkpointing=false (or lower train.rollout_steps to save memory)")
         if tc.gradient_checkpointing and not self.draft.supports_gradient_checkpointing:
             raise TrainingError(f"train.gradient_checkpointing=true: the {self.draft.architecture} head does not "

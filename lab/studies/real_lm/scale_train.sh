@@ -3,11 +3,13 @@
 # scale_store.sh, resumable (relaunch the same line after a kill: it continues from the newest
 # checkpoint). RUN names the run; its folder is WORK/runs/RUN.
 #   W=/work/scale lab/studies/real_lm/scale_train.sh RUN
-# RUN: msd | msd3 (stage 1 then stage 2), msd-nodecouple (stage 2 from msd's stage 1 with
+# RUN: msd | msd3 (stage 1 then stage 2), msd-epochs (the committed msd-stage2 trained on from the
+# store over all splits for STEPS steps, default 12,320 = 10 epochs of 19,716 conversations at 16 a step,
+# the field's settings: lr 1e-4, 30 warm-up steps, cosine; image share 0.38, the data's own), msd-nodecouple (stage 2 from msd's stage 1 with
 # draft.decouple_visual=false), sweep-N (msd stage 1 on the first N text conversations);
 # a name ending in -seedN trains with seed=N (msd-stage2-seed1: msd's stage 2 again from the same
 # stage-1 head with another seed; msd-nodecouple-seed1: the same with decoupling off).
-# Environment: S1, S2 (optimizer steps of stage 1 and 2), THREADS, NICE, SEED, TTT and NOISE (msd3's TTT steps,
+# Environment: S1, S2 (optimizer steps of stage 1 and 2), STEPS (msd-epochs), STORE (the store folder), THREADS, NICE, SEED, TTT and NOISE (msd3's TTT steps,
 # default 3, and train.noise, default none), STAGE1_ONLY=1 / STAGE2_ONLY=1
 # (msd, msd3: one stage of the two; stage 2 starts from the run's stage-1 head).
 set -euo pipefail
@@ -38,6 +40,9 @@ case $run in
   msd-cont*) launch target.dtype=bf16 train.loader_workers=1 eval.every=100 checkpoint.every=50 stage=2 \
         train.max_steps="$S2" train.lr=1e-4 train.warmup_steps=30 train.grad_accum=4 stage.curriculum.start=0.5 \
         stage.curriculum.end=0.5 stage.init_from=data/smollm2-llava-heads/msd-stage2 "${msd[@]}" run_dir="$W/runs/$run" ;;
+  msd-epochs*) train stage=2 train.max_steps="${STEPS:-12320}" train.lr=1e-4 train.warmup_steps=30 train.grad_accum=4 \
+        stage.curriculum.start=0.38 stage.curriculum.end=0.38 stage.init_from=data/smollm2-llava-heads/msd-stage2 \
+        "${msd[@]}" run_dir="$W/runs/$run" ;;
   sweep-*) train "${stage1[@]}" "${msd[@]}" data.max_train="${run#sweep-}" run_dir="$W/runs/$run" ;;
-  *) echo "unknown run $run (msd, msd3, msd-nodecouple, msd-stage2-seedN, msd-cont, sweep-N)" >&2; exit 2 ;;
+  *) echo "unknown run $run (msd, msd3, msd-nodecouple, msd-stage2-seedN, msd-cont, msd-epochs, sweep-N)" >&2; exit 2 ;;
 esac
