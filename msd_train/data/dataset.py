@@ -52,6 +52,10 @@ class Split:
 
     dataset: object  # datasets.Dataset with id, input_ids, loss_mask, images, n_visual, source
     skipped: list[BadSample] = field(default_factory=list)
+    #: (V,) int64: how often each target id is an assistant (loss) token over ``dataset``, kept in
+    #: the cache folder so that a launch after the first reads no ids for it; None: not known
+    #: (no cache, or rows left out since the cache was written): count them
+    token_counts: object = None
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -537,9 +541,45 @@ def build_split(
         skipped.append(b)
     if len(ds) == 0:
         return Split(datasets.Dataset.from_dict({}), skipped)
+    usable = len(ds) - _count_bad(ds)
     ds, bad = _select_usable(ds, on_bad_sample, manifest["image_dirs"] if cache else None, hint)
     ds = ds.remove_columns(["bad", "fix", "missing"])
-    return Split(ds, skipped + bad)
+    # the cached counts are of every usable row; a row left out since (its image is gone) is not in them
+    counts = _cached_counts(entry, ds, target.vocab_size) if cache is not None and len(ds) == usable else None
+    return Split(ds, skipped + bad, counts)
+
+
+def _count_bad(ds) -> int:
+    import pyarrow.compute as pc
+
+    table = ds.data.table if hasattr(ds.data, "table") else ds.data
+    return int(pc.sum(pc.not_equal(table.column("bad"), "")).as_py() or 0)
+
+
+def _cached_counts(entry: Path, ds, vocab_size: int):
+    """``Split.token_counts`` of the usable rows ``ds`` of the cache folder ``entry``: read from
+    ``token_counts-V.npy`` there, or counted and written there (atomically; a read-only cache
+    is counted at each launch, as without one)."""
+    import numpy as np
+
+    from msd_train.draft.vocabulary import token_counts
+
+    path = entry / f"token_counts-{vocab_size}.npy"
+    try:
+        counts = np.load(path)
+        if counts.shape == (vocab_size,) and counts.dtype == np.int64:
+            return counts
+    except (OSError, ValueError):
+        pass
+    counts = token_counts([ds], vocab_size).numpy()
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}.npy")
+    try:
+        np.save(tmp, counts)
+        tmp.replace(path)
+    except OSError as e:
+        log.info("the token counts of %s are not kept (%s): counted again at the next launch", entry, e)
+        tmp.unlink(missing_ok=True)
+    return counts
 
 
 def write_skipped(path: str | Path, skipped: list[BadSample]) -> None:

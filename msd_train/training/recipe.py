@@ -220,6 +220,7 @@ class TrainRecipe:
                                            d.num_proc, limit)
                 skipped += splits[name].skipped
         self.text, self.mm = splits["text"].dataset, splits["mm"].dataset
+        self._split_counts = [splits["text"].token_counts, splits["mm"].token_counts]  # None: count them
         self.heldout = {k.split("_")[1]: v.dataset for k, v in splits.items() if k.startswith("heldout") and len(v)}
         if self.main:
             if skipped:
@@ -268,7 +269,8 @@ class TrainRecipe:
             draft = head_cls(config)
         # this stage's assistant tokens: an msd3 head's draft vocabulary, and every export's
         # token_counts.safetensors (decoding.draft_vocab restricts an msd head to its most frequent)
-        self.token_counts = token_counts([self.text, self.mm], self.target.vocab_size)
+        self.token_counts = sum(torch.from_numpy(c) if c is not None else token_counts([ds], self.target.vocab_size)
+                                for ds, c in zip([self.text, self.mm], self._split_counts))
         earlier = load_counts(init) if init is not None else None
         if earlier is not None and earlier.shape == self.token_counts.shape:
             self.token_counts += earlier  # what the head saw in the stages before this one

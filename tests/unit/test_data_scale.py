@@ -186,6 +186,32 @@ def test_warm_launch_reads_no_data_file(llava_target, tmp_path, monkeypatch):
     assert all(len(f["filename"]) for f in warm.dataset.cache_files)  # memory-mapped Arrow, not in memory
 
 
+def test_the_token_counts_are_kept_with_the_cache_and_leave_out_a_row_whose_image_went_away(
+        llava_target, tmp_path, monkeypatch):
+    """The draft vocabulary's counts read every row's ids at each launch (32 s at 733k rows): the
+    first launch keeps them in the cache folder, the next reads no ids; a row dropped since (its
+    image deleted) is counted out, not served from the stale file."""
+    import msd_train.draft.vocabulary as vocabulary
+    from msd_train.draft.vocabulary import token_counts
+
+    src, cache = _mm_data(tmp_path), str(tmp_path / "cache")
+    cold = build_split(src, llava_target, 4096, cache_dir=cache)
+    fresh = token_counts([cold.dataset], llava_target.vocab_size).numpy()
+    assert np.array_equal(cold.token_counts, fresh) and fresh.sum() > 20
+
+    def no_counting(*a, **k):
+        raise AssertionError("a warm launch read the ids to count them")
+
+    monkeypatch.setattr(vocabulary, "token_counts", no_counting)
+    warm = build_split(src, llava_target, 4096, cache_dir=cache)
+    assert np.array_equal(warm.token_counts, fresh)
+    monkeypatch.undo()
+    (tmp_path / "img" / "2.jpg").unlink()
+    fewer = build_split(src, llava_target, 4096, cache_dir=cache)
+    assert [b.id for b in fewer.skipped] == ["s2"] and fewer.token_counts is None  # the trainer counts these rows
+    assert build_split(src, llava_target, 4096).token_counts is None  # no cache: nothing kept
+
+
 def test_a_touched_file_keeps_its_cache_and_a_changed_one_is_tokenised_again(llava_target, tmp_path, caplog):
     src = _mm_data(tmp_path)
     cache = str(tmp_path / "cache")

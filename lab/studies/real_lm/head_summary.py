@@ -38,11 +38,15 @@ def _rounded(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
 
-def tau_vs_epochs(lineage: list[str]) -> tuple[list[dict], dict]:
-    """Held-out simulated tau at each validation of the lineage's last run, beside the epochs of
-    text and images seen by then (all runs before it counted in full)."""
+def tau_vs_epochs(lineage: list[str], table_from: str) -> tuple[list[dict], dict]:
+    """Held-out simulated tau at each validation of the lineage's runs from ``table_from`` on (the
+    runs validated on today's held-out splits), beside the epochs of text and images seen by then
+    (the runs before them counted in full)."""
     seen = {"text": 0.0, "images": 0.0}
     table = []
+    runs = [spec.split(":")[0] for spec in lineage]
+    if table_from not in runs:
+        raise SystemExit(f"--table-from {table_from} is not in the lineage {runs}")
     for k, spec in enumerate(lineage):
         run, per_step, n_text, n_mm = spec.split(":")
         per_step, n_text, n_mm = int(per_step), int(n_text), int(n_mm)
@@ -51,7 +55,9 @@ def tau_vs_epochs(lineage: list[str]) -> tuple[list[dict], dict]:
                 mm = r["mm_share"] * per_step
                 seen["text"] += (per_step - mm) / n_text
                 seen["images"] += mm / n_mm if n_mm else 0.0
-            elif k == len(lineage) - 1 and "val/text/sim_tau" in r:
+            elif k >= runs.index(table_from) and "val/text/sim_tau" in r:
+                if table and table[-1]["run"] != run and r["step"] == 0:
+                    continue  # a run's step-0 validation is the previous run's last head again
                 table.append({"run": run, "step": r["step"], "epochs_text": round(seen["text"], 3),
                               "epochs_images": round(seen["images"], 3),
                               "sim_tau_text": round(r["val/text/sim_tau"], 4),
@@ -79,6 +85,28 @@ def by_cpu() -> tuple[dict, dict]:
     return out, best
 
 
+def plot_tau_vs_epochs(table: list[dict], out: Path) -> None:
+    """Held-out simulated tau against epochs of text seen, beside results/scale/tau_vs_data.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [r["epochs_text"] for r in table]
+    ax.plot(xs, [r["sim_tau_text"] for r in table], "o-", ms=3, label="text (64 held-out conversations)")
+    pts = [(r["epochs_text"], r["sim_tau_images"]) for r in table if r["sim_tau_images"] is not None]
+    if pts:
+        ax.plot(*zip(*pts), "s-", ms=3, label="images (64 held-out conversations)")
+    ax.set_xlabel("epochs of the text split seen (all stages of the head's lineage)")
+    ax.set_ylabel("held-out simulated tau (5-step rollout)")
+    ax.set_title("msd head on SmolLM2-135M-LLaVA: tau vs epochs")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
 def on_policy() -> dict | None:
     path = RESULTS / "on_policy" / "results.json"
     return json.loads(path.read_text()) if path.is_file() else None
@@ -88,12 +116,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head", default="msd-stage2")
     ap.add_argument("--lineage", nargs="+", default=LINEAGE)
+    ap.add_argument("--table-from", default="msd-cont/stage2", help="the first run validated on today's held-out splits")
     a = ap.parse_args()
     path = ROOT / "benchmarks" / "real_lm" / "summary.json"
     summary = json.loads(path.read_text())
     cpus, best = by_cpu()
     native = CPU_NAMES["native"]
-    table, epochs = tau_vs_epochs(a.lineage)
+    table, epochs = tau_vs_epochs(a.lineage, a.table_from)
+    plot_tau_vs_epochs(table, RESULTS / "scale" / "tau_vs_epochs.png")
     summary["heads"][a.head] = {
         "setting": OVERRIDES[best[native]],
         "setting_by_cpu": {cpu: OVERRIDES[name] for cpu, name in best.items()},

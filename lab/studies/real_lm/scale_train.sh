@@ -5,7 +5,10 @@
 #   W=/work/scale lab/studies/real_lm/scale_train.sh RUN
 # RUN: msd | msd3 (stage 1 then stage 2), msd-epochs (the committed msd-stage2 trained on from the
 # store over all splits for STEPS steps, default 12,320 = 10 epochs of 19,716 conversations at 16 a step,
-# the field's settings: lr 1e-4, 30 warm-up steps, cosine; image share 0.38, the data's own), msd-nodecouple (stage 2 from msd's stage 1 with
+# the field's settings: lr 1e-4, 30 warm-up steps, cosine; image share 0.38, the data's own),
+# settings-field-N / settings-today-N (msd stage 1 from scratch on N text conversations from the store:
+# lr 1e-4, 30 warm-up steps, global batch 16 by 4 accumulation steps / the defaults: lr 3e-4, 20 warm-up
+# steps, batch 4; both cosine to a tenth, validated every 1,024 conversations), msd-nodecouple (stage 2 from msd's stage 1 with
 # draft.decouple_visual=false), sweep-N (msd stage 1 on the first N text conversations);
 # a name ending in -seedN trains with seed=N (msd-stage2-seed1: msd's stage 2 again from the same
 # stage-1 head with another seed; msd-nodecouple-seed1: the same with decoupling off).
@@ -43,6 +46,11 @@ case $run in
   msd-epochs*) train stage=2 train.max_steps="${STEPS:-12320}" train.lr=1e-4 train.warmup_steps=30 train.grad_accum=4 \
         stage.curriculum.start=0.38 stage.curriculum.end=0.38 stage.init_from=data/smollm2-llava-heads/msd-stage2 \
         "${msd[@]}" run_dir="$W/runs/$run" ;;
+  settings-field-*) n=${run#settings-field-}
+        train stage=1 train.max_steps=$((n / 16)) train.lr=1e-4 train.warmup_steps=30 train.grad_accum=4 eval.every=64 \
+        "${msd[@]}" run_dir="$W/runs/$run" ;;
+  settings-today-*) n=${run#settings-today-}
+        train stage=1 train.max_steps=$((n / 4)) eval.every=256 "${msd[@]}" run_dir="$W/runs/$run" ;;
   sweep-*) train "${stage1[@]}" "${msd[@]}" data.max_train="${run#sweep-}" run_dir="$W/runs/$run" ;;
-  *) echo "unknown run $run (msd, msd3, msd-nodecouple, msd-stage2-seedN, msd-cont, msd-epochs, sweep-N)" >&2; exit 2 ;;
+  *) echo "unknown run $run (msd, msd3, msd-nodecouple, msd-stage2-seedN, msd-cont, msd-epochs, settings-field-N, settings-today-N, sweep-N)" >&2; exit 2 ;;
 esac
