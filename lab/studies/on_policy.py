@@ -116,6 +116,11 @@ def main() -> None:
                    "meta_kept": old.get("meta")}
     for arm in args.arms:
         stage = ARMS[arm]
+        for old_eval in sorted(out.glob(f"eval-{arm}-*")):  # the decoder's runs of this arm's earlier head
+            aside = out / "earlier" / f"{old_eval.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+            aside.parent.mkdir(exist_ok=True)
+            old_eval.rename(aside)
+            print(f"{old_eval} measured the arm's earlier head: moved to {aside}", flush=True)
         r = recipe([*stage, f"stage.init_from={head}", f"run_dir={out / arm}", f"train.max_steps={args.max_steps}",
                     "resume=false", "checkpoint.every=1000000", *args.overrides])
         try:
