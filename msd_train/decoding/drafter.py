@@ -15,8 +15,10 @@ it never reads the decoder's state back.
 
 ``draft_tree`` and ``draft_chain`` below are the block drafters (``propose`` picks the one
 the settings name). They read a drafter's rows through ``feed_pending`` (the pending pairs
-into the head's cache), ``head`` (the head over new positions of every row) and
-``distribution`` (the draft distribution after the rows' outputs). Each tree records
+into the head's cache), ``head`` (the head over new positions of every row),
+``distribution`` (the draft distribution after the rows' outputs) and ``top_children``
+(the tree's ranking of the next tokens; a head drafter ranks only the ids its head drafts
+from, not a whole-vocabulary row of mostly -inf). Each tree records
 where its nodes' children came from (``Tree.children_from``) for drafters that look back
 at it.
 
@@ -75,8 +77,8 @@ class Drafter(ABC):
 
     The decoder: ``prefill``, ``draft_block``, ``clone``, and ``draft`` (its head: the
     target features it reads) and ``cache`` (the head's cache, sized with the target's).
-    The block drafters (``draft_tree``, ``draft_chain``): ``feed_pending``, then ``head`` and
-    ``distribution`` over the drafter's rows; ``feed_pending`` and the node positions read
+    The block drafters (``draft_tree``, ``draft_chain``): ``feed_pending``, then ``head``,
+    ``distribution`` and ``top_children`` over the drafter's rows; ``feed_pending`` and the node positions read
     the head's position offsets (``rope_deltas``, ``merged``)."""
 
     draft: DraftHead
@@ -113,6 +115,13 @@ class Drafter(ABC):
     def distribution(self, target: TargetProtocol, out: torch.Tensor, sampling: SamplingParams,
                      log: bool = False) -> torch.Tensor:
         """The draft distribution (T, V) after the rows' head outputs ``out`` (R, T, H)."""
+
+    def top_children(self, target: TargetProtocol, out: torch.Tensor, sampling: SamplingParams, k: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` best next tokens after each of T head outputs ``out`` (R, T, H) and their
+        scores (each (T, k)): the tree's ranking, ``distribution(log=True)`` clamped at 0."""
+        lp = self.distribution(target, out, sampling, log=True).clamp_max(0)
+        return lp.topk(min(k, lp.shape[-1]), dim=-1)
 
     def feed_pending(self, target: TargetProtocol, pending: Pending) -> torch.Tensor:
         """Feed the head the pairs (h_t, e_{t+1}) the last verification produced and commit
@@ -207,6 +216,19 @@ class HeadDrafter(Drafter):
         logits = self.draft.logits(out[0], target)
         return log_probs(logits, sampling) if log else logits_to_probs(logits, sampling)
 
+    def top_children(self, target: TargetProtocol, out: torch.Tensor, sampling: SamplingParams, k: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ranked by the raw log-softmax (greedy, or ``rank_by=raw``), over the ids the head
+        drafts from only (its draft or decode-time vocabulary): the same children as the
+        whole-vocabulary ranking, whose other ids are -inf, without building that row."""
+        if not (sampling.greedy or sampling.rank_by == "raw"):
+            return super().top_children(target, out, sampling, k)
+        small, ids = self.draft.logits_on_ids(out[0], target)
+        if ids is not None and k > ids.shape[0]:  # the -inf ids pad the children: keep the shapes
+            return super().top_children(target, out, sampling, k)
+        scores, index = small.float().log_softmax(-1).clamp_max(0).topk(min(k, small.shape[-1]), dim=-1)
+        return scores, (index if ids is None else ids[index])
+
 
 # ----- the block drafters ---------------------------------------------------------------
 
@@ -285,9 +307,8 @@ def draft_tree(drafter: Drafter, target: TargetProtocol, pending: Pending, depth
     """
     device = target.device
     out = drafter.feed_pending(target, pending)  # (R, H)
-    lp = drafter.distribution(target, out[:, None], sampling, log=True)[0].clamp_max(0)
-    k = min(top_k, lp.shape[-1])
-    scores, tokens = lp.topk(k)
+    scores, tokens = (t[0] for t in drafter.top_children(target, out[:, None], sampling, top_k))
+    k = scores.shape[0]
     pool_tokens, pool_scores = [tokens], [scores]
     pool_parents = [torch.full((k,), -1, device=device)]
     pool_depths = [torch.ones(k, dtype=torch.long, device=device)]
@@ -301,8 +322,7 @@ def draft_tree(drafter: Drafter, target: TargetProtocol, pending: Pending, depth
         out = drafter.head(target.embed_tokens(front_tokens)[None], front_in,
                            _node_positions(drafter, target, pending.root, step + 1, k), anc)
         expanded.append(front_idx)
-        lp = drafter.distribution(target, out, sampling, log=True).clamp_max(0)
-        child_lp, child_tokens = lp.topk(k, dim=-1)  # (k, k)
+        child_lp, child_tokens = drafter.top_children(target, out, sampling, k)  # (k, k)
         cand_scores = (front_scores[:, None] + child_lp).flatten()
         cand_tokens = child_tokens.flatten()
         base = k + step * k * k

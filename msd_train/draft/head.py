@@ -212,6 +212,12 @@ class DraftHead(PreTrainedModel, metaclass=ABCMeta):
     def logits(self, states: torch.Tensor, target: TargetProtocol) -> torch.Tensor:
         """Logits over the target's vocabulary after the head's ``states``."""
 
+    def logits_on_ids(self, states: torch.Tensor, target: TargetProtocol) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits over the target ids the head drafts from (..., N), those ids (N,)); ids None:
+        the whole vocabulary in id order. ``logits`` is these at their ids of a row of -inf: a
+        drafter that only ranks tokens reads these instead, at N / V of the work."""
+        return self.logits(states, target), None
+
     def restrict_vocabulary(self, target: TargetProtocol, ids: torch.Tensor | None) -> None:
         """Draft over target ids ``ids`` only (None: the whole vocabulary); heads with
         ``supports_restrict_vocabulary``."""

@@ -321,6 +321,10 @@ class MSDDraftModel(DraftHead):
         states = states.to(target.dtype)
         return target.lm_head(states) if self._vocab is None else self._vocab.logits(states)
 
+    def logits_on_ids(self, states: torch.Tensor, target: TargetProtocol) -> tuple[torch.Tensor, torch.Tensor | None]:
+        states = states.to(target.dtype)
+        return (target.lm_head(states), None) if self._vocab is None else (self._vocab(states), self._vocab.ids)
+
     def restrict_vocabulary(self, target: TargetProtocol, ids: torch.Tensor | None) -> None:
         """Draft over target ids ``ids`` only (None: the whole vocabulary again): a
         ``VocabSubset`` of the target's lm_head, made once here."""

@@ -177,8 +177,12 @@ class MSD3DraftModel(DraftHead):
 
     def logits(self, states: torch.Tensor, target: TargetProtocol) -> torch.Tensor:
         """Draft-vocabulary logits put at their target ids; -inf at every other id."""
-        small = self.draft_logits(states.to(self.lm_head.weight.dtype)).to(target.dtype)
-        return on_target_ids(small, self.draft_ids, self.t2d.shape[0])
+        small, ids = self.logits_on_ids(states, target)
+        return on_target_ids(small, ids, self.t2d.shape[0])
+
+    def logits_on_ids(self, states: torch.Tensor, target: TargetProtocol) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft-vocabulary logits and the target ids they stand for."""
+        return self.draft_logits(states.to(self.lm_head.weight.dtype)).to(target.dtype), self.draft_ids
 
     # ----- the model card -------------------------------------------------------------------
 

@@ -210,6 +210,7 @@ def test_a_draft_vocabulary_drafts_only_its_tokens_and_keeps_outputs_exact(llava
                           sampling=DecodeConfig().sampling)
         drafted = tree.tokens[1:][tree.valid[1:]]
         assert len(drafted) and not others[drafted].any()
+        assert_ranks_like_the_whole_vocabulary(HeadDrafter(head), target, head.config.hidden_size)
         # without counts the setting says where they come from; draft_vocab=None lifts it
         del head.token_counts
         with pytest.raises(ConfigError, match="count_tokens.py"):
@@ -219,6 +220,29 @@ def test_a_draft_vocabulary_drafts_only_its_tokens_and_keeps_outputs_exact(llava
     finally:
         use_draft_vocabulary(head, target, None)
         head.__dict__.pop("token_counts", None)
+
+
+def assert_ranks_like_the_whole_vocabulary(drafter, target, hidden: int) -> None:
+    """A head drafter ranks the tree's children over its head's own ids only: the same tokens
+    and scores as the ranking over a whole-vocabulary row (-inf at the other ids) gives."""
+    from msd_train.decoding.drafter import Drafter
+
+    out = torch.randn(1, 4, hidden)
+    for k in (1, 3):
+        fast = drafter.top_children(target, out, DecodeConfig().sampling, k)
+        slow = Drafter.top_children(drafter, target, out, DecodeConfig().sampling, k)
+        assert fast[1].shape == (4, k) and torch.equal(fast[1], slow[1])
+        torch.testing.assert_close(fast[0], slow[0])
+
+
+def test_an_msd3_head_ranks_its_draft_vocabulary_like_the_whole_one():
+    from types import SimpleNamespace
+
+    from builders.heads import msd3_head
+
+    head = msd3_head()
+    assert_ranks_like_the_whole_vocabulary(HeadDrafter(head), SimpleNamespace(dtype=torch.float32),
+                                           head.config.hidden_size)
 
 
 def test_a_chain_stopped_by_draft_min_prob_keeps_outputs_exact(setup):
