@@ -128,6 +128,12 @@ class TinyHead:
         logits = target.lm_head(states)
         return logits if self.vocab is None else logits.masked_fill(~self.vocab, float("-inf"))
 
+    def logits_on_ids(self, states, target):
+        if self.vocab is None:
+            return target.lm_head(states), None
+        ids = self.vocab.nonzero().squeeze(-1)
+        return target.lm_head(states)[..., ids], ids
+
 
 def bad_head(seed: int) -> TinyHead:
     return TinyHead(TinyLM(seed, scale=6.0), shift=0)
