@@ -21,7 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 RESULTS = ROOT / "benchmarks" / "real_lm" / "results"
-LINEAGE = ["msd/stage1:4:10032:0", "msd/stage2:4:10032:3666", "msd-cont/stage2:16:12234:7482"]
+LINEAGE = ["msd/stage1:4:10032:0", "msd/stage2:4:10032:3666", "msd-cont/stage2:16:12234:7482",
+           "msd-epochs/stage2:16:12234:7482"]
 CPU_NAMES = {"native": "AMD EPYC, AVX-512 BF16 (2 cores)",
              "avx2": "the same CPU limited to AVX2 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 "
                      "MKL_ENABLE_INSTRUCTIONS=AVX2): no native bf16"}
