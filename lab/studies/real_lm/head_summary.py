@@ -39,11 +39,13 @@ def _rounded(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
 
-def tau_vs_epochs(lineage: list[str], table_from: str) -> tuple[list[dict], dict]:
+def tau_vs_epochs(lineage: list[str], table_from: str, head_step: int | None = None) -> tuple[list[dict], dict]:
     """Held-out simulated tau at each validation of the lineage's runs from ``table_from`` on (the
     runs validated on today's held-out splits), beside the epochs of text and images seen by then
-    (the runs before them counted in full)."""
+    (the runs before them counted in full); and the epochs the head has seen: through step
+    ``head_step`` of the last run (None: all of it), the run going on past the head."""
     seen = {"text": 0.0, "images": 0.0}
+    head_epochs = None
     table = []
     runs = [spec.split(":")[0] for spec in lineage]
     if table_from not in runs:
@@ -52,6 +54,8 @@ def tau_vs_epochs(lineage: list[str], table_from: str) -> tuple[list[dict], dict
         run, per_step, n_text, n_mm = spec.split(":")
         per_step, n_text, n_mm = int(per_step), int(n_text), int(n_mm)
         for r in rows(run):
+            if k == len(lineage) - 1 and head_step is not None and r["step"] > head_step and head_epochs is None:
+                head_epochs = dict(seen)
             if "mm_share" in r:  # a training step: its share of image conversations, as drawn
                 mm = r["mm_share"] * per_step
                 seen["text"] += (per_step - mm) / n_text
@@ -64,7 +68,7 @@ def tau_vs_epochs(lineage: list[str], table_from: str) -> tuple[list[dict], dict
                               "sim_tau_text": round(r["val/text/sim_tau"], 4),
                               "sim_tau_images": _rounded(r.get("val/mm/sim_tau")),
                               "top1_text": round(r["val/text/top1"], 4), "top1_images": _rounded(r.get("val/mm/top1"))})
-    return table, {key: round(v, 3) for key, v in seen.items()}
+    return table, {key: round(v, 3) for key, v in (head_epochs or seen).items()}
 
 
 def by_cpu() -> tuple[dict, dict]:
@@ -118,12 +122,13 @@ def main() -> None:
     ap.add_argument("--head", default="msd-stage2")
     ap.add_argument("--lineage", nargs="+", default=LINEAGE)
     ap.add_argument("--table-from", default="msd-cont/stage2", help="the first run validated on today's held-out splits")
+    ap.add_argument("--head-step", type=int, help="the committed head's step in the lineage's last run (default: its end)")
     a = ap.parse_args()
     path = ROOT / "benchmarks" / "real_lm" / "summary.json"
     summary = json.loads(path.read_text())
     cpus, best = by_cpu()
     native = CPU_NAMES["native"]
-    table, epochs = tau_vs_epochs(a.lineage, a.table_from)
+    table, epochs = tau_vs_epochs(a.lineage, a.table_from, a.head_step)
     plot_tau_vs_epochs(table, RESULTS / "scale" / "tau_vs_epochs.png")
     summary["heads"][a.head] = {
         "setting": OVERRIDES[best[native]],
@@ -132,6 +137,7 @@ def main() -> None:
         "by_cpu": cpus,
         "accept_at_pos": cpus[native]["chain1"]["accept_at_pos"],
         "epochs": epochs,
+        "lineage_step": {"run": a.lineage[-1].split(":")[0], "step": a.head_step},
         "tau_vs_epochs": table,
         "on_policy": on_policy(),
     }
