@@ -348,10 +348,9 @@ def check_head(draft, draft_vocab=None) -> None:
     except IncompleteHeadError as e:
         raise ConfigError(f"draft={draft} is not a draft head: {e}") from e
     if draft_vocab is not None:
-        from msd_train.hub.folders import read_config
-
         import msd_train.draft  # noqa: F401  (registers the heads)
         from msd_train.draft.head import head_class_of_config
+        from msd_train.hub.folders import read_config
 
         config = read_config(path)
         head = head_class_of_config(config.get("model_type", ""))

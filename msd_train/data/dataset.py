@@ -52,10 +52,38 @@ class Split:
 
     dataset: object  # datasets.Dataset with id, input_ids, loss_mask, images, n_visual, source
     skipped: list[BadSample] = field(default_factory=list)
-    #: (V,) int64: how often each target id is an assistant (loss) token over ``dataset``, kept in
-    #: the cache folder so that a launch after the first reads no ids for it; None: not known
-    #: (no cache, or rows left out since the cache was written): count them
-    token_counts: object = None
+    #: the cache folder whose usable rows ``dataset`` holds, all of them: ``token_counts`` keeps
+    #: its counts there (None: no cache, or rows left out since it was written)
+    counts_home: Path | None = None
+
+    def token_counts(self, vocab_size: int):
+        """(V,) int64 tensor: how often each target id is an assistant (loss) token over
+        ``dataset``. Counted once per cache folder and kept there (``token_counts-V.npy``,
+        atomically), so a launch after the first reads no ids for them; a read-only cache, or
+        none, counts at each call."""
+        import numpy as np
+        import torch
+
+        from msd_train.draft.vocabulary import token_counts
+
+        path = None if self.counts_home is None else self.counts_home / f"token_counts-{vocab_size}.npy"
+        if path is not None:
+            try:
+                counts = np.load(path)
+                if counts.shape == (vocab_size,) and counts.dtype == np.int64:
+                    return torch.from_numpy(counts)
+            except (OSError, ValueError):
+                pass
+        counts = token_counts([self.dataset], vocab_size)
+        if path is not None:
+            tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}.npy")
+            try:
+                np.save(tmp, counts.numpy())
+                tmp.replace(path)
+            except OSError as e:
+                log.info("the token counts of %s are not kept (%s): counted again at the next launch", self.counts_home, e)
+                tmp.unlink(missing_ok=True)
+        return counts
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -431,8 +459,9 @@ def _build(sources: list[dict], target: TargetProtocol, max_length: int, on_bad_
 
 
 def _select_usable(ds, on_bad_sample: str, image_dirs: list[str] | None = None, hint: str = ""):
-    """(the rows that can be trained on, the BadSamples of the others); with ``image_dirs``,
-    a row whose image is no longer listed in its folder is one of the others."""
+    """(the rows that can be trained on, the BadSamples of the others, how many of those were
+    usable when tokenised); with ``image_dirs``, a row whose image is no longer listed in its
+    folder is one of the others."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -465,7 +494,7 @@ def _select_usable(ds, on_bad_sample: str, image_dirs: list[str] | None = None, 
             raise BadSampleError(b)
         out.append(b)
     keep = np.flatnonzero(~(bad | gone))
-    return (ds if len(keep) == len(ds) else ds.select(keep)), out
+    return (ds if len(keep) == len(ds) else ds.select(keep)), out, int((gone & ~bad).sum())
 
 
 def _restored(ds) -> bool:
@@ -541,45 +570,10 @@ def build_split(
         skipped.append(b)
     if len(ds) == 0:
         return Split(datasets.Dataset.from_dict({}), skipped)
-    usable = len(ds) - _count_bad(ds)
-    ds, bad = _select_usable(ds, on_bad_sample, manifest["image_dirs"] if cache else None, hint)
+    ds, bad, gone = _select_usable(ds, on_bad_sample, manifest["image_dirs"] if cache else None, hint)
     ds = ds.remove_columns(["bad", "fix", "missing"])
-    # the cached counts are of every usable row; a row left out since (its image is gone) is not in them
-    counts = _cached_counts(entry, ds, target.vocab_size) if cache is not None and len(ds) == usable else None
-    return Split(ds, skipped + bad, counts)
-
-
-def _count_bad(ds) -> int:
-    import pyarrow.compute as pc
-
-    table = ds.data.table if hasattr(ds.data, "table") else ds.data
-    return int(pc.sum(pc.not_equal(table.column("bad"), "")).as_py() or 0)
-
-
-def _cached_counts(entry: Path, ds, vocab_size: int):
-    """``Split.token_counts`` of the usable rows ``ds`` of the cache folder ``entry``: read from
-    ``token_counts-V.npy`` there, or counted and written there (atomically; a read-only cache
-    is counted at each launch, as without one)."""
-    import numpy as np
-
-    from msd_train.draft.vocabulary import token_counts
-
-    path = entry / f"token_counts-{vocab_size}.npy"
-    try:
-        counts = np.load(path)
-        if counts.shape == (vocab_size,) and counts.dtype == np.int64:
-            return counts
-    except (OSError, ValueError):
-        pass
-    counts = token_counts([ds], vocab_size).numpy()
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}.npy")
-    try:
-        np.save(tmp, counts)
-        tmp.replace(path)
-    except OSError as e:
-        log.info("the token counts of %s are not kept (%s): counted again at the next launch", entry, e)
-        tmp.unlink(missing_ok=True)
-    return counts
+    # the kept counts are of every usable row; a row left out since (its image is gone) is not in them
+    return Split(ds, skipped + bad, entry if cache is not None and not gone else None)
 
 
 def write_skipped(path: str | Path, skipped: list[BadSample]) -> None:

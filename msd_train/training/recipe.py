@@ -43,7 +43,7 @@ from msd_train.data.collate import StepBatches, collate, step_loader
 from msd_train.data.curriculum import Curriculum, mm_share, sample_lengths
 from msd_train.data.dataset import build_split, split_limit, write_skipped
 from msd_train.draft import DraftHead, MSDDraftModel, head_class
-from msd_train.draft.vocabulary import draft_vocabulary, load_counts, most_frequent, token_counts
+from msd_train.draft.vocabulary import draft_vocabulary, load_counts, most_frequent
 from msd_train.features import make_feature_source
 from msd_train.paths import portable_name
 from msd_train.targets import load_target
@@ -220,7 +220,7 @@ class TrainRecipe:
                                            d.num_proc, limit)
                 skipped += splits[name].skipped
         self.text, self.mm = splits["text"].dataset, splits["mm"].dataset
-        self._split_counts = [splits["text"].token_counts, splits["mm"].token_counts]  # None: count them
+        self._train_splits = (splits["text"], splits["mm"])  # their token counts: _build_draft
         self.heldout = {k.split("_")[1]: v.dataset for k, v in splits.items() if k.startswith("heldout") and len(v)}
         if self.main:
             if skipped:
@@ -269,8 +269,7 @@ class TrainRecipe:
             draft = head_cls(config)
         # this stage's assistant tokens: an msd3 head's draft vocabulary, and every export's
         # token_counts.safetensors (decoding.draft_vocab restricts an msd head to its most frequent)
-        self.token_counts = sum(torch.from_numpy(c) if c is not None else token_counts([ds], self.target.vocab_size)
-                                for ds, c in zip([self.text, self.mm], self._split_counts))
+        self.token_counts = sum(s.token_counts(self.target.vocab_size) for s in self._train_splits)
         earlier = load_counts(init) if init is not None else None
         if earlier is not None and earlier.shape == self.token_counts.shape:
             self.token_counts += earlier  # what the head saw in the stages before this one

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from msd_train.data.dataset import build_split, image_size, load_images, truncate
@@ -196,20 +197,23 @@ def test_the_token_counts_are_kept_with_the_cache_and_leave_out_a_row_whose_imag
 
     src, cache = _mm_data(tmp_path), str(tmp_path / "cache")
     cold = build_split(src, llava_target, 4096, cache_dir=cache)
-    fresh = token_counts([cold.dataset], llava_target.vocab_size).numpy()
-    assert np.array_equal(cold.token_counts, fresh) and fresh.sum() > 20
+    fresh = token_counts([cold.dataset], llava_target.vocab_size)
+    assert torch.equal(cold.token_counts(llava_target.vocab_size), fresh) and fresh.sum() > 20
 
     def no_counting(*a, **k):
         raise AssertionError("a warm launch read the ids to count them")
 
     monkeypatch.setattr(vocabulary, "token_counts", no_counting)
     warm = build_split(src, llava_target, 4096, cache_dir=cache)
-    assert np.array_equal(warm.token_counts, fresh)
+    assert torch.equal(warm.token_counts(llava_target.vocab_size), fresh)
     monkeypatch.undo()
     (tmp_path / "img" / "2.jpg").unlink()
     fewer = build_split(src, llava_target, 4096, cache_dir=cache)
-    assert [b.id for b in fewer.skipped] == ["s2"] and fewer.token_counts is None  # the trainer counts these rows
-    assert build_split(src, llava_target, 4096).token_counts is None  # no cache: nothing kept
+    assert [b.id for b in fewer.skipped] == ["s2"] and fewer.counts_home is None  # the trainer counts these rows
+    assert torch.equal(fewer.token_counts(llava_target.vocab_size),
+                       token_counts([fewer.dataset], llava_target.vocab_size))
+    assert not torch.equal(fewer.token_counts(llava_target.vocab_size), fresh)
+    assert build_split(src, llava_target, 4096).counts_home is None  # no cache: nothing kept
 
 
 def test_a_touched_file_keeps_its_cache_and_a_changed_one_is_tokenised_again(llava_target, tmp_path, caplog):
