@@ -7,7 +7,8 @@
 # store over all splits for STEPS steps, default 12,320 = 10 epochs of 19,716 conversations at 16 a step,
 # the field's settings: lr 1e-4, 30 warm-up steps, cosine; image share 0.38, the data's own; bf16
 # training, 1.48x fp32's tokens/s on this CPU with AVX-512 BF16, the same losses; validated every half
-# epoch: a validation costs ~1.5 min here, the full-vocabulary argmax at every held-out position),
+# epoch and checkpointed every quarter unless EVERY / CKPT say otherwise: a validation costs ~1.5 min
+# here, the full-vocabulary argmax at every held-out position),
 # settings-field-N / settings-today-N (msd stage 1 from scratch on N text conversations from the store:
 # lr 1e-4, 30 warm-up steps, global batch 16 by 4 accumulation steps / the defaults: lr 3e-4, 20 warm-up
 # steps, batch 4; both cosine to a tenth, bf16, validated every 1,024 conversations), msd-nodecouple (stage 2 from msd's stage 1 with
@@ -46,7 +47,7 @@ case $run in
   msd-cont*) launch target.dtype=bf16 train.loader_workers=1 eval.every=100 checkpoint.every=50 stage=2 \
         train.max_steps="$S2" train.lr=1e-4 train.warmup_steps=30 train.grad_accum=4 stage.curriculum.start=0.5 \
         stage.curriculum.end=0.5 stage.init_from=data/smollm2-llava-heads/msd-stage2 "${msd[@]}" run_dir="$W/runs/$run" ;;
-  msd-epochs*) EVERY=616 CKPT=308 train stage=2 train.max_steps="${STEPS:-12320}" train.lr=1e-4 train.warmup_steps=30 train.grad_accum=4 \
+  msd-epochs*) EVERY=${EVERY:-616} CKPT=${CKPT:-308} train stage=2 train.max_steps="${STEPS:-12320}" train.lr=1e-4 train.warmup_steps=30 train.grad_accum=4 \
         train.precision=bf16 \
         stage.curriculum.start=0.38 stage.curriculum.end=0.38 stage.init_from=data/smollm2-llava-heads/msd-stage2 \
         "${msd[@]}" run_dir="$W/runs/$run" ;;

@@ -20,20 +20,6 @@ ARMS = {  # arm -> (conversations per optimizer step, what it sets)
 }
 
 
-def compact(path_in, path_out) -> None:
-    """A run's metrics.jsonl as committed: validation lines whole, training lines with the fields
-    the tables read (the whole file is ~300 bytes a step)."""
-    import gzip
-
-    keep = ("step", "loss", "top1", "mm_share", "lr", "tokens_per_s")
-    with open(path_in) as src, gzip.GzipFile(path_out, "wb", mtime=0) as raw:
-        for line in src:
-            r = json.loads(line)
-            if not any(k.startswith("val/") for k in r):
-                r = {k: (float(f"{r[k]:.5g}") if isinstance(r[k], float) else r[k]) for k in keep if k in r}
-            raw.write((json.dumps(r) + "\n").encode())
-
-
 def table(n: int) -> dict:
     out = {}
     for arm, (per_step, what) in ARMS.items():
