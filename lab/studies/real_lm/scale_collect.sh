@@ -4,10 +4,11 @@
 #   lab/studies/real_lm/scale_collect.sh WORK            everything
 #   lab/studies/real_lm/scale_collect.sh WORK RUN...     only these runs' metrics, compacted
 #                                                        (lab/studies/real_lm/compact_metrics.py): a run in progress
+# OUT: where they go instead of benchmarks/real_lm/results/scale.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 W=${1:-/work/scale}
-out=benchmarks/real_lm/results/scale
+out=${OUT:-benchmarks/real_lm/results/scale}
 if [ $# -gt 1 ]; then
     for run in "${@:2}"; do
         found=0
