@@ -2,7 +2,8 @@
 only: the decoder on each CPU kind (``results/any_cpu/summary.json``, ``lab/bench/any_cpu.sh``), the
 epochs it has trained and held-out simulated tau against them (the lineage's metrics under
 ``results/scale/runs/``), and the on-policy comparison (``results/on_policy/results.json``,
-``lab/studies/on_policy.py``). Run after ``scale_summary`` (which rewrites the file from a WORK folder).
+``lab/studies/on_policy.py``), and the head served by vLLM where ``results/served/`` holds its
+reports (``scale_serve.sh``). Run after ``scale_summary`` (which rewrites the file from a WORK folder).
 
     python -m lab.studies.real_lm.head_summary [--head msd-stage2]
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -112,6 +114,19 @@ def plot_tau_vs_epochs(table: list[dict], out: Path) -> None:
     fig.savefig(out, dpi=120)
 
 
+def served(head: str) -> dict:
+    """The committed head served by vLLM (``results/served/NAME-rN/report.json``, ``scale_serve.sh``
+    reports copied there; NAME is the head's name, with ``-float32`` for vLLM in fp32)."""
+    from lab.studies.real_lm.scale_summary import served_summary
+
+    reports: dict[str, list[dict]] = {}
+    for rep in sorted((RESULTS / "served").glob(f"{head}*-r*/report.json")):
+        name = re.sub(r"-r\d+$", "", rep.parent.name)
+        if name in (head, f"{head}-float32"):
+            reports.setdefault(name, []).append(json.loads(rep.read_text()))
+    return served_summary(reports, [])
+
+
 def on_policy() -> dict | None:
     path = RESULTS / "on_policy" / "results.json"
     return json.loads(path.read_text()) if path.is_file() else None
@@ -140,10 +155,17 @@ def main() -> None:
         "lineage_step": {"run": a.lineage[-1].split(":")[0], "step": a.head_step},
         "tau_vs_epochs": table,
         "on_policy": on_policy(),
+        "served": served(a.head),
     }
+    own = summary["heads"][a.head]["served"].get(a.head)
+    if own:  # the committed head served (bf16, as a user would): the headline
+        summary["vllm_served_speedup"] = own["speedup"]
     if "served" in summary:  # scale_summary's vLLM figures were taken of the heads before this entry's training
-        summary["served_note"] = (f"'served' and 'vllm_served_speedup' were measured on the heads scale_summary saw; "
-                                  f"{a.head} has trained on since (heads.{a.head}.tau_vs_epochs), unserved since")
+        summary["served_note"] = (f"'served' holds the heads scale_summary saw; {a.head} has trained on since "
+                                  f"(heads.{a.head}.tau_vs_epochs): " + (
+                                      f"heads.{a.head}.served is the committed head served, and "
+                                      f"'vllm_served_speedup' its bf16 median" if own else
+                                      "unserved since; 'vllm_served_speedup' is an earlier msd-stage2's"))
     path.write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({k: v for k, v in summary["heads"][a.head].items() if k not in ("by_cpu", "on_policy")}, indent=1))
 
