@@ -4,6 +4,8 @@ Layout of a stage folder::
 
     stage1/checkpoints/step-000100/   DeepSpeed engine state (tag "engine") + recipe_state.json
                                       + portable.pt (the same state in a form any world size loads)
+                                      + token_counts.safetensors (the counts the stage started with:
+                                      a resume trains over the same draft.train_vocab)
     stage1/checkpoints/.tmp-...       a write in progress (ignored, removed on the next save)
     stage1/final/, stage1/best/       exports: config.json + model.safetensors (written like
                                       checkpoints: into .tmp-final, then renamed)

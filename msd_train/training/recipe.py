@@ -43,7 +43,7 @@ from msd_train.data.collate import StepBatches, collate, step_loader
 from msd_train.data.curriculum import Curriculum, mm_share, sample_lengths
 from msd_train.data.dataset import build_split, split_limit, write_skipped
 from msd_train.draft import DraftHead, MSDDraftModel, head_class
-from msd_train.draft.vocabulary import draft_vocabulary, load_counts, most_frequent
+from msd_train.draft.vocabulary import draft_vocabulary, load_counts, most_frequent, save_counts
 from msd_train.features import make_feature_source
 from msd_train.paths import portable_name
 from msd_train.targets import load_target
@@ -269,10 +269,12 @@ class TrainRecipe:
             draft = head_cls(config)
         # this stage's assistant tokens: an msd3 head's draft vocabulary, and every export's
         # token_counts.safetensors (decoding.draft_vocab restricts an msd head to its most frequent)
-        self.token_counts = sum(s.token_counts(self.target.vocab_size) for s in self._train_splits)
-        earlier = load_counts(init) if init is not None else None
-        if earlier is not None and earlier.shape == self.token_counts.shape:
-            self.token_counts += earlier  # what the head saw in the stages before this one
+        self.token_counts = self._resumed_counts()
+        if self.token_counts is None:
+            self.token_counts = sum(s.token_counts(self.target.vocab_size) for s in self._train_splits)
+            earlier = load_counts(init) if init is not None else None
+            if earlier is not None and earlier.shape == self.token_counts.shape:
+                self.token_counts += earlier  # what the head saw in the stages before this one
         if draft.has_draft_vocabulary and init is None:
             draft.set_vocabulary(*draft_vocabulary(self.token_counts, draft.config.draft_vocab_size))
         try:
@@ -290,6 +292,24 @@ class TrainRecipe:
                                     f"({self.target.vocab_size}); drop it to train over the whole vocabulary")
             objective.set_train_vocabulary(self.target, most_frequent(self.token_counts, int(train_vocab)))
         return draft.to(self.device).train(), objective
+
+    def _resumed_counts(self):
+        """A resume's token counts: the ones the stage started with, kept in its checkpoints. Counted
+        again they would miss the head the stage started from (``stage.init_from`` is read only on
+        a fresh start, and may have changed since), and ``draft.train_vocab`` would pick another
+        vocabulary for the steps to come than the steps so far were trained over."""
+        if self.start.checkpoint is None:
+            return None
+        for cand in self.start.candidates:
+            counts = load_counts(cand)
+            if counts is not None and counts.shape == (self.target.vocab_size,):
+                return counts
+        if self.cfg.stage.init_from:
+            log.warning("resume: %s keeps no token counts (written before checkpoints kept them): they are counted "
+                        "again from this stage's data alone, without those of the head it started from, so "
+                        "draft.train_vocab may now pick another vocabulary than the steps so far used",
+                        self.start.checkpoint)
+        return None
 
     # ------------------------------------------------------------------ resume
     @functools.cached_property
@@ -552,6 +572,7 @@ class TrainRecipe:
                      "bad_total": self.bad_total, "best_tau": self.best_tau, "global_batch": self.global_batch,
                      "world_size": self.world, "zero_stage": self.start.zero_stage, "target": self.identity}
             with ckpt.writing(self.ckpt_root, tmp, f"checkpoint step {self.step}"):
+                save_counts(tmp, self.token_counts)  # a resume trains over the same vocabulary (_resumed_counts)
                 ckpt.finish(tmp, ckpt.step_dir(self.ckpt_root, self.step), state)
             ckpt.rotate(self.ckpt_root, self.cfg.checkpoint.keep)
         self.group.barrier()

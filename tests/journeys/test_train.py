@@ -190,6 +190,48 @@ def test_resume_after_kill_is_exact(mini_run, tmp_path, head):
     assert "already finished" in again.stderr + again.stdout
 
 
+def _kill_at_first_checkpoint(args, stage_dir):
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = stage_dir / "checkpoints" / "step-000002" / "recipe_state.json"
+    deadline = time.time() + 300
+    while not first.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (stage_dir / "final").exists(), "the run finished before it could be interrupted"
+
+
+@pytest.mark.slow
+def test_a_resumed_stage_keeps_the_vocabulary_of_the_head_it_started_from(mini_run, tmp_path):
+    """Stage 2 from a stage-1 head over draft.train_vocab: the token counts (the train vocabulary,
+    and the export's token_counts.safetensors) are the stage's data plus the head's it started from.
+    A resume reads stage.init_from no more (it may have changed, as when the head is replaced
+    by one of this very run's exports), so the checkpoint keeps the counts: the resumed stage
+    trains over the same vocabulary and ends where the uninterrupted one does."""
+    from msd_train.draft.vocabulary import load_counts
+
+    common = [*mini_run, "train.max_steps=2", "eval.every=100", "checkpoint.every=100", "train.micro_batch_size=2",
+              "draft.train_vocab=24"]
+    train(["stage=1", *common, f"run_dir={tmp_path / 's1'}"])
+    head = tmp_path / "s1" / "stage1" / "final"
+    stage1_counts = load_counts(head)
+    stage2 = ["stage=2", *common, "train.max_steps=6", "checkpoint.every=2", f"stage.init_from={head}"]
+    train([*stage2, f"run_dir={tmp_path / 'straight'}"])
+    run = tmp_path / "resumed"
+    _kill_at_first_checkpoint([*stage2, f"run_dir={run}"], run / "stage2")
+    (head / "token_counts.safetensors").unlink()  # the head it started from changed since
+    out = train([*stage2, f"run_dir={run}"])
+    assert "resuming from" in out.stderr + out.stdout
+    straight = load_counts(tmp_path / "straight" / "stage2" / "final")
+    assert torch.equal(load_counts(run / "stage2" / "final"), straight)
+    assert (straight >= stage1_counts).all() and straight.sum() > stage1_counts.sum()  # its data's added
+    a, b = weights(tmp_path / "straight", stage=2), weights(run, stage=2)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+    assert losses(tmp_path / "straight", stage=2) == losses(run, stage=2)
+
+
 @pytest.mark.slow
 def test_two_ranks_equal_one_rank_with_double_accumulation(mini_run, tmp_path):
     common = [*mini_run, "train.max_steps=3", "eval.every=100", "checkpoint.every=100",
