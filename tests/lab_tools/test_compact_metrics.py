@@ -36,3 +36,17 @@ def test_collect_names_a_run_it_cannot_find(tmp_path):
                          capture_output=True, text=True)
     assert res.returncode != 0
     assert f"no {tmp_path}/runs/no-such-run/stage*/metrics.jsonl" in res.stderr
+
+
+def test_collect_everything_compacts_every_runs_metrics_the_same_way(tmp_path):
+    rows = _run(tmp_path, "probe-run")
+    (tmp_path / "runs" / "no-metrics-yet" / "stage1").mkdir(parents=True)  # a run that has not logged: passed over
+    (tmp_path / "splits").mkdir()
+    (tmp_path / "splits" / "splits.json").write_text("{}")
+    out = tmp_path / "collected"
+    subprocess.run(["bash", "lab/studies/real_lm/scale_collect.sh", str(tmp_path)], cwd=ROOT, check=True,
+                   capture_output=True, text=True, env={**os.environ, "OUT": str(out)})
+    got = [json.loads(line) for line in gzip.open(out / "runs" / "probe-run" / "stage2" / "metrics.jsonl.gz", "rt")]
+    assert got[2] == rows[2] and set(got[0]) == {"step", "loss", "top1", "mm_share", "lr", "tokens_per_s"}
+    assert not (out / "runs" / "no-metrics-yet").exists()
+    assert (out / "splits.json").read_text() == "{}"
