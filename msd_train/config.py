@@ -33,6 +33,26 @@ if not OmegaConf.has_resolver("run_dir_path"):
     OmegaConf.register_new_resolver("run_dir_path", _run_dir_path)
 
 
+def _recipe_stage(*, _root_):
+    """The experiment's settings for this launch's stage (``stage=N``); stage 1's for the commands
+    that have no stage (the feature store, the splits), which read only what all stages share."""
+    stage = OmegaConf.select(_root_, "stage.id", default=1)
+    stages = OmegaConf.select(_root_, "recipe.stages", default=None)
+    if stages is None or stages.get(str(stage)) is None:
+        from msd_train.errors import ConfigError
+
+        name = OmegaConf.select(_root_, "recipe.name", default="this experiment")
+        have = ", ".join(f"stage={k}" for k, v in (stages or {}).items() if v is not None)
+        with user_errors():
+            raise ConfigError(f"experiment={name} has no stage {stage} (recipe.stages): launch one of {have}")
+    return stages[str(stage)]
+
+
+# ${recipe_stage:}: conf/experiment/NAME.yaml's recipe.stages entry for the stage being launched
+if not OmegaConf.has_resolver("recipe_stage"):
+    OmegaConf.register_new_resolver("recipe_stage", _recipe_stage)
+
+
 def strip_launcher_args(argv: list[str] | None = None) -> None:
     """Turn launcher arguments into something Hydra accepts (in place).
 

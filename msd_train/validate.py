@@ -73,8 +73,56 @@ def _wandb(cfg, key: str) -> None:
                       f"log in, or use {key}.mode=offline (sync later with `wandb sync`) or disabled")
 
 
+def experiments() -> list[str]:
+    """The names ``experiment=`` takes: conf/experiment/NAME.yaml."""
+    return sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "experiment").glob("*.yaml"))
+
+
+def _recipe_command(cfg, script: str, stage: int | None = None) -> str:
+    """The command that runs ``script`` for this launch's experiment (``conf/experiment/NAME.yaml``),
+    with the work folder when it is not the experiment's own."""
+    name, work = _get(cfg, "recipe.name"), _get(cfg, "recipe.work")
+    parts = [script, f"experiment={name}"]
+    if work not in (_MISSING, None) and str(work) != f"work/{name}":
+        parts.append(f"recipe.work={work}")
+    if stage is not None:
+        parts.append(f"stage={stage}")
+    return " ".join(parts)
+
+
+def check_experiment(cfg) -> None:
+    """An experiment (``experiment=NAME``) launched as its recipe says: on its own target, and each
+    step after the one it needs (the feature store before training from it, stage N-1 before stage N),
+    refused before anything is read or written, naming the command that comes first."""
+    name = _get(cfg, "recipe.name")
+    if name in (_MISSING, None):
+        return
+    want, chosen = _get(cfg, "recipe.target"), _get(cfg, "recipe.target_chosen")
+    if want not in (_MISSING, None) and chosen not in (_MISSING, None) and want != chosen:
+        raise ConfigError(f"experiment={name} is the recipe for target={want}, but this launch says target={chosen}; "
+                          f"drop target= (to train {want}), or pick the experiment of another target "
+                          f"({', '.join(experiments())}), or point the target elsewhere with target.name_or_path=DIR")
+    stage = _get(cfg, "stage.id")
+    if stage is _MISSING:  # a command with no stage (the feature store): its data is checked by the caller
+        return
+    if _get(cfg, "features.mode") == "offline":
+        store = user_path(str(_get(cfg, "features.path")))
+        if not (store / "manifest.json").is_file():
+            raise ConfigError(f"experiment={name} trains from a feature store, and {store} (features.path) holds none "
+                              f"yet; make it first: `{_recipe_command(cfg, 'python scripts/generate_features.py')}` "
+                              f"(or train without one: features=online)")
+    init, run_dir = _get(cfg, "stage.init_from"), _get(cfg, "run_dir")
+    if isinstance(stage, int) and stage > 1 and init not in (_MISSING, None) and run_dir not in (_MISSING, None):
+        earlier = user_path(str(run_dir)) / f"stage{stage - 1}" / "final"
+        if user_path(str(init)) == earlier and not (earlier / "config.json").is_file():
+            raise ConfigError(f"stage {stage} of experiment={name} starts from stage {stage - 1}'s head ({earlier}), "
+                              f"which does not exist yet; run `{_recipe_command(cfg, 'deepspeed train.py', stage - 1)}` "
+                              f"first (a stopped one resumes when launched again)")
+
+
 def check_train(cfg) -> None:
     """``train.py``'s config (a plain dict or DictConfig)."""
+    check_experiment(cfg)
     for key in ("train.max_steps", "train.micro_batch_size", "train.grad_accum", "train.max_bad_steps",
                 "eval.every", "eval.rollout", "eval.batch_size", "checkpoint.every", "data.max_length",
                 "data.num_proc"):
@@ -377,6 +425,7 @@ def check_out_dir(out: str | Path) -> None:
 
 def check_generate(cfg) -> None:
     """``scripts/generate_features.py``'s config."""
+    check_experiment(cfg)
     _number(cfg, "batch_size", int, lo=1)
     _number(cfg, "features.samples_per_shard", int, lo=1)
     _number(cfg, "dist.timeout_minutes", float, lo=0, lo_open=True)

@@ -52,7 +52,8 @@ def test_documented_command_composes(doc, entry, args):
 def test_every_option_of_every_group_composes():
     """A user can select each file of conf/<group>/: the training groups in train.py,
     the evaluation ones in eval.py."""
-    for group in sorted(p for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hub"):
+    # recipe_base/: what the experiments include, never selected on its own
+    for group in sorted(p for p in CONF_DIR.iterdir() if p.is_dir() and p.name not in ("hub", "recipe_base")):
         entry = "eval.py" if group.name in ("bench", "decoding") else "train.py"
         for option in sorted(group.glob("*.yaml")):
             compose_entry(entry, [f"{group.name}={option.stem}"])
@@ -102,3 +103,105 @@ def test_launcher_arguments_are_made_hydra_safe(monkeypatch):
     import os
 
     assert os.environ["LOCAL_RANK"] == "1"
+
+
+def compose_resolved(entry, overrides):
+    """The config as the command sees it, interpolations resolved (``${hydra:...}`` included)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+
+    conf_dir, name = {**ENTRY_POINTS, "generate_features.py": (CONF_DIR, "generate_features")}[entry]
+    argv = [entry, *overrides]
+    strip_launcher_args(argv)
+    with initialize_config_dir(config_dir=str(conf_dir), version_base=None):
+        cfg = hydra_compose(config_name=name, overrides=argv[1:], return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        with open_dict(cfg):
+            del cfg["hydra"]
+        return OmegaConf.to_container(cfg, resolve=True)
+
+
+EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+
+
+def test_there_is_an_experiment_for_every_real_target():
+    real = {p.stem for p in (CONF_DIR / "target").glob("*.yaml")} - {"tiny"}
+    assert real <= set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_each_experiment_composes_each_stage_as_its_recipe_says(name):
+    """``train.py experiment=NAME stage=N`` gets the recipe's stage N: its steps, lr, warm-up and
+    curriculum, on the experiment's own target, with bf16 and a global batch that is the recipe's."""
+    import yaml
+
+    text = (CONF_DIR / "experiment" / f"{name}.yaml").read_text()
+    assert "deepspeed train.py experiment=" + name in text  # the file says how to launch it
+    stages = {}
+    for stage in ("1", "2", "3"):
+        cfg = compose_resolved("train.py", [f"experiment={name}", f"stage={stage}"])
+        assert cfg["recipe"]["target"] == cfg["recipe"]["target_chosen"]
+        want = cfg["recipe"]["stages"][stage]
+        assert cfg["train"]["max_steps"] == want["max_steps"]
+        assert cfg["train"]["lr"] == want["lr"] and cfg["train"]["warmup_steps"] == want["warmup_steps"]
+        assert cfg["eval"]["every"] == cfg["checkpoint"]["every"] == want["every"]
+        for k in ("start", "end", "ramp_steps"):
+            assert cfg["stage"]["curriculum"][k] == want["curriculum"][k]
+        assert cfg["train"]["precision"] == "bf16"
+        assert cfg["run_dir"].startswith(cfg["recipe"]["work"])
+        stages[stage] = cfg
+    assert stages["1"]["stage"]["curriculum"]["end"] == 0  # stage 1 is text only
+    assert stages["2"]["stage"]["curriculum"]["ramp_steps"] > 0  # stage 2 ramps images in
+    assert stages["2"]["stage"]["init_from"].endswith("stage1/final")
+    assert stages["1"]["target"]["name_or_path"] == compose_resolved(
+        "train.py", [f"target={stages['1']['recipe']['target']}"])["target"]["name_or_path"]
+    assert yaml.safe_load(text)  # plain YAML a reader can load
+
+
+def test_a_command_line_value_wins_over_the_experiment():
+    cfg = compose_resolved("train.py", ["experiment=smollm2_llava", "stage=2", "train.max_steps=7",
+                                        "recipe.stages.2.lr=0.001"])
+    assert cfg["train"]["max_steps"] == 7 and cfg["train"]["lr"] == 0.001
+
+
+def test_the_feature_store_command_takes_the_experiment():
+    cfg = compose_resolved("generate_features.py", ["experiment=smollm2_llava", "recipe.work=/w"])
+    assert cfg["features"]["path"] == "/w/store"
+    assert cfg["data"]["text"][0]["path"] == "/w/splits/text_train.jsonl"
+    assert cfg["target"]["name_or_path"].endswith("data/smollm2-llava")
+
+
+def test_head_eagle3_is_msd3_without_decoupling():
+    eagle3 = compose_resolved("train.py", ["head=eagle3"])["draft"]
+    msd3 = compose_resolved("train.py", ["head=msd3"])["draft"]
+    assert eagle3["architecture"] == "msd3" and eagle3["decouple_visual"] is False
+    assert {k: v for k, v in eagle3.items() if k != "decouple_visual"} == {
+        k: v for k, v in msd3.items() if k != "decouple_visual"}
+
+
+def test_an_unknown_experiment_is_refused_listing_those_that_exist():
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_entry("train.py", ["experiment=smolm2_llava"])
+    assert "smollm2_llava" in str(err.value) and "qwen25vl_7b" in str(err.value)
+    assert "recipe_base" not in str(err.value)
+
+
+def test_a_recipe_step_out_of_order_names_the_command_that_comes_first(tmp_path):
+    """Training from a store not made yet, stage 2 before stage 1, an experiment on another target:
+    refused before anything is read or written, with the command to run first."""
+    from msd_train.validate import ConfigError, check_train
+
+    work = ["experiment=smollm2_llava", f"recipe.work={tmp_path}"]
+    with pytest.raises(ConfigError, match=re.escape(
+            f"`python scripts/generate_features.py experiment=smollm2_llava recipe.work={tmp_path}`")):
+        check_train(compose_resolved("train.py", [*work, "stage=1"]))
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "manifest.json").write_text("{}")
+    with pytest.raises(ConfigError, match=re.escape(
+            f"`deepspeed train.py experiment=smollm2_llava recipe.work={tmp_path} stage=1`")):
+        check_train(compose_resolved("train.py", [*work, "stage=2"]))
+    with pytest.raises(ConfigError, match="recipe for target=smollm2_llava, but this launch says target=tiny"):
+        check_train(compose_resolved("train.py", [*work, "stage=1", "target=tiny"]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]  # nothing written
