@@ -46,7 +46,7 @@ from msd_train.config import CONF_DIR, REPO_ROOT, strip_launcher_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
-GOAL_TOKENS_PER_S, FIRST_BAR = 20000, 15000  # issue 12, one H100, 7B shape, seq 2048, one image
+GOAL_TOKENS_PER_S, FIRST_BAR = 20000, 15000  # the goal: one H100, 7B shape, seq 2048, one image
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 PHASES = ("data", "target_forward", "head_fwd_bwd", "loss", "optimizer")
 

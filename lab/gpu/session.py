@@ -1,14 +1,18 @@
 """The GPU session in one device call: what runs, in which order, within a budget of device time.
 
-    here:  python -m lab.gpu.session pack [--no-wandb]   # wheels into .whl/ (git-ignored), size-checked
+    here:  python -m lab.gpu.session pack --no-wandb     # wheels into .whl/ (git-ignored), size-checked
+           python -m lab.gpu.session prepare              # a sparse checkout of what the commands read
+           python -m lab.gpu.session check                # what a call carries: tree + wheels <= 48 MiB
            python -m lab.gpu.session run --dry-run        # the plan, each part's estimate, the budget
     there: python -m lab.gpu.session run                  # the one call: setup readme decode train
            python -m lab.gpu.session run extra            # the optional second call (what did not fit)
            python -m lab.gpu.session run PART...          # only these parts (a rerun after a fix)
-    here:  python -m lab.gpu.session unpack DIR           # what came back -> benchmarks/gpu/
+    here:  python -m lab.gpu.session restore              # the whole checkout again
+           python -m lab.gpu.session unpack DIR           # what came back -> benchmarks/gpu/
 
 The lending arrangement is arguments, with today's values as defaults: ``--budget-min`` (8: the
-minutes of one call's plan), ``--carry-limit-mib`` (64: working tree plus carried wheels),
+minutes of one call's plan), ``--carry-limit-mib`` (48: working tree plus carried wheels, of the
+64 a device call takes; lab/gpu/carry.py),
 ``--max-files`` (8: the files a call brings back, 16 MiB each: ``--file-limit-mib``).
 
 Parts, in this order (each one's results land in ``OUT/<part>.tar.gz`` as soon as it ends):
@@ -270,7 +274,7 @@ def check_wheels(wheels: Path, carry_limit_mib: float, tree: int, specs=WHEELS +
     mib = 2 ** 20
     total = sum(p.stat().st_size for p in found)
     lines = [f"wheels: {len(found)} files, {total / mib:.1f} MiB in {wheels}/; working tree {tree / mib:.1f} MiB; "
-             f"together {(total + tree) / mib:.1f} MiB of the {carry_limit_mib:g} MiB a device call carries"]
+             f"together {(total + tree) / mib:.1f} MiB of the {carry_limit_mib:g} MiB a session may send"]
     have = {_norm(p.name.split("-")[0]) for p in found} | {_norm(x) for x in IMAGE_HAS}
     missing = set()
     for p in found:
@@ -291,10 +295,11 @@ def check_wheels(wheels: Path, carry_limit_mib: float, tree: int, specs=WHEELS +
     if total + tree > carry_limit_mib * mib:
         ok = False
         lines.append(f"TOO BIG: {(total + tree) / mib:.1f} MiB would travel, over the {carry_limit_mib:g} MiB limit "
-                     "of a device call. Biggest wheels:")
+                     "of a session's call. Biggest wheels:")
         lines += [f"  {p.stat().st_size / mib:6.1f} MiB  {p.name}" for p in found[:5]]
-        lines.append("Drop what the run can do without (`pack --no-wandb` leaves wandb out: 20.5 MiB; the run then "
-                     "disables wandb logging), or make the working tree smaller.")
+        lines.append("Send only the session's files (`python -m lab.gpu.session prepare`: a sparse checkout, "
+                     "`restore` undoes it) and drop what the run can do without (`pack --no-wandb` leaves wandb out: "
+                     "20.5 MiB; the run then disables wandb logging).")
     absent = [s for s in specs if not any(_is_wheel_of(p, s) for p in found)]
     lines += [f"missing wheel: {s}" for s in absent]
     if absent:
@@ -349,6 +354,7 @@ class Context:
     limit: int = 300          # the part's share, seconds
     failed: bool = False
     log: Path | None = None
+    commands: list[list[str]] | None = None   # every command stepped, when a caller collects them (lab/gpu/carry.py)
 
     def say(self, line: str, *logs: Path) -> None:
         print(line, flush=True)
@@ -362,6 +368,8 @@ class Context:
         recorded and the part goes on."""
         self.log = log
         self.say("+ " + shlex.join(cmd))
+        if self.commands is not None:
+            self.commands.append(list(cmd))
         if self.dry:
             return 0
         with open(log, "a") as f:
@@ -627,7 +635,7 @@ class Session:
     work: Path = Path("/tmp/msd-gpu-work")   # each part's files, packed into OUT/<part>.tar.gz when it ends
     wheels: Path = ROOT / ".whl"
     budget_min: float = 8
-    carry_limit_mib: float = 64
+    carry_limit_mib: float = 48
     max_files: int = 8
     file_limit_mib: float = 16
     part_file_limit_mib: float = 8
@@ -926,11 +934,14 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     lending = argparse.ArgumentParser(add_help=False)
     lending.add_argument("--wheels", type=Path, default=ROOT / ".whl", help="the carried wheels' folder (.whl)")
-    lending.add_argument("--carry-limit-mib", type=_positive(float), default=64,
-                         help="working tree + carried paths a device call takes (64)")
+    lending.add_argument("--carry-limit-mib", type=_positive(float), default=48,
+                         help="working tree + carried wheels a session may send (48; a device call takes 64)")
     p = sub.add_parser("pack", parents=[lending], help="the wheels the GPU image lacks, into --wheels")
     p.add_argument("--no-wandb", action="store_true", help="leave wandb out (20.5 MiB); the run disables it")
-    sub.add_parser("check", parents=[lending], help="the wheels' size and requirements only")
+    sub.add_parser("check", parents=[lending],
+                   help="what a device call carries (working tree + wheels) against the limit; the wheels' requirements")
+    sub.add_parser("prepare", help="a sparse checkout of the files the session's commands read (restore undoes it)")
+    sub.add_parser("restore", help="the whole checkout again, after prepare")
     r = sub.add_parser("run", parents=[lending], help="the session (or its plan with --dry-run)")
     r.add_argument("parts", nargs="*", help=f"parts ({' '.join(PARTS)}) or main, extra (default: main)")
     r.add_argument("--dry-run", action="store_true", help="print the plan and the commands, run nothing")
@@ -964,9 +975,16 @@ def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     if a.command == "pack":
         return 0 if pack(a.wheels, a.no_wandb, a.carry_limit_mib) else 1
+    if a.command in ("prepare", "restore"):
+        from lab.gpu import carry
+
+        return carry.prepare() if a.command == "prepare" else carry.restore()
     if a.command == "check":
-        ok, lines = check_wheels(a.wheels, a.carry_limit_mib, tree_bytes())
-        print("\n".join(lines))
+        from lab.gpu import carry
+
+        tree = tree_bytes()
+        ok, lines = check_wheels(a.wheels, a.carry_limit_mib, tree)
+        print("\n".join(carry.carry_lines(tree) + lines))
         return 0 if ok else 1
     if a.command == "unpack":
         return unpack(a.src, a.dest)

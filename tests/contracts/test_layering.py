@@ -93,7 +93,7 @@ def _import_graph() -> dict[str, set[str]]:
     """module -> the msd_train modules it imports, anywhere in the file.
 
     Imports inside functions are edges too: deferring an import hides a circle from Python
-    at import time, not from a reader, and both circles issue 16 found (report <->
+    at import time, not from a reader, and both circles found so far (report <->
     ensemble, hub <-> evaluation) ran through function-level imports. Importing `a.b.c`
     also runs `a/__init__` and `a/b/__init__`, but those implied edges are left out: a
     package's `__init__` re-exports its own modules, so every module would form a

@@ -521,7 +521,7 @@ def test_entry_points_as_users_run_them(tmp_path):
                 f"the port {port} is already in use", "--master_port")
 
 
-# ----------------------------------------------------------------------------- issue 39: every writer guarded
+# ----------------------------------------------------------------------------- every writer guarded
 
 
 def a_feature_store(folder: Path) -> Path:

@@ -161,7 +161,7 @@ def test_the_check_names_the_biggest_wheels_when_over_the_carry_limit(tmp_path):
     assert not ok and "TOO BIG: 4.5 MiB would travel, over the 4 MiB limit" in text
     assert text.index("big_pkg") < text.index("small_pkg") and "--no-wandb" in text
     ok, lines = gs.check_wheels(w, carry_limit_mib=64, tree=int(1 * 2**20), specs=())
-    assert ok and "together 4.5 MiB of the 64 MiB a device call carries" in lines[0]
+    assert ok and "together 4.5 MiB of the 64 MiB a session may send" in lines[0]
 
 
 def test_the_check_names_the_pinned_wheels_that_are_missing(tmp_path):

@@ -1,4 +1,4 @@
-"""Serving without surprises (issue 33), on a real vLLM engine and the embedded tiny LLaVA:
+"""Serving without surprises, on a real vLLM engine and the embedded tiny LLaVA:
 
 * a head that compresses its visual context is refused by the vLLM export and by the
   plugin, with a message naming the setting and the format that keeps it;

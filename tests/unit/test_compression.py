@@ -215,7 +215,7 @@ def test_a_wrong_setting_is_named_before_anything_loads():
 def test_the_released_layout_export_refuses_a_compressing_head(llava_target, tmp_path):
     """The released code drafts over every visual token and its layout has no field for
     compression: the export refuses, naming the setting and the format that keeps it
-    (issue 33; it warned before, and the folder imported back as an uncompressed head)."""
+    (a warning would not do: the folder would import back as an uncompressed head)."""
     from msd_train.hub import TargetInfo, export_reference
 
     head = MSDDraftModel(MSDDraftConfig.from_target_config(llava_target.config, "x", visual_compression="kmeans"))

@@ -124,7 +124,7 @@ def test_saved_with_the_head(qwen_target, tmp_path):
 def test_imported_qwen_head_says_1d(qwen_target, tmp_path):
     """A head in the released layout (written by the exporter) imports as a 1-D-position
     head; exporting an M-RoPE-position head to that layout is refused, since the released
-    code drafts in 1-D (issue 33: a format keeps what the head drafts with, or refuses)."""
+    code drafts in 1-D (a format keeps what the head drafts with, or refuses)."""
     from msd_train.hub import TargetInfo, export_reference, import_reference, load_head
 
     MSDDraftModel(qwen_config(qwen_target, "mrope")).save_pretrained(tmp_path / "mrope")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The scale data of benchmarks/real_lm/README.md ("Heads at scale"): the target's own answers
+# The scale data of benchmarks/real_lm/README.md (the committed heads' data): the target's own answers
 # to easy-VQA image prompts and to the first user turn of ShareGPT conversations, through vLLM
 # (scripts/regenerate_data.py engine=vllm, fp32 as the CPU target, greedy), in the background:
 # easy-VQA's own questions and short requests, descriptions with explanations, then ShareGPT.

@@ -1,4 +1,4 @@
-"""The splits of the scale runs (benchmarks/real_lm/README.md, "Heads at scale"), from the
+"""The splits of the scale runs (benchmarks/real_lm/README.md), from the
 committed regenerated conversations (data/smollm2-llava-regen/*.jsonl.xz), deterministically.
 
     python -m lab.studies.real_lm.scale_splits OUT_DIR [--text-train N] [--heldout 150]
