@@ -4,7 +4,7 @@
     python -m lab.bench.decode --tree 5,10,60 --tree 3,4,16 --chain 5 --chain 3
     python -m lab.bench.decode --target llava15_7b --random-shape --device cuda   # random 7B-shaped LLaVA
     python -m lab.bench.decode --target qwen2vl_7b --random-shape --num-layers 2  # M-RoPE, on a CPU
-    python -m lab.bench.decode --host-reads --out benchmarks/decode/host-reads-after.json
+    python -m lab.bench.decode --host-reads --out benchmarks/decode/host-reads.json
 
 ``--host-reads`` counts, instead of timing, the device-to-host reads one ``decode`` makes
 per cycle (``lab.transfers.HostReads``: ``.item()``, ``.tolist()``,
