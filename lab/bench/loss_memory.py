@@ -6,9 +6,9 @@ i.e. what the loss itself adds: full-vocabulary logits, their softmaxes, the gra
 The logits' share does not depend on the hidden size, so a smaller ``--hidden`` than the
 target's keeps the CPU time short without changing what is measured.
 
-    python -m lab.bench.loss_memory --out benchmarks/loss_memory/after.json
-    # the code before chunking, measured by this same script:
-    PYTHONPATH=/path/to/old/checkout python -m lab.bench.loss_memory --out .../before.json
+    python -m lab.bench.loss_memory --out benchmarks/loss_memory/chunked.json
+    # a single pass over all positions (msd_train at 8af0b5c), measured by this same script:
+    PYTHONPATH=/path/to/that/checkout python -m lab.bench.loss_memory --out .../unchunked.json
 """
 
 from __future__ import annotations
