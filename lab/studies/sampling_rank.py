@@ -1,4 +1,4 @@
-"""Summarise run.sh's eval reports: tau of tree sampling ranked by warped vs raw
+"""Summarise lab/studies/sampling_rank.sh's eval reports: tau of tree sampling ranked by warped vs raw
 log-probabilities, per decoding seed, with mean and spread.
 
     python -m lab.studies.sampling_rank /tmp/rank_by benchmarks/sampling_rank/tiny-temp07
