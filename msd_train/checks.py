@@ -64,7 +64,7 @@ def _bool(cfg, key: str):
 
 
 #: The decoding settings' choices, stated here (torch-free) and read by msd_train/decoding.
-METHODS = ("tree", "chain", "ar")
+METHODS = ("tree", "chain", "block", "ar")
 RANK_BY = ("warped", "raw")  # what a sampling draft tree ranks its nodes by
 ENSEMBLES = ("ibed", "tabed")
 VARIANTS = ("M", "T", "P", "C")
@@ -126,3 +126,22 @@ def check_decoding(decoding, vocab_size: int | None = None) -> None:
     graphs = _get(cfg, "decoding.cuda_graphs")
     if graphs is not _MISSING and graphs not in CUDA_GRAPHS:
         raise ConfigError(f"decoding.cuda_graphs={graphs!r}: use auto, true or false")
+
+
+def method_refusal(architecture: str, methods: tuple[str, ...], method: str, ensemble: str | None) -> str | None:
+    """Why a head of ``architecture`` whose drafter honours ``methods`` cannot decode with
+    ``decoding.method=method`` (and ``decoding.ensemble``), naming the fix; None: it can.
+    ``validate.check_head`` asks it of a saved config before anything loads,
+    ``decoding.build.check_method`` of a loaded head."""
+    if method == "ar":
+        return None
+    if method not in methods:
+        if method == "block":
+            return (f"decoding=block drafts a block in one forward, which only a block head (head=dflash) does; an "
+                    f"{architecture} head drafts step by step: use decoding=tree or decoding=chain")
+        return (f"decoding.method={method}: an {architecture} head proposes a whole block in one forward and cannot "
+                f"draft a {method} shape; use decoding=block (decoding.k bounds the proposals verified per cycle)")
+    if method == "block" and ensemble is not None:
+        return (f"decoding.ensemble={ensemble}: ensembles draft with stepped heads over input variants; an "
+                f"{architecture} head drafts one block: drop decoding.ensemble")
+    return None

@@ -259,7 +259,7 @@ def check_eval(cfg, method: str) -> None:
     _wandb(cfg, "wandb")
     check_target(_get(cfg, "target"))
     if method != "ar":
-        check_head(_get(cfg, "draft"), draft_vocab)
+        check_head(_get(cfg, "draft"), draft_vocab, method, decoding.get("ensemble") if hasattr(decoding, "get") else None)
 
 
 #: how to make the folders of the named targets that are built, not downloaded
@@ -374,9 +374,11 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def check_head(draft, draft_vocab=None) -> None:
+def check_head(draft, draft_vocab=None, method: str | None = None, ensemble: str | None = None) -> None:
     """``draft=`` names a head (an export or a released MSD head), checked before the target
-    loads; ``draft_vocab`` (``decoding.draft_vocab``) only with a head that takes it."""
+    loads; ``draft_vocab`` (``decoding.draft_vocab``) only with a head that takes it;
+    ``method`` (``decoding.method``, with ``decoding.ensemble``) only when the head's drafter
+    honours it (``DraftHead.decoding_methods``: a dflash head drafts blocks, not trees)."""
     if draft is None or draft is _MISSING or str(draft) == "":
         raise ConfigError("decoding=tree|chain needs a head: draft=PATH (an export folder, e.g. "
                           "runs/tiny/stage2/final, a released MSD head or a Hub repo id)")
@@ -395,6 +397,17 @@ def check_head(draft, draft_vocab=None) -> None:
         layout = detect_layout(path)
     except IncompleteHeadError as e:
         raise ConfigError(f"draft={draft} is not a draft head: {e}") from e
+    if method is not None and method != "ar":
+        import msd_train.draft  # noqa: F401  (registers the heads)
+        from msd_train.checks import method_refusal
+        from msd_train.draft.head import head_class_of_config
+        from msd_train.hub.folders import read_config
+
+        head = head_class_of_config(read_config(path).get("model_type", "")) if layout == "msd" else None
+        methods = head.decoding_methods if head is not None else ("tree", "chain")  # other layouts: stepped heads
+        why = method_refusal(head.architecture if head is not None else layout, methods, method, ensemble)
+        if why is not None:
+            raise ConfigError(f"draft={draft}: {why}")
     if draft_vocab is not None:
         import msd_train.draft  # noqa: F401  (registers the heads)
         from msd_train.draft.head import head_class_of_config

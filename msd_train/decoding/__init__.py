@@ -14,6 +14,7 @@ commit, the loops). Timing the loop is the caller's (``msd_train.evaluation.timi
 """
 
 from msd_train.decoding.acceptance import Acceptance, accept, accept_greedy, accept_sampling, read_acceptance
+from msd_train.decoding.block import BlockDrafter, draft_block
 from msd_train.decoding.build import build_drafter, use_draft_vocabulary
 from msd_train.decoding.cache import PositionCache, key_mask
 from msd_train.decoding.config import METHODS, DecodeConfig
@@ -34,9 +35,9 @@ from msd_train.decoding.stopping import StopCriteria, find_stop
 from msd_train.decoding.tree import Tree, chain
 
 __all__ = [
-    "METHODS", "Acceptance", "CycleStats", "DecodeConfig", "DecodeState", "Drafter", "EnsembleDrafter",
+    "METHODS", "Acceptance", "BlockDrafter", "CycleStats", "DecodeConfig", "DecodeState", "Drafter", "EnsembleDrafter",
     "Generation", "HeadDrafter", "Pending", "PositionCache", "PromptPass", "SamplingParams", "StopCriteria", "Tree",
     "Workspace", "accept", "accept_greedy", "accept_sampling", "build_drafter", "chain", "commit", "decode",
-    "decode_plain", "draft_chain", "draft_tree", "find_stop", "generate", "key_mask", "log_probs",
+    "decode_plain", "draft_block", "draft_chain", "draft_tree", "find_stop", "generate", "key_mask", "log_probs",
     "logits_to_probs", "prefill", "read_acceptance", "sample", "speculate", "use_draft_vocabulary", "verify",
 ]

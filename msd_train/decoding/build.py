@@ -1,6 +1,8 @@
 """Settings -> the objects that decode, in one place: ``build_drafter`` makes the drafter a
-``DecodeConfig`` asks for (none for plain decoding, one head, or one head over several
-input variants), over the vocabulary it asks for (``use_draft_vocabulary``).
+``DecodeConfig`` asks for (none for plain decoding, one head, one head over several input
+variants, or a block head's ``BlockDrafter``), over the vocabulary it asks for
+(``use_draft_vocabulary``), after asking the head whether it can honour the method
+(``DraftHead.decoding_methods``).
 
 What a head can do is asked here and nowhere else in the decoder: whether it can be restricted
 to a draft vocabulary (its declared ``supports_restrict_vocabulary``, msd heads), and then which
@@ -9,6 +11,8 @@ one it trained over (``config.train_vocab``).
 
 from __future__ import annotations
 
+from msd_train.checks import method_refusal
+from msd_train.decoding.block import BlockDrafter
 from msd_train.decoding.config import DecodeConfig
 from msd_train.decoding.drafter import Drafter, HeadDrafter
 from msd_train.decoding.ensemble import EnsembleDrafter
@@ -24,10 +28,21 @@ def build_drafter(target: TargetProtocol, draft, config: DecodeConfig, captions:
     ``captions`` (one per image) are read only by variant C."""
     if config.method == "ar" or draft is None:
         return None
+    check_method(draft, config)
     use_draft_vocabulary(draft, target, config.draft_vocab)
+    if config.method == "block":
+        return BlockDrafter(draft)
     if config.ensemble is None:
         return HeadDrafter(draft)
     return EnsembleDrafter(draft, config.variants, config.ensemble, config.tabed_window, captions)
+
+
+def check_method(draft, config: DecodeConfig) -> None:
+    """``config.method`` against what ``draft``'s drafter honours (``ConfigError`` naming the fix)."""
+    why = method_refusal(getattr(draft, "architecture", "msd"), getattr(draft, "decoding_methods", ("tree", "chain")),
+                         config.method, config.ensemble)
+    if why is not None:
+        raise ConfigError(why)
 
 
 def use_draft_vocabulary(draft, target: TargetProtocol, size: int | None) -> None:

@@ -10,13 +10,13 @@ from msd_train.decoding.sampling import SamplingParams
 
 @dataclass
 class DecodeConfig:
-    method: str = "tree"  # tree (EAGLE-2 dynamic tree) | chain | ar (plain decoding)
+    method: str = "tree"  # tree (EAGLE-2 dynamic tree) | chain | block (a dflash head's block) | ar (plain decoding)
     #: tree: frontier expansions after the root's children (EAGLE-2's convention), so a
     #: path holds up to depth + 1 draft tokens
     depth: int = 5
     top_k: int = 10  # tree: frontier width and children per expanded node
     total_tokens: int = 60  # tree: nodes verified per cycle, root included
-    k: int = 5  # chain: draft tokens per cycle
+    k: int = 5  # chain: draft tokens per cycle; block: the first min(k, block_size - 1) of the head's block
     #: chain: stop drafting a cycle once the chain's probability under the head would fall
     #: below this (0: always k tokens); a host read per draft token, for targets whose
     #: verification costs more per token verified (a CPU), see draft_chain

@@ -25,7 +25,8 @@ read (never ``hasattr``): ``supports_restrict_vocabulary`` (``restrict_vocabular
 ids)``: decode over a subset of the target's vocabulary: msd), ``has_draft_vocabulary``
 (``set_vocabulary(d2t, t2d)``: a draft vocabulary of its own, built from the stage's token
 counts: msd3) and ``rollout_reads_cache`` (its on-policy rollout keeps a key cache, so
-``stage=3`` cannot checkpoint its layers: msd). How a head kind is trained (its loss,
+``stage=3`` cannot checkpoint its layers: msd) and ``decoding_methods`` (the
+``decoding.method`` values its drafter honours: tree and chain, or a dflash head's block). How a head kind is trained (its loss,
 held-out loss and rollout hits) is its
 ``Objective`` (``training/objective.py``), not the head's.
 
@@ -128,6 +129,9 @@ class DraftHead(PreTrainedModel, metaclass=ABCMeta):
     #: its on-policy rollout reads its own earlier steps' keys from a cache (which layers under
     #: gradient checkpointing drop): the trainer refuses the two together
     rollout_reads_cache: ClassVar[bool] = False
+    #: the ``decoding.method`` values its drafter can honour: a stepped head drafts trees and
+    #: chains; a block head (dflash) proposes a block in one forward (``decoding=block``)
+    decoding_methods: ClassVar[tuple[str, ...]] = ("tree", "chain")
     main_input_name = "input_embeds"
     # heads are built from these transformers layers and need attention that takes 4-D masks
     _no_split_modules = [f.decoder_layer.__name__ for f in LAYER_FAMILIES.values()]

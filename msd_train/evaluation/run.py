@@ -56,7 +56,7 @@ def decoding_settings(c: DecodeConfig) -> dict:
     out = {"method": c.method}
     if c.method == "tree":
         out.update(depth=c.depth, top_k=c.top_k, total_tokens=c.total_tokens)
-    elif c.method == "chain":
+    elif c.method in ("chain", "block"):
         out.update(k=c.k)
     out.update(max_new_tokens=c.max_new_tokens, temperature=c.sampling.temperature, top_p=c.sampling.top_p,
                sampling_top_k=c.sampling.top_k, greedy=c.sampling.greedy)

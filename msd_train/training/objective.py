@@ -383,3 +383,147 @@ class MSD3OnPolicy(MSD3Objective):
 
     def _steps(self, train) -> tuple[int | None, bool]:
         return _rollout_settings(train)
+
+
+@register_objective
+class DFlashObjective(Objective):
+    """DFlash's block training (``draft/dflash.py``): anchors sampled among the loss positions
+    (inside the answers; up to ``draft.num_anchors`` per sequence, drawn from the micro-batch's
+    seed), each anchor's block run from its root against the context before it, and block
+    position i's soft cross-entropy to the target's distribution at the token it proposes
+    weighted exp(-(i-1)/``draft.loss_decay_gamma``): earlier positions, which every accepted
+    block needs, weigh more. Summed over the loss terms and divided by the global count of
+    loss positions, as every objective here. Over a train vocabulary when one is set
+    (``draft.train_vocab``, as msd). Held-out loss and rollout read every anchor."""
+
+    architecture = "dflash"
+    supports_train_vocabulary = True
+    #: anchors whose blocks one held-out forward runs at once (memory: B x anchors x block x context)
+    EVAL_ANCHORS = 256
+
+    def __init__(self, head):
+        super().__init__(head)
+        self.train_vocab: VocabSubset | None = None
+
+    def set_train_vocabulary(self, target: TargetProtocol, ids: torch.Tensor | None) -> None:
+        """As ``MSDObjective.set_train_vocabulary``: the token loss over target ids ``ids``."""
+        self.train_vocab = None if ids is None else VocabSubset(target.lm_head, ids.sort().values)
+        self.head.config.train_vocab = None if ids is None else len(ids)
+
+    def _blocks(self, inputs: dict, anchors: torch.Tensor, forward=None) -> torch.Tensor:
+        """The blocks of ``anchors`` (B, N) draft positions: (B, N, S, H) states, each block
+        seeing the context entries 0 .. its anchor (the context strictly before its root)."""
+        H = inputs["input_embeds"].shape[-1]
+        roots = inputs["input_embeds"].gather(1, anchors[..., None].expand(-1, -1, H))
+        pos = inputs["position_ids"]
+        pos = pos.gather(-1, anchors.expand(*pos.shape[:-2], *anchors.shape))
+        T = inputs["hidden_states"].shape[1]
+        seen = torch.arange(T, device=anchors.device)[None, None, :] <= anchors[..., None]
+        return (forward or self.head)(input_embeds=roots, hidden_states=inputs["hidden_states"], position_ids=pos,
+                                      context_position_ids=inputs["context_position_ids"],
+                                      context_mask=seen).last_hidden_state
+
+    def _terms(self, features, anchors: torch.Tensor, ok: torch.Tensor, mask: torch.Tensor):
+        """Where each block's proposals are trained: (the target features of the tokens block
+        position i = 1 .. S-1 proposes, (B, N, S-1, H): h_{a+i}; valid (B, N, S-1): a loss
+        position (``mask``, draft position a+i-1) inside the pass; the store's target top-1 there)."""
+        S, L = self.head.config.block_size, features.hidden_states.shape[1]
+        at = anchors[..., None] + torch.arange(1, S, device=anchors.device)  # h_{a+i}: the token a+1+i
+        inside = at <= L - 1
+        at = at.clamp(max=L - 1)
+        B, N = anchors.shape
+        hidden = features.hidden_states.gather(1, at.reshape(B, -1, 1).expand(-1, -1, features.hidden_states.shape[-1]))
+        valid = inside & ok[..., None] & mask.gather(1, (at - 1).reshape(B, -1)).view(B, N, S - 1)
+        top = None
+        if features.target_top is not None:
+            top = features.target_top.gather(1, at.reshape(B, -1)).view(B, N, S - 1)
+        return hidden.view(B, N, S - 1, -1), valid, top
+
+    def _loss(self, target, features, inputs, anchors, ok, mask, n_tokens, forward=None):
+        """(loss / n_tokens, parts of ``msd_loss``, each selected term's block position - 1)."""
+        S, gamma = self.head.config.block_size, self.head.config.loss_decay_gamma
+        out = self._blocks(inputs, anchors, forward)[:, :, 1:]
+        hidden, valid, top = self._terms(features, anchors, ok, mask)
+        index = loss_index(valid)
+        offset = index % (S - 1)  # block position i - 1 of each term
+        weight = torch.exp(-offset.float() / gamma)
+        loss, parts = msd_loss(out.flatten(1, 2), hidden.flatten(1, 2), target.lm_head, None, n_tokens, 0.0, 1.0,
+                               index=index, vocab=self.train_vocab,
+                               target_top=None if top is None else top.flatten(1, 2), weight=weight)
+        return loss, parts, offset
+
+    def _anchors(self, mask: torch.Tensor, seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Up to ``num_anchors`` draft positions per row, drawn among ``mask``'s (without a host
+        read: N = min(num_anchors, T) slots, those past a row's count marked not ok), in order."""
+        B, T = mask.shape
+        n = min(self.head.config.num_anchors, T)
+        g = None if seed is None else torch.Generator(device=mask.device).manual_seed(seed)
+        score = torch.rand(B, T, generator=g, device=mask.device).masked_fill(~mask, 2.0)
+        anchors = score.topk(n, dim=1, largest=False).indices.sort(dim=1).values
+        return anchors, mask.gather(1, anchors)
+
+    def training_loss(self, target: TargetProtocol, features, index, n_tokens: float, train,
+                      noise_seed: int | None = None, forward=None):
+        head = self.head
+        if noise_seed is not None and features.layer_states is not None:
+            states = features.layer_states  # the noise of the context's features (positions 0 .. L-2)
+            noised = feature_noise(states[:, :-1], train, noise_seed)
+            features = dataclasses.replace(features, layer_states=torch.cat([noised, states[:, -1:]], 1))
+        B, T = features.hidden_states.shape[0], features.hidden_states.shape[1] - 1
+        mask = _mask_of(index, B, T)
+        inputs, _ = head.read_pass(features, target)
+        anchors, ok = self._anchors(mask, None if noise_seed is None else noise_seed ^ 0x5EED)
+        loss, parts, offset = self._loss(target, features, inputs, anchors, ok, mask, n_tokens, forward)
+        S = head.config.block_size
+        hits = torch.zeros(S - 1, device=loss.device).index_add_(0, offset, parts["hit"].float())
+        valid = torch.bincount(offset, minlength=S - 1).float()
+        sums = {"loss_sum": parts["tok_sum"], "n": torch.full((), index.numel(), device=loss.device)}
+        for i in range(S - 1):
+            sums[f"hit_{i}"], sums[f"valid_{i}"] = hits[i], valid[i]
+        return loss, sums
+
+    def training_metrics(self, sums: dict[str, float], train) -> dict[str, float]:
+        """``loss``: the weighted terms per loss position; ``acc_i``: the top-1 agreement of
+        block position i+1 (the i-th proposal) where it is trained; ``top1``: acc_0."""
+        out = {"loss": sums["loss_sum"] / max(sums["n"], 1.0)}
+        i = 0
+        while f"hit_{i}" in sums:
+            out[f"acc_{i}"] = sums[f"hit_{i}"] / max(sums[f"valid_{i}"], 1.0)
+            i += 1
+        out["top1"] = out["acc_0"]
+        return out
+
+    def _chunks(self, T: int, device) -> list[torch.Tensor]:
+        step = self.EVAL_ANCHORS
+        return [torch.arange(s, min(s + step, T), device=device) for s in range(0, T, step)]
+
+    def eval_loss(self, target: TargetProtocol, features, mask: torch.Tensor) -> torch.Tensor:
+        """The weighted terms of every anchor in ``mask`` (B, L-1), summed."""
+        inputs, _ = self.head.read_pass(features, target)
+        B, T = mask.shape
+        mask = mask.bool()
+        total = torch.zeros((), device=mask.device)
+        for part in self._chunks(T, mask.device):
+            anchors = part[None].expand(B, -1)
+            loss, _, _ = self._loss(target, features, inputs, anchors, mask.gather(1, anchors), mask, 1.0)
+            total = total + loss.detach()
+        return total
+
+    def rollout_hits(self, target: TargetProtocol, features, k: int) -> list[torch.Tensor]:
+        """The block is the chain: step j at anchor a is block position j+1, which proposes
+        token a+2+j; steps at or past the block's end never hit."""
+        head = self.head
+        inputs, _ = head.read_pass(features, target)
+        top = lm_head_argmax(target.lm_head, features.hidden_states[:, 1:])  # top[:, t]: token t+2
+        B, T = top.shape
+        S = head.config.block_size
+        hits = [torch.zeros(B, T, dtype=torch.bool, device=top.device) for _ in range(k)]
+        for part in self._chunks(T, top.device):
+            out = self._blocks(inputs, part[None].expand(B, -1))
+            drafted = lm_head_argmax(target.lm_head, out[:, :, 1:])  # (B, n, S-1)
+            for j in range(min(k, S - 1)):
+                at = part + j
+                inside = at < T
+                hit = drafted[:, :, j] == top[:, at.clamp(max=T - 1)]
+                hits[j][:, part] = hit & inside
+        return hits

@@ -82,6 +82,13 @@ class TinyTarget:
             past_key_values = DynamicCache()
         return self.lm.layer(inputs_embeds, position_ids, attention_mask, past_key_values), past_key_values
 
+    def run_for_head(self, inputs_embeds, position_ids, attention_mask=None, past_key_values=None, use_cache=False,
+                     layers=None, extras=None):
+        """The one layer's output and, for a head reading ``layers`` ([0]), its input (the embeddings)."""
+        hidden, cache = self.run_language_model(inputs_embeds, position_ids, attention_mask, past_key_values,
+                                                use_cache)
+        return hidden, cache, hidden if layers is None else inputs_embeds
+
 
 class TinyHead:
     """The part of the MSD head interface the decoder reads, over a TinyLM of its own.
@@ -137,6 +144,23 @@ class TinyHead:
 
 def bad_head(seed: int) -> TinyHead:
     return TinyHead(TinyLM(seed, scale=6.0), shift=0)
+
+
+def block_head(target: TinyTarget, seed: int = 0, block_size: int = 3):
+    """A dflash head with random weights over the tiny target (reading its one layer's input):
+    its block proposals are drawn from distributions of their own, so sampled decoding
+    exercises acceptance and rejection alike."""
+    from msd_train.draft import DFlashDraftConfig, DFlashDraftModel
+
+    torch.manual_seed(seed)
+    config = DFlashDraftConfig(hidden_size=H, intermediate_size=2 * H, num_attention_heads=2, num_hidden_layers=1,
+                               block_size=block_size, feature_layers=[0], target_num_layers=1, target_vocab_size=V,
+                               max_position_embeddings=64, draft_positions="1d")
+    head = DFlashDraftModel(config)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0.0, 0.5) if p.ndim > 1 else None
+    return head.eval()
 
 PROMPT = torch.tensor([1, 5, 2, 7, 3])
 

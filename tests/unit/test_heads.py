@@ -1,4 +1,4 @@
-"""The head interface (msd_train.draft.head), met by both architectures, and the msd3 head.
+"""The head interface (msd_train.draft.head), met by every architecture, and the msd3 head.
 
 Tiny random LLaVA (1-D RoPE) and Qwen2-VL (M-RoPE) targets with one image; every check
 goes through the interface the trainer, the validation and the decoder use.
@@ -74,22 +74,36 @@ def test_contract(architecture, target):
     feats = pass_of(target, head, prompt(target))
     inputs = head.target_inputs(feats, target)
     T = inputs["input_embeds"].shape[1]
-    with torch.no_grad():
-        whole = head(**inputs).last_hidden_state
-        logits = head.logits(whole, target)
-    assert logits.shape == (1, T, target.vocab_size)
-    if head.has_draft_vocabulary:  # the 5 ids outside the draft vocabulary are never drafted
-        assert torch.isneginf(logits[..., ~head.t2d]).all() and torch.isfinite(logits[..., head.t2d]).all()
-
-    # the same last position, drafted after a cache of the first T-1
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    with torch.no_grad():
-        first = {k: v[..., :-1] if k == "position_ids" else v[:, :-1] for k, v in inputs.items() if v is not None}
-        head(**first, past_key_values=cache, use_cache=True)
-        last = head.step(inputs["input_embeds"][:, -1:], inputs["hidden_states"][:, -1:],
-                         position_ids=inputs["position_ids"][..., -1:], past_key_values=cache)
+    if "block" in head.decoding_methods:  # a block head: every anchor's block, then the last one after a cache
+        S = head.config.block_size
+        seen = torch.arange(T)[None, None, :] <= torch.arange(T)[None, :, None]
+        with torch.no_grad():
+            whole = head(**inputs, context_mask=seen).last_hidden_state
+            logits = head.logits(whole, target)
+            assert logits.shape == (1, T, S, target.vocab_size)
+            ctx_pos = inputs["context_position_ids"]
+            head(inputs["input_embeds"][:, :0], inputs["hidden_states"][:, :-1], inputs["position_ids"][..., :0],
+                 ctx_pos[..., :-1], past_key_values=cache, use_cache=True)
+            last = head(inputs["input_embeds"][:, -1:], inputs["hidden_states"][:, -1:],
+                        inputs["position_ids"][..., -1:], ctx_pos[..., -1:], past_key_values=cache,
+                        use_cache=True).last_hidden_state  # (1, 1, S, H)
+    else:
+        with torch.no_grad():
+            whole = head(**inputs).last_hidden_state
+            logits = head.logits(whole, target)
+        assert logits.shape == (1, T, target.vocab_size)
+        if head.has_draft_vocabulary:  # the 5 ids outside the draft vocabulary are never drafted
+            assert torch.isneginf(logits[..., ~head.t2d]).all() and torch.isfinite(logits[..., head.t2d]).all()
+
+        # the same last position, drafted after a cache of the first T-1
+        with torch.no_grad():
+            first = {k: v[..., :-1] if k == "position_ids" else v[:, :-1] for k, v in inputs.items() if v is not None}
+            head(**first, past_key_values=cache, use_cache=True)
+            last = head.step(inputs["input_embeds"][:, -1:], inputs["hidden_states"][:, -1:],
+                             position_ids=inputs["position_ids"][..., -1:], past_key_values=cache)
     assert torch.allclose(last[:, 0], whole[:, -1], atol=1e-5)
 
     head.train()

@@ -13,9 +13,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders.sampling import PROMPT, TinyHead, TinyTarget, V, assert_same_distribution, bad_head, exact_continuations
+from builders.sampling import (
+    PROMPT,
+    TinyHead,
+    TinyTarget,
+    V,
+    assert_same_distribution,
+    bad_head,
+    block_head,
+    exact_continuations,
+)
 
 from msd_train.decoding import (
+    BlockDrafter,
     DecodeConfig,
     HeadDrafter,
     SamplingParams,
@@ -47,25 +57,28 @@ pytestmark = pytest.mark.usefixtures("one_thread")
         ("chain", "bad", SamplingParams(temperature=1.0)),
         ("chain", "pruned", SamplingParams(temperature=1.0)),
         ("tree", "pruned", SamplingParams(temperature=0.8, top_k=6, rank_by="warped")),
+        ("block", "block", SamplingParams(temperature=0.9, top_p=0.9)),
     ],
-    ids=["tree-warped", "tree-raw", "chain", "chain-draft-vocabulary", "tree-draft-vocabulary"],
+    ids=["tree-warped", "tree-raw", "chain", "chain-draft-vocabulary", "tree-draft-vocabulary", "block"],
 )
 def test_decode_loop_is_lossless(method, head, sampling):
     """Prefill once, then decode 3 tokens from a copy of that state, many times: the
     tree (deterministic top-k proposals, ranked by warped or by raw log-probabilities:
     raw ranking also proposes tokens the warpers removed, which must never be emitted)
     and chain (proposals sampled from the head) paths of the loop, for a head that is
-    mostly accepted and one that is mostly not."""
+    mostly accepted and one that is mostly not; and a dflash head's block (all proposals
+    drawn at once, each from its own block position's distribution: ``decoding/block.py``)."""
     draws = DRAWS if head != "bad" else DRAWS // 2  # the bad head needs ~3 cycles a draw: keep the file fast
     target = TinyTarget(seed=0)
     # "pruned": the good head drafting from a draft vocabulary without 3 of the 8 ids (never proposed,
     # still emitted by the target at their probability)
     vocab = torch.tensor([True, False, True, True, False, True, True, False])
     draft = {"good": lambda: TinyHead(target.lm), "bad": lambda: bad_head(seed=1),
-             "pruned": lambda: TinyHead(target.lm, vocab=vocab)}[head]()
+             "pruned": lambda: TinyHead(target.lm, vocab=vocab), "block": lambda: block_head(target)}[head]()
     config = DecodeConfig(method=method, depth=1, top_k=3, total_tokens=6, k=2, max_new_tokens=3,
                           eos_token_ids=(), sampling=sampling)
-    state0 = prefill(target, HeadDrafter(draft), Encoded(PROMPT, torch.zeros_like(PROMPT)))
+    drafter = BlockDrafter(draft) if method == "block" else HeadDrafter(draft)
+    state0 = prefill(target, drafter, Encoded(PROMPT, torch.zeros_like(PROMPT)))
     gen = torch.Generator().manual_seed(0)
     counts: dict[tuple, int] = {}
     accepted = cycles = 0
@@ -77,7 +90,8 @@ def test_decode_loop_is_lossless(method, head, sampling):
         cycles += len(out.cycles)
     assert_same_distribution(counts, exact_continuations(target, sampling), draws)
     rate = accepted / cycles  # both regimes are exercised: mostly accepted vs mostly rejected
-    assert rate > 1.0 if head == "good" else rate < 0.8 if head == "bad" else rate > 0.3, rate
+    assert rate > 1.0 if head == "good" else rate < 0.8 if head in ("bad", "block") else rate > 0.3, rate
+    assert accepted > 0, "no proposal was ever accepted: acceptance went untested"
 
 
 # ----- the acceptance rule alone -----------------------------------------------------

@@ -1,0 +1,210 @@
+"""The dflash head (``draft/dflash.py``) and its block decoding (``decoding/block.py``): the
+block seen from every anchor in training is the block decoding drafts, decoding is greedy
+exact, bad settings are refused naming the fix, and the head exports and loads back."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from builders import ROOT
+from builders.heads import conversations
+from transformers import DynamicCache
+
+from msd_train.decoding import BlockDrafter, DecodeConfig, generate, prefill
+from msd_train.draft import HEADS, DFlashDraftConfig, DFlashDraftModel, MSDDraftModel
+from msd_train.draft.dflash import dflash_layers
+from msd_train.draft.loss import loss_index
+from msd_train.errors import ConfigError
+from msd_train.training.objective import OBJECTIVES, objective_for
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def small_head(**kw) -> DFlashDraftModel:
+    torch.manual_seed(0)
+    fields = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                  target_vocab_size=40, target_num_layers=8, block_size=4, num_hidden_layers=2)
+    return DFlashDraftModel(DFlashDraftConfig(**{**fields, **kw})).eval()
+
+
+def test_default_layers_are_dflashs_named_by_their_inputs():
+    # DFlash: outputs of layers evenly spaced over 1 .. N-3 (Qwen3-8B, 36 layers, 5 draft layers:
+    # 1, 9, 17, 25, 33); here the input of the next layer
+    assert dflash_layers(36, 5) == [2, 10, 18, 26, 34]
+    assert dflash_layers(36, 1) == [19]  # one draft layer: the middle layer's output
+    assert dflash_layers(4, 1) == [3] and dflash_layers(4, 2) == [2]  # a shallow target: no repeats
+    assert small_head().feature_layers == dflash_layers(8, 2) == [2, 6]
+    assert HEADS["dflash"] is DFlashDraftModel and ("dflash", "supervised") in OBJECTIVES
+
+
+def test_one_block_among_all_anchors_is_the_block_decoding_drafts():
+    """Training runs every anchor's block at once (each seeing the context up to its anchor);
+    decoding writes the context to a cache and runs one block: the same states."""
+    head = small_head()
+    B, L = 2, 10
+    ctx = head.context(torch.randn(B, L, 2 * 32))
+    roots, pos = torch.randn(B, L, 32), torch.arange(L)[None].expand(B, L)
+    seen = torch.arange(L)[None, None, :] <= torch.arange(L)[None, :, None]
+    every = head(roots, ctx, pos, pos, seen.expand(B, L, L)).last_hidden_state  # (B, L, S, H)
+    cache = DynamicCache()
+    head(roots[:, :0], ctx[:, :3], pos[:, :0], pos[:, :3], past_key_values=cache, use_cache=True)  # a prefill
+    one = head(roots[:, 5:6], ctx[:, 3:6], pos[:, 5:6], pos[:, 3:6], past_key_values=cache, use_cache=True)
+    torch.testing.assert_close(one.last_hidden_state[:, 0], every[:, 5], rtol=0, atol=1e-5)
+    assert cache.get_seq_length() == 6  # the context only: no block entry is kept
+
+
+def test_decoupling_changes_the_context_at_image_positions_only():
+    on, off = small_head(decouple_visual=True), small_head(decouple_visual=False)
+    off.load_state_dict(on.state_dict())
+    feats, embeds = torch.randn(1, 6, 64), torch.randn(1, 6, 32)
+    visual = torch.tensor([[False, True, True, False, False, False]])
+    a, b = on.context(feats, embeds, visual), off.context(feats, embeds, visual)
+    assert torch.equal(a[:, ~visual[0]], b[:, ~visual[0]]) and not torch.allclose(a[:, visual[0]], b[:, visual[0]])
+    torch.testing.assert_close(a[:, visual[0]], on.visual_norm(embeds[:, visual[0]]))
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"block_size": 2048}, r"draft.block_size=2048: the target's context holds 2048 positions"),
+    ({"feature_layers": [1, 9]}, r"draft.feature_layers=\[1, 9\]: the target has 4 layers"),
+    ({"block_size": 1}, r"draft.block_size=1: a block is the root plus at least one proposal"),
+])
+def test_settings_the_target_cannot_hold_are_refused(overrides, match):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(ROOT / "data" / "tiny-llava")  # 4 layers, 2048 positions
+    with pytest.raises(ConfigError, match=match):
+        DFlashDraftConfig.from_target_config(config, "tiny", **overrides)
+    with pytest.raises(Exception, match="visual_compression=none"):
+        small_head(visual_compression="kmeans")
+
+
+@pytest.fixture(scope="module")
+def fitted(llava_target):
+    """A dflash head (block 4, one layer) fitted for a few steps by its own objective to the
+    random target's greedy continuations of the test prompts."""
+    target = llava_target
+    prompts = conversations(target)
+    torch.manual_seed(0)
+    head = DFlashDraftModel(DFlashDraftConfig.from_target_config(target.config, target.name, block_size=4,
+                                                                 num_hidden_layers=1))
+    objective, batch = objective_for(head), []
+    for enc in prompts.values():
+        out = generate(target, None, enc, DecodeConfig(method="ar", max_new_tokens=40, eos_token_ids=()))
+        ids = torch.cat([enc.input_ids, torch.tensor(out.tokens)])[None]
+        feats = target.features(ids, None, enc.pixel, layers=head.feature_layers)
+        mask = torch.zeros(1, ids.shape[1] - 1, dtype=torch.bool)
+        mask[:, len(enc.input_ids) - 2:] = True  # the answer's tokens (draft position t predicts token t+2)
+        batch.append((feats, loss_index(mask), float(mask.sum())))
+    train = SimpleNamespace(noise="none", noise_scale=0.0)
+    opt = torch.optim.Adam(head.parameters(), lr=3e-3)
+    for _ in range(20):
+        loss = sum(objective.training_loss(target, f, index, n, train)[0] for f, index, n in batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return target, head.eval().requires_grad_(False), prompts
+
+
+def test_block_decoding_equals_plain_greedy_decoding(fitted):
+    target, head, prompts = fitted
+    taus = []
+    for name, enc in prompts.items():  # text, one and two images, a second turn
+        plain = generate(target, None, enc, DecodeConfig(method="ar", max_new_tokens=40, eos_token_ids=()))
+        for k in (1, 3, 15):  # 15: the head's whole block (3 proposals)
+            out = generate(target, head, enc, DecodeConfig(method="block", k=k, max_new_tokens=40, eos_token_ids=()))
+            assert out.tokens == plain.tokens, (name, k)
+            assert all(c.tree_size == min(k, 3) + 1 for c in out.cycles)
+            taus.append(out.tau)
+    assert max(taus) > 1.5  # proposals are accepted: the exactness above is not just the bonus tokens
+
+
+def test_the_block_drafted_is_the_heads_argmax_after_the_prompt(fitted):
+    """The first block: the head over the whole prompt as context (no cache), root = first token."""
+    target, head, prompts = fitted
+    enc = prompts["image"]
+    state = prefill(target, BlockDrafter(head), enc)
+    first = int(state.next_logits.argmax())
+    state.tokens.append(first)
+    tree = state.drafter.draft_block(target, state.pending(), DecodeConfig(method="block", k=15))
+    ids = enc.input_ids[None]
+    feats = target.features(ids, None, enc.pixel, layers=head.feature_layers)
+    x = head.target_inputs(feats)
+    L = ids.shape[1]
+    ctx = torch.cat([x["hidden_states"], head.context(feats.layer_states[:, -1:])], 1)  # h_0 .. h_{L-1}
+    out = head(target.embed_tokens(torch.tensor([[first]])), ctx, torch.tensor([[L]]),
+               torch.arange(L)[None]).last_hidden_state
+    assert tree.tokens.tolist() == [first] + target.lm_head(out[0, 0, 1:]).argmax(-1).tolist()
+
+
+def test_a_tree_setting_is_refused_before_anything_loads(tmp_path):
+    from msd_train.decoding.build import check_method
+    from msd_train.validate import check_head
+
+    folder = tmp_path / "dflash"
+    small_head().save_pretrained(folder)
+    with pytest.raises(ConfigError, match=r"dflash head proposes a whole block .* cannot draft a tree shape; use "
+                                          r"decoding=block"):
+        check_head(str(folder), method="tree")
+    with pytest.raises(ConfigError, match="ensembles draft with stepped heads"):
+        check_head(str(folder), method="block", ensemble="ibed")
+    check_head(str(folder), method="block")
+    msd = tmp_path / "msd"
+    MSDDraftModel(MSDDraftConfig_small()).save_pretrained(msd)
+    with pytest.raises(ConfigError, match="decoding=block drafts a block in one forward.* use decoding=tree"):
+        check_head(str(msd), method="block")
+    with pytest.raises(ConfigError, match="cannot draft a chain shape"):
+        check_method(small_head(), DecodeConfig(method="chain"))
+
+
+def MSDDraftConfig_small():
+    from msd_train.draft import MSDDraftConfig
+
+    return MSDDraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, target_vocab_size=40)
+
+
+def test_eval_refuses_a_tree_for_a_dflash_head_before_loading(tmp_path):
+    import subprocess
+    import sys
+
+    folder = tmp_path / "dflash"
+    small_head().save_pretrained(folder)
+    out = subprocess.run([sys.executable, "eval.py", f"draft={folder}", "decoding=tree", f"out={tmp_path / 'e'}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    assert "decoding.method=tree: an dflash head proposes a whole block" in out.stderr + out.stdout
+    assert "Loading weights" not in out.stderr + out.stdout
+
+
+def test_exports_loads_back_and_gets_a_card(tmp_path):
+    from msd_train.hub import formats
+    from msd_train.hub.card import model_card
+
+    head = small_head(decouple_visual=False)
+    head.save_pretrained(tmp_path / "final")
+    summary = formats.get("msd").export(tmp_path / "final", tmp_path / "exported", dtype="bf16")
+    back = MSDDraftModel.from_pretrained(tmp_path / "exported")
+    assert type(back) is DFlashDraftModel and summary["dtype"] == "torch.bfloat16"
+    assert back.config.block_size == 4 and back.config.decouple_visual is False and back.feature_layers == [2, 6]
+    for k, v in head.state_dict().items():
+        torch.testing.assert_close(back.state_dict()[k].float(), v.to(torch.bfloat16).float(), rtol=0, atol=0)
+    card = model_card(back.config, "me/dflash", [], num_parameters=back.num_parameters(), dtype="bfloat16")
+    assert "# DFlash draft head (block drafter)" in card and "| block size | 4 " in card
+    assert "gamma = 7.0; 512 anchors" in card
+    assert "visual decoupling off" in card and "decoding=block" in card
+
+
+def test_nothing_outside_its_own_files_registers_or_branches_on_it():
+    """What adding the head touched in the product: its module (config, head class,
+    ``register_head``), its objective (``register_objective``), its conf file and the package's
+    import. The decoder picks the block drafter by the head's declared ``decoding_methods``,
+    never by its name: no other product file imports its classes or compares with "dflash"."""
+    code = {str(p.relative_to(ROOT)): p.read_text() for p in (ROOT / "msd_train").rglob("*.py")}
+    imports = sorted(f for f, text in code.items() if "DFlashDraft" in text or "draft.dflash" in text)
+    assert imports == ["msd_train/draft/__init__.py", "msd_train/draft/dflash.py"], imports
+    literal = sorted(f for f, text in code.items() if "\"dflash\"" in text or "'dflash'" in text)
+    assert literal == ["msd_train/draft/dflash.py", "msd_train/training/objective.py"], literal
+    conf = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "conf").rglob("*.yaml")
+                  if "architecture: dflash" in p.read_text())
+    assert conf == ["conf/head/dflash.yaml"]
