@@ -58,7 +58,7 @@ from msd_train.draft.families import layer_family
 from msd_train.draft.head import DraftHead, HeadCard, pair, register_head
 from msd_train.draft.model import MSDDraftOutput, check_finite
 from msd_train.draft.positions import draft_position_ids
-from msd_train.draft.vocabulary import VocabSubset
+from msd_train.draft.vocabulary import ReadsTargetLMHead, VocabSubset
 from msd_train.errors import ConfigError
 from msd_train.targets.protocol import TargetProtocol
 
@@ -193,10 +193,9 @@ def _block_attention(attn, x: torch.Tensor, block_pe, context_kv, context_mask: 
 
 
 @register_head
-class DFlashDraftModel(DraftHead):
+class DFlashDraftModel(ReadsTargetLMHead, DraftHead):
     architecture = "dflash"
     config_class = DFlashDraftConfig
-    supports_restrict_vocabulary = True
     decoding_methods: ClassVar[tuple[str, ...]] = ("block",)  # decoding.block.BlockDrafter
 
     def __init__(self, config: DFlashDraftConfig):
@@ -313,31 +312,6 @@ class DFlashDraftModel(DraftHead):
             x = x + a
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return MSDDraftOutput(last_hidden_state=self.norm(x), cache=past_key_values)
-
-    def logits(self, states: torch.Tensor, target: TargetProtocol) -> torch.Tensor:
-        """The target's lm_head over the head's normed states (its rows of the draft
-        vocabulary, -inf elsewhere, when one is set)."""
-        states = states.to(target.dtype)
-        return target.lm_head(states) if self._vocab is None else self._vocab.logits(states)
-
-    def logits_on_ids(self, states: torch.Tensor, target: TargetProtocol) -> tuple[torch.Tensor, torch.Tensor | None]:
-        states = states.to(target.dtype)
-        return (target.lm_head(states), None) if self._vocab is None else (self._vocab(states), self._vocab.ids)
-
-    def restrict_vocabulary(self, target: TargetProtocol, ids: torch.Tensor | None) -> None:
-        """Draft over target ids ``ids`` only (None: the whole vocabulary): a ``VocabSubset``."""
-        if ids is None:
-            self._vocab = None
-            return
-        ids = ids.to(target.lm_head.weight.device)
-        if self._vocab is None or not torch.equal(self._vocab.ids, ids):
-            self._vocab = VocabSubset(target.lm_head, ids)
-
-    def unroll(self, inputs, steps: int, forward=None) -> list[torch.Tensor]:
-        raise NotImplementedError("a dflash head drafts a block in one forward; it has no chain to unroll "
-                                  "(train.objective=on_policy is for msd and msd3 heads)")
-
-    # ----- the model card -------------------------------------------------------------------
 
     @classmethod
     def card(cls, config: DFlashDraftConfig, num_parameters: int | None = None, dtype: str | None = None) -> HeadCard:

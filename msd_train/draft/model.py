@@ -23,7 +23,7 @@ from msd_train.draft.config import MSDDraftConfig
 from msd_train.draft.families import layer_family
 from msd_train.draft.head import DraftHead, HeadCard, head_class_of_config, pair, register_head, saved_model_type
 from msd_train.draft.positions import draft_position_ids
-from msd_train.draft.vocabulary import VocabSubset
+from msd_train.draft.vocabulary import ReadsTargetLMHead, VocabSubset
 from msd_train.hf_compat import cache_kwargs
 from msd_train.targets.protocol import TargetProtocol
 
@@ -163,7 +163,7 @@ def check_finite(named, where: str) -> None:
 
 
 @register_head
-class MSDDraftModel(DraftHead):
+class MSDDraftModel(ReadsTargetLMHead, DraftHead):
     """MSD draft head: fusion `fc`, decoupled visual inputs, transformers decoder layers.
 
     Build with `MSDDraftModel(MSDDraftConfig.from_target_config(target.config, name))`;
@@ -174,7 +174,6 @@ class MSDDraftModel(DraftHead):
     architecture = "msd"
     config_class = MSDDraftConfig
     supports_gradient_checkpointing = True
-    supports_restrict_vocabulary = True
     rollout_reads_cache = True
     _skip_keys_device_placement = ["past_key_values"]
 
@@ -313,28 +312,7 @@ class MSDDraftModel(DraftHead):
             layer_input=layer_input if return_layer_input else None,
         )
 
-    # ----- the head interface (msd_train.draft.head) ------------------------------------
-
-    def logits(self, states: torch.Tensor, target: TargetProtocol) -> torch.Tensor:
-        """The head predicts the target's next feature; the target's lm_head reads it
-        (only its rows of the decode-time vocabulary, if one was set)."""
-        states = states.to(target.dtype)
-        return target.lm_head(states) if self._vocab is None else self._vocab.logits(states)
-
-    def logits_on_ids(self, states: torch.Tensor, target: TargetProtocol) -> tuple[torch.Tensor, torch.Tensor | None]:
-        states = states.to(target.dtype)
-        return (target.lm_head(states), None) if self._vocab is None else (self._vocab(states), self._vocab.ids)
-
-    def restrict_vocabulary(self, target: TargetProtocol, ids: torch.Tensor | None) -> None:
-        """Draft over target ids ``ids`` only (None: the whole vocabulary again): a
-        ``VocabSubset`` of the target's lm_head, made once here."""
-        if ids is None:
-            self._vocab = None
-            return
-        ids = ids.to(target.lm_head.weight.device)
-        if self._vocab is not None and torch.equal(self._vocab.ids, ids):
-            return  # already these rows (a benchmark sets it once per prompt)
-        self._vocab = VocabSubset(target.lm_head, ids)
+    # ----- the head interface (msd_train.draft.head; logits from ReadsTargetLMHead) -----------
 
     @classmethod
     def card(cls, config: MSDDraftConfig, num_parameters: int | None = None, dtype: str | None = None) -> HeadCard:

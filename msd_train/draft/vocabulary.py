@@ -126,3 +126,33 @@ def load_counts(folder: str | Path | None) -> torch.Tensor | None:
     from safetensors.torch import load_file
 
     return load_file(str(Path(folder) / COUNTS_FILE))["counts"]
+
+
+class ReadsTargetLMHead:
+    """The head interface's logits for heads whose states the target's own ``lm_head`` reads
+    (msd, dflash): all of its rows, or at decode time only those of a draft vocabulary
+    (:meth:`restrict_vocabulary`, a :class:`VocabSubset` made once). A head sets
+    ``self._vocab = None`` in its ``__init__``."""
+
+    supports_restrict_vocabulary = True
+    _vocab: VocabSubset | None
+
+    def logits(self, states: torch.Tensor, target) -> torch.Tensor:
+        """The target's lm_head over the head's states (its rows of the draft vocabulary,
+        -inf elsewhere, when one is set)."""
+        states = states.to(target.dtype)
+        return target.lm_head(states) if self._vocab is None else self._vocab.logits(states)
+
+    def logits_on_ids(self, states: torch.Tensor, target) -> tuple[torch.Tensor, torch.Tensor | None]:
+        states = states.to(target.dtype)
+        return (target.lm_head(states), None) if self._vocab is None else (self._vocab(states), self._vocab.ids)
+
+    def restrict_vocabulary(self, target, ids: torch.Tensor | None) -> None:
+        """Draft over target ids ``ids`` only (None: the whole vocabulary again)."""
+        if ids is None:
+            self._vocab = None
+            return
+        ids = ids.to(target.lm_head.weight.device)
+        if self._vocab is not None and torch.equal(self._vocab.ids, ids):
+            return  # already these rows (a benchmark sets it once per prompt)
+        self._vocab = VocabSubset(target.lm_head, ids)
