@@ -24,6 +24,7 @@ def main(cfg: DictConfig) -> None:
     import logging
 
     from msd_train import runtime
+    from msd_train.data.dataset import UnusableImage
     from msd_train.features.generate import generate
     from msd_train.features.store import FeatureStoreError
 
@@ -42,7 +43,7 @@ def main(cfg: DictConfig) -> None:
     kept = (f"every finished shard in {cfg.features.path} is kept (progress/rank-*.jsonl lists them); relaunch the "
             "same command to resume")
     try:
-        with user_errors(FeatureStoreError, runtime.SharedPathError, kept=kept):  # a full disk, Ctrl-C, a bad store: one message
+        with user_errors(FeatureStoreError, runtime.SharedPathError, UnusableImage, kept=kept):  # a full disk, Ctrl-C, a bad store: one message
             generate(cfg, group)
     finally:
         group.destroy(barrier=False)

@@ -32,8 +32,9 @@ with that record, before anything loads:
 
 The record also holds each training data file's size, modification time and digest
 (``data_files``): a relaunch whose data file was edited in place (same path, other content)
-is refused naming the file. Size and time are compared first; only when they differ is the
-file read again, so a file that was merely touched (or copied back) still resumes.
+is refused naming the file, whatever its size and time say (``cp -p``, ``rsync -t`` and
+``tar`` restore them); the digest is the one the data cache computes at this launch, so a
+file that was merely touched (or copied back) still resumes.
 
 Stages written before this record existed fall back to the configuration in their
 ``best/`` or ``final/`` export's ``training.json``; with neither, the launch's settings
@@ -277,7 +278,8 @@ def data_files(current: dict) -> dict[str, dict]:
 
 def changed_data_files(saved: dict, current: dict) -> list[str]:
     """The files of ``saved`` (from :func:`data_files`) that ``current`` names too and whose
-    content differs now: one line each. Size and time first; the digest only when they differ."""
+    content differs now: one line each. By their digest (read once per launch, shared with the
+    data cache): a same-size edit whose mtime was restored is a change too."""
     from msd_train.data.dataset import file_digest
 
     changed = []
@@ -289,13 +291,13 @@ def changed_data_files(saved: dict, current: dict) -> list[str]:
             st = Path(path).stat()
         except OSError:
             continue  # gone: the data loading names it
-        if st.st_size == was.get("size") and st.st_mtime_ns == was.get("mtime_ns"):
-            continue
-        if st.st_size == was.get("size") and file_digest(path) == was.get("sha1"):
-            continue  # touched or copied back: the same content
-        changed.append(f"{path} (was {was.get('size')} bytes, modified "
+        sha1 = file_digest(path) if st.st_size == was.get("size") else None
+        if sha1 is not None and (sha1 == was.get("sha1") or was.get("sha1") is None):
+            continue  # the same content (touched or copied back), or a record without digests
+        changed.append(f"{path} (was {was.get('size')} bytes, sha1 {str(was.get('sha1'))[:12]}, modified "
                        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(was.get('mtime_ns', 0) / 1e9))}; now "
-                       f"{st.st_size} bytes, modified {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(st.st_mtime))})")
+                       f"{st.st_size} bytes, sha1 {(sha1 or file_digest(path))[:12]}, modified "
+                       f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(st.st_mtime))})")
     return changed
 
 

@@ -71,3 +71,172 @@ def test_regenerated_multimodal_data_trains_inside_its_image_root(tmp_path):
         "top_k": 0, "seed": 0, "progress": False})
     read = list(read_conversations(out / MERGED, "auto", manifest["image_root"]))
     assert [r["images"] for r in read] == [[str(root / "sub" / "a.png")]]
+
+
+# ----------------------------------------------------------------------------- the cache notices content
+
+
+def train_cfg(tmp_path, *overrides):
+    from hydra import compose, initialize_config_dir
+
+    from msd_train.config import CONF_DIR
+
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        return compose("config", overrides=[f"run_dir={tmp_path / 'run'}", "logging.wandb.mode=disabled",
+                                            "logging.progress=false", *overrides])
+
+
+def sharegpt_file(path: Path, answers: list[str]) -> Path:
+    path.write_text(json.dumps([{"id": f"t{i}", "conversations": [{"from": "human", "value": "hello there"},
+                                                                 {"from": "gpt", "value": a}]}
+                                for i, a in enumerate(answers)]))
+    return path
+
+
+def edit_keeping_size_and_mtime(path: Path, old: bytes, new: bytes) -> None:
+    """What ``cp -p``, ``rsync -t`` or ``tar`` leave: other content, the same size and mtime."""
+    st = path.stat()
+    data = path.read_bytes()
+    assert len(old) == len(new) and old in data
+    path.write_bytes(data.replace(old, new))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+
+
+def test_a_same_size_edit_with_its_mtime_restored_is_tokenised_again(tmp_path, llava_target):
+    from msd_train.data.dataset import MANIFEST, build_split, file_digest
+
+    data = sharegpt_file(tmp_path / "t.json", ["a cat sat", "a dog ran"])
+    src, cache = [{"path": str(data)}], tmp_path / "cache"
+    first = build_split(src, llava_target, 64, "skip", str(cache))
+    ids = [list(r) for r in first.dataset["input_ids"]]
+    again = build_split(src, llava_target, 64, "skip", str(cache))  # a warm launch: the same folder
+    assert [list(r) for r in again.dataset["input_ids"]] == ids
+    edit_keeping_size_and_mtime(data, b"a dog ran", b"a fox hid")
+    fresh = build_split(src, llava_target, 64, "skip", str(cache))
+    assert [list(r) for r in fresh.dataset["input_ids"]][1] != ids[1]
+    assert [list(r) for r in fresh.dataset["input_ids"]][0] == ids[0]
+    # the content digest is recorded beside the cache
+    manifests = [json.loads(p.read_text()) for p in cache.glob(f"split-*/{MANIFEST}")]
+    assert {m["files"][0]["sha1"] for m in manifests} >= {file_digest(data)}
+
+
+def test_a_resume_refuses_a_same_size_edit_with_its_mtime_restored(tmp_path):
+    from msd_train.training import resume
+
+    data = sharegpt_file(tmp_path / "t.json", ["a cat sat"])
+    cfg = lambda: train_cfg(tmp_path, f"data.text=[{{path: {data}}}]")  # noqa: E731
+    stage = tmp_path / "run" / "stage1"
+    ckpt = stage / "checkpoints" / "step-000004"
+    resume.check_resume(cfg(), stage, None, None, write=True)
+    edit_keeping_size_and_mtime(data, b"a cat sat", b"a rat hid")
+    with pytest.raises(resume.ResumeRefused) as e:
+        resume.check_resume(cfg(), stage, ckpt, 4, write=True)
+    assert str(data) in str(e.value) and "training data changed" in str(e.value)
+
+
+# ----------------------------------------------------------------------------- images damaged or changed under a run
+
+
+def png_claiming(path: Path, width: int, height: int) -> Path:
+    """A PNG whose header claims width x height but which holds ~100 bytes (an IEND at its end)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 30))
+                     + chunk(b"IEND", b""))
+    return path
+
+
+def cut_png(path: Path, seed: int = 0) -> Path:
+    """A real 64x64 PNG cut inside its pixel data, its IEND chunk put back at the end: the
+    header and the end marker look whole, the pixels do not decode."""
+    import io
+
+    buf = io.BytesIO()
+    random_image(seed, 64).save(buf, format="PNG")
+    data = buf.getvalue()
+    path.write_bytes(data[:len(data) // 2] + data[-12:])
+    return path
+
+
+def llava_rows(tmp_path, target, image_root, names, on_bad_sample="skip"):
+    from msd_train.data.dataset import build_split
+
+    data = tmp_path / "mm.json"
+    if not data.exists():
+        llava_file(data, names)
+    return build_split([{"path": str(data), "image_root": str(image_root)}], target, 256, on_bad_sample,
+                       str(tmp_path / "cache"))
+
+
+def test_a_png_whose_header_claims_more_pixels_than_it_holds_is_a_skipped_sample(tmp_path, llava_target):
+    from msd_train.data.dataset import DamagedImage, image_size
+
+    root = tmp_path / "images"
+    root.mkdir()
+    png_claiming(root / "big.png", 4000, 3000)
+    random_image(0, 16).save(root / "ok.png")
+    with pytest.raises(DamagedImage, match="4000x3000"):
+        image_size(str(root / "big.png"))
+    split = llava_rows(tmp_path, llava_target, root, ["ok.png", "big.png"])
+    assert list(split.dataset["id"]) == ["s0"]
+    assert [b.id for b in split.skipped] == ["s1"] and "big.png" in split.skipped[0].message()
+
+
+def test_an_image_that_does_not_decode_is_named_and_the_relaunch_skips_it(tmp_path, llava_target):
+    from msd_train.data.collate import collate
+    from msd_train.data.dataset import UnusableImage, record_unusable
+    from msd_train.data.formats import BadSampleError
+
+    root = tmp_path / "images"
+    root.mkdir()
+    random_image(0, 16).save(root / "ok.png")
+    cut_png(root / "cut.png")
+    split = llava_rows(tmp_path, llava_target, root, ["ok.png", "cut.png"])
+    assert list(split.dataset["id"]) == ["s0", "s1"]  # its header and end marker passed the check
+    with pytest.raises(UnusableImage) as e:
+        collate([split.dataset[0], split.dataset[1]], llava_target)
+    assert "sample s1" in str(e.value) and str(root / "cut.png") in str(e.value) and "replace it" in str(e.value)
+    # a loader worker hands it to the trainer whole (an exception would reach it as text)
+    from msd_train.data.collate import StepBatches
+
+    item = StepBatches(split.dataset, split.dataset, llava_target, 2, 1, 0, 1)[(0, [("mm", 0), ("mm", 1)], {})]
+    assert item["unusable"] == (str(e.value), e.value.record)
+    assert record_unusable(tmp_path / "cache", e.value.record) is not None
+    again = llava_rows(tmp_path, llava_target, root, [])
+    assert list(again.dataset["id"]) == ["s0"]
+    assert [b.id for b in again.skipped] == ["s1"] and "cut.png" in again.skipped[0].message()
+    with pytest.raises(BadSampleError, match="sample s1: image .*cut.png"):
+        llava_rows(tmp_path, llava_target, root, [], on_bad_sample="error")
+    random_image(1, 16).save(root / "cut.png")  # replaced by a whole image: trained on again
+    assert list(llava_rows(tmp_path, llava_target, root, []).dataset["id"]) == ["s0", "s1"]
+
+
+def test_an_image_changed_under_a_run_is_named_with_advice_that_works(tmp_path, qwen_target):
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from msd_train.data.collate import collate
+    from msd_train.data.dataset import UnusableImage
+    from msd_train.training.recipe import TrainRecipe
+
+    root = tmp_path / "images"
+    root.mkdir()
+    random_image(0, 16).save(root / "a.png")
+    split = llava_rows(tmp_path, qwen_target, root, ["a.png"])
+    random_image(0, 56).save(root / "a.png")  # another size: another number of visual tokens (4, now 16)
+    with pytest.raises(UnusableImage) as e:
+        collate([split.dataset[0]], qwen_target)
+    assert "sample s0" in str(e.value) and "a.png changed since the data was tokenised" in str(e.value)
+    fake = SimpleNamespace(main=True, step=6, cfg=OmegaConf.create(
+        {"data": {"cache_dir": str(tmp_path / "cache"), "on_bad_sample": "skip"}}))
+    message = str(TrainRecipe._unusable(fake, e.value))
+    assert "step 7" in message and "skips that sample" in message and "touch" not in message
+    again = llava_rows(tmp_path, qwen_target, root, [])  # what the relaunch reads: the sample left out
+    assert len(again.dataset) == 0 and [b.id for b in again.skipped] == ["s0"]
