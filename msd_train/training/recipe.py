@@ -201,6 +201,7 @@ class TrainRecipe:
             *([sample_lengths(self.text), sample_lengths(self.mm)] if window else [None, None]), window)
         if self.start.checkpoint is not None:
             self._restore(*resume.load(self.start, self.engine, self.group, self.identity))
+            resume.record_applied(self.start, self.step, self.main)  # what this launch changed, now applied
         self.wandb = wandb_run.start(cfg, self.run_dir, self.stage) if self.main else None
 
     def _setup_data(self) -> None:
@@ -595,7 +596,9 @@ class TrainRecipe:
                     ckpt.save_portable(portable, tmp)
             state = {"step": self.step, "stage": self.stage, "curriculum": self.curriculum.state_dict(),
                      "bad_total": self.bad_total, "best_tau": self.best_tau, "global_batch": self.global_batch,
-                     "world_size": self.world, "zero_stage": self.start.zero_stage, "target": self.identity}
+                     "world_size": self.world, "zero_stage": self.start.zero_stage, "target": self.identity,
+                     "micro_batch_size": int(self.cfg.train.micro_batch_size),
+                     "grad_accum": int(self.cfg.train.grad_accum)}
             with ckpt.writing(self.ckpt_root, tmp, f"checkpoint step {self.step}"):
                 save_counts(tmp, self.token_counts)  # a resume trains over the same vocabulary (_resumed_counts)
                 ckpt.finish(tmp, ckpt.step_dir(self.ckpt_root, self.step), state)

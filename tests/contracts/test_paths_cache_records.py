@@ -240,3 +240,60 @@ def test_an_image_changed_under_a_run_is_named_with_advice_that_works(tmp_path, 
     assert "step 7" in message and "skips that sample" in message and "touch" not in message
     again = llava_rows(tmp_path, qwen_target, root, [])  # what the relaunch reads: the sample left out
     assert len(again.dataset) == 0 and [b.id for b in again.skipped] == ["s0"]
+
+
+# ----------------------------------------------------------------------------- records are what happened
+
+
+def a_stage_with_a_checkpoint(tmp_path, state: dict, *overrides):
+    """A stage whose settings were recorded at its start and which holds one checkpoint (step 4)."""
+    from builders.runs import fake_checkpoint
+
+    from msd_train.training import checkpoint as ckpt
+    from msd_train.training import resume
+
+    stage = tmp_path / "run" / "stage1"
+    resume.check_resume(train_cfg(tmp_path, *overrides), stage, None, None, write=True)
+    cand = fake_checkpoint(stage / "checkpoints", 4, {"step": 4, "curriculum": {}, "bad_total": 0, "best_tau": -1.0,
+                                                      **state})
+    (cand / ckpt.PORTABLE_FILE).write_bytes(b"")
+    return stage
+
+
+def history(stage: Path) -> list:
+    return json.loads((stage / "settings.json").read_text())["history"]
+
+
+def test_a_resume_at_another_world_size_records_the_values_before_and_after(tmp_path):
+    from msd_train.training import resume
+
+    # written by 2 processes x micro-batch 4 x grad_accum 2 = 16; resumed by 4 x 2 x 2
+    stage = a_stage_with_a_checkpoint(tmp_path, {"global_batch": 16, "world_size": 2, "zero_stage": 2,
+                                                 "micro_batch_size": 4, "grad_accum": 2}, "train.micro_batch_size=4")
+    point = resume.resume_point(train_cfg(tmp_path, "train.micro_batch_size=2"), 0, 4)
+    assert point.grad_accum == 2 and history(stage) == []  # nothing applied yet: nothing recorded
+    resume.record_applied(point, 4, main=True)
+    assert [h["changed"] for h in history(stage)] == [{"world_size": {"checkpoint": 2, "now": 4},
+                                                       "train.micro_batch_size": {"checkpoint": 4, "now": 2}}]
+
+
+def test_a_launch_refused_because_no_checkpoint_loads_records_nothing_applied(tmp_path):
+    from types import SimpleNamespace
+
+    from msd_train.training import resume
+
+    stage = a_stage_with_a_checkpoint(tmp_path, {"global_batch": 4, "world_size": 1, "zero_stage": 2})
+    before = (stage / "settings.json").read_text()
+    point = resume.resume_point(train_cfg(tmp_path, "train.max_steps=400", "train.grad_clip=0.25"), 0, 1)
+
+    class Engine:
+        def load_checkpoint(self, *a, **k):
+            raise RuntimeError("PytorchStreamReader failed reading zip archive")
+
+    group = SimpleNamespace(rank=0, main=True, any=lambda flag: flag)
+    with pytest.raises(resume.ResumeRefused, match="no checkpoint .* loads"):
+        resume.load(point, Engine(), group, {})
+    assert (stage / "settings.json").read_text() == before
+    resume.record_applied(point, 4, main=True)  # once one loads, each change is recorded with both values
+    assert history(stage)[-1]["changed"] == {"train.grad_clip": {"checkpoint": 0.5, "now": 0.25},
+                                             "train.max_steps": {"checkpoint": 300, "now": 400}}
