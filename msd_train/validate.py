@@ -31,8 +31,10 @@ from msd_train.checks import (  # noqa: F401  (the primitives, and the decoder's
     _choice,
     _get,
     _number,
+    check_cpu_linear,
     check_decoding,
     check_sampling,
+    onednn_max_isa,
 )
 from msd_train.errors import ConfigError, debug, user_errors  # noqa: F401  (re-exported: callers import them from here)
 from msd_train.paths import user_path
@@ -210,6 +212,9 @@ def check_eval(cfg, method: str) -> None:
                               "decoding.cuda_graphs=auto (on for CUDA targets, off on CPU)")
     _wandb(cfg, "wandb")
     check_target(_get(cfg, "target"))
+    linear = _get(cfg, "target.cpu_linear")
+    check_cpu_linear(None if linear is _MISSING else linear)
+    onednn_max_isa()
     if method != "ar":
         check_head(_get(cfg, "draft"), draft_vocab)
 

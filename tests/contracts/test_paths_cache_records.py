@@ -297,3 +297,21 @@ def test_a_launch_refused_because_no_checkpoint_loads_records_nothing_applied(tm
     resume.record_applied(point, 4, main=True)  # once one loads, each change is recorded with both values
     assert history(stage)[-1]["changed"] == {"train.grad_clip": {"checkpoint": 0.5, "now": 0.25},
                                              "train.max_steps": {"checkpoint": 300, "now": 400}}
+
+
+# ----------------------------------------------------------------------------- one message, not a traceback
+
+
+def test_cpu_linear_and_onednn_max_cpu_isa_are_checked_up_front(monkeypatch):
+    from msd_train.validate import ConfigError, check_eval
+
+    cfg = {"target": {"name_or_path": str(ROOT / "data" / "tiny-llava"), "cpu_linear": "bogus"}}
+    with pytest.raises(ConfigError, match="target.cpu_linear=bogus: use auto .*onednn or aten"):
+        check_eval(cfg, "ar")
+    cfg["target"]["cpu_linear"] = "aten"
+    check_eval(cfg, "ar")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "garbage")  # oneDNN would run without a limit
+    with pytest.raises(ConfigError, match="ONEDNN_MAX_CPU_ISA=garbage: .*AVX2, .*AVX512_CORE_BF16, .*or unset it"):
+        check_eval(cfg, "ar")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")
+    check_eval(cfg, "ar")
