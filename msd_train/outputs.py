@@ -335,6 +335,16 @@ def _inside(a: Path, b: Path) -> bool:
         return False
 
 
+def folder_path(out: str | Path) -> Path:
+    """An output folder as a path with a name of its own: ``~`` expanded, and one written with
+    ``.`` or ``..`` in it (``out=DIR/sub/..``) as the folder it names (staging, lock and record
+    files go beside a folder by its name)."""
+    out = Path(out).expanduser()
+    if any(part in (".", "..") for part in Path(os.fspath(out)).parts) or out.name in ("", ".", ".."):
+        out = Path(os.path.realpath(out))
+    return out
+
+
 def check_output(out: str | Path, kind: str, overwrite: bool = False, sources: Iterable = (),
                  recognise=None, setting: str = "out") -> Path:
     """Refuse an ``out`` this ``kind`` of command may not write; returns it as a Path.
@@ -342,7 +352,7 @@ def check_output(out: str | Path, kind: str, overwrite: bool = False, sources: I
     ``sources``: what the command reads (never replaced, nor a folder holding them).
     ``recognise(folder) -> bool``: a folder of this kind (made before records existed, or
     one the command resumes). ``setting``: the name the user gave the folder under."""
-    out = Path(out).expanduser()
+    out = folder_path(out)
     name = f"{setting}={out}"
     if out.exists() and not out.is_dir():
         raise OutputError(f"{name} is a file; give a folder to write into (a new or empty one)")

@@ -368,7 +368,9 @@ def check_head(draft, draft_vocab=None) -> None:
 
 def check_out_dir(out: str | Path) -> None:
     """The output folder can be created and written, before anything is measured."""
-    out = user_path(out)
+    from msd_train.outputs import folder_path
+
+    out = folder_path(user_path(out))
     if out.exists() and not out.is_dir():
         raise ConfigError(f"out={out} is a file; give a folder for the report")
     try:

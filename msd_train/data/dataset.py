@@ -24,6 +24,8 @@ says so and tokenises anew.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import hashlib
 import json
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from msd_train.data.formats import BadSample, BadSampleError, read_conversations
+from msd_train.errors import ConfigError
 from msd_train.paths import user_path
 from msd_train.targets.identity import tokenizer_identity
 from msd_train.targets.protocol import TargetProtocol
@@ -605,6 +608,21 @@ def _restored(ds) -> bool:
     return any(os.path.exists(p) for i in idx[:10000] for p in ds[int(i)]["images"])
 
 
+@contextlib.contextmanager
+def _writable_cache(cache_dir):
+    """Writing the tokenised cache: a folder this launch may not write is one message naming
+    ``data.cache_dir`` and the fix (a finished cache there is read without writing)."""
+    try:
+        yield
+    except OSError as e:
+        if cache_dir is None or e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise ConfigError(
+            f"data.cache_dir={cache_dir}: cannot write the tokenised cache there ({e.filename or cache_dir}: "
+            f"{e.strerror}); a launch writes it there the first time it reads these data files with this target "
+            f"and settings. Give a folder you can write, data.cache_dir=DIR (a node-local disk is fine)") from None
+
+
 def build_split(
     sources: list[dict],
     target: TargetProtocol,
@@ -634,28 +652,41 @@ def build_split(
     hint = ",".join(str(s.get("image_root")) for s in sources)
     if cache_dir:
         cache = _SplitCache(cache_dir, sources, identity)
-        cache.dir.mkdir(parents=True, exist_ok=True)
+        with _writable_cache(cache_dir):
+            cache.dir.mkdir(parents=True, exist_ok=True)
         entry, key = cache.find()
     else:
         cache, entry, key = None, None, ""
-    for attempt in range(2):
+    for attempt in range(3):
         if entry is None:
             parent = cache.dir if cache else Path(tempfile.gettempdir())
-            built = Path(tempfile.mkdtemp(prefix=".building-", dir=parent))
-            try:
-                _build(sources, target, max_length, on_bad_sample, num_proc, limit, identity, built)
-            except BaseException:
-                shutil.rmtree(built, ignore_errors=True)
-                raise
-            entry = cache.commit(built, key) if cache else built
+            with _writable_cache(cache_dir if cache else None):
+                built = Path(tempfile.mkdtemp(prefix=".building-", dir=parent))
+                try:
+                    _build(sources, target, max_length, on_bad_sample, num_proc, limit, identity, built)
+                except BaseException:
+                    shutil.rmtree(built, ignore_errors=True)
+                    raise
+                entry = cache.commit(built, key) if cache else built
         manifest = json.loads((entry / MANIFEST).read_text())
         if not manifest["arrow"]:
             ds = datasets.Dataset.from_dict({})
             break
-        ds = datasets.concatenate_datasets([datasets.Dataset.from_file(str(entry / f)) for f in manifest["arrow"]])
+        try:
+            ds = datasets.concatenate_datasets([datasets.Dataset.from_file(str(entry / f)) for f in manifest["arrow"]])
+        except Exception as e:  # pyarrow's ArrowInvalid, an OSError: a file cut short or overwritten
+            if cache is None or attempt == 2:
+                raise
+            log.warning("the tokenised cache %s is damaged (%s: %s): tokenising again", entry, type(e).__name__,
+                        str(e).splitlines()[0][:200] if str(e) else "")
+            shutil.rmtree(entry, ignore_errors=True)
+            if entry.exists():  # a cache this launch cannot write: built beside it, under another name
+                key = f"{key}-{os.getpid()}"
+            entry = None
+            continue
         if cache is None:
             shutil.rmtree(entry, ignore_errors=True)  # the rows stay mapped; nothing is left behind
-        if attempt == 0 and cache is not None and _restored(ds):
+        if attempt < 2 and cache is not None and _restored(ds):
             log.info("an image reported missing when %s was written is back: tokenising again", entry)
             shutil.rmtree(entry, ignore_errors=True)
             entry = None

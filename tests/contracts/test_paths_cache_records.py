@@ -315,3 +315,54 @@ def test_cpu_linear_and_onednn_max_cpu_isa_are_checked_up_front(monkeypatch):
         check_eval(cfg, "ar")
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")
     check_eval(cfg, "ar")
+
+
+@pytest.mark.parametrize("damage", ["cut", "garbage"])
+def test_a_damaged_arrow_file_in_the_cache_is_tokenised_again(tmp_path, llava_target, damage, caplog):
+    from msd_train.data.dataset import build_split
+
+    data = sharegpt_file(tmp_path / "t.json", ["a cat sat", "a dog ran"])
+    src, cache = [{"path": str(data)}], tmp_path / "cache"
+    ids = [list(r) for r in build_split(src, llava_target, 64, "skip", str(cache)).dataset["input_ids"]]
+    (arrow,) = [p for p in cache.glob("split-*/*.arrow")]
+    arrow.write_bytes(arrow.read_bytes()[:len(arrow.read_bytes()) // 2] if damage == "cut" else b"\0junk" * 50)
+    with caplog.at_level("WARNING"):
+        again = build_split(src, llava_target, 64, "skip", str(cache))
+    assert [list(r) for r in again.dataset["input_ids"]] == ids
+    assert "is damaged" in caplog.text and "tokenising again" in caplog.text
+
+
+def test_a_cache_dir_that_cannot_be_written_is_one_message_naming_the_setting(tmp_path, llava_target, monkeypatch):
+    import errno
+    import tempfile
+
+    from msd_train.data.dataset import build_split
+    from msd_train.errors import ConfigError
+
+    data = sharegpt_file(tmp_path / "t.json", ["a cat sat"])
+    cache = tmp_path / "cache"
+    cache.mkdir()
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system", str(cache / ".building-x"))
+
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)
+    with pytest.raises(ConfigError, match=r"data.cache_dir=.*cache: cannot write the tokenised cache there .*"
+                                          r"Read-only file system.*data.cache_dir=DIR"):
+        build_split([{"path": str(data)}], llava_target, 64, "skip", str(cache))
+    monkeypatch.undo()
+    build_split([{"path": str(data)}], llava_target, 64, "skip", str(cache))
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)  # a finished cache is read without writing
+    assert len(build_split([{"path": str(data)}], llava_target, 64, "skip", str(cache))) == 1
+
+
+def test_an_out_folder_written_with_dotdot_is_the_folder_it_names(tmp_path):
+    from msd_train.outputs import output_dir
+    from msd_train.validate import check_out_dir
+
+    out = tmp_path / "new" / "sub" / ".."  # neither exists yet
+    check_out_dir(out)
+    with output_dir(out, "scripts/export.py") as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert (tmp_path / "new" / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".new.msd-output", "new"]
