@@ -21,7 +21,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 
+from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from msd_train.errors import ConfigError
 
 IMAGE_MARKER = "<image>"
 
@@ -78,10 +81,38 @@ def resolve_template(name_or_source: str) -> str:
     return BUILTIN_TEMPLATES.get(name_or_source, name_or_source)
 
 
+class ChatTemplateError(ConfigError):
+    """A chat template that Jinja (in its sandbox) cannot compile or render."""
+
+
+def _template_error(e: Exception) -> ChatTemplateError:
+    where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+    unsafe = isinstance(e, SecurityError)
+    return ChatTemplateError(
+        f"the chat template (target.chat_template, or the target folder's chat_template.jinja / "
+        f"tokenizer_config.json) cannot be {'rendered' if unsafe or not where else 'compiled'}{where}: "
+        f"{type(e).__name__}: {e}"
+        + ("; it reaches for Python internals, which the sandbox it runs in refuses (a template only formats "
+           "messages)" if unsafe else "")
+        + ". Fix the template, or set target.chat_template to a built-in one (vicuna_v1, chatml_qwen) or to "
+          "the Jinja source of one that works")
+
+
 @lru_cache(maxsize=16)
 def _compiled(template: str):
     # Compiling is ~100x the cost of rendering; a dataset renders one template millions of times.
-    return ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False).from_string(template)
+    try:
+        compiled = ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False).from_string(template)
+    except TemplateError as e:
+        raise _template_error(e) from None
+
+    def render(**kw) -> str:
+        try:
+            return compiled.render(**kw)
+        except TemplateError as e:
+            raise _template_error(e) from None
+
+    return render
 
 
 # The Python twins of the templates below render one message at a time, ``(k, message,
@@ -136,7 +167,7 @@ def _prefix_renderer(template: str, messages: list[dict], special: dict):
     fast = _PYTHON_TEMPLATES.get(template)
     if fast is None:
         compiled = _compiled(template)
-        return lambda n, gen: compiled.render(messages=messages[:n], add_generation_prompt=gen, **special)
+        return lambda n, gen: compiled(messages=messages[:n], add_generation_prompt=gen, **special)
     turn, generation = fast
     texts = [turn(k, m, **special) for k, m in enumerate(messages)]
     ends = [0]

@@ -366,3 +366,37 @@ def test_an_out_folder_written_with_dotdot_is_the_folder_it_names(tmp_path):
         (tmp / "config.json").write_text("{}")
     assert (tmp_path / "new" / "config.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == [".new.msd-output", "new"]
+
+
+def test_a_chat_template_the_sandbox_refuses_is_one_message_naming_the_setting():
+    from msd_train.errors import ConfigError
+    from msd_train.targets.chat import render_prompt
+
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ConfigError, match=r"target.chat_template.*SecurityError.*sandbox.*built-in one"):
+        render_prompt(msgs, "{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(ConfigError, match=r"target.chat_template.*compiled \(line 1\): TemplateSyntaxError"):
+        render_prompt(msgs, "{% for m in messages %}")
+
+
+def test_a_target_whose_weights_file_is_a_pickle_is_refused_in_one_message(tmp_path):
+    import shutil
+
+    import torch
+
+    from msd_train.errors import ConfigError
+    from msd_train.targets import load_target
+
+    class Planted:
+        def __reduce__(self):
+            return (print, ("planted code ran",))
+
+    folder = tmp_path / "target"
+    shutil.copytree(ROOT / "data" / "tiny-llava", folder)
+    (folder / "model.safetensors").unlink()
+    torch.save({"w": Planted()}, folder / "pytorch_model.bin")
+    with pytest.raises(ConfigError) as e:
+        load_target(str(folder), "float32", "cpu")
+    msg = str(e.value)
+    assert f"target.name_or_path={folder}" in msg and "Unsupported global" in msg and "safetensors" in msg
+    assert "weights_only=False" not in msg  # torch's advice to load it unsafely is not passed on
