@@ -128,7 +128,7 @@ class UnusableImage(ValueError):
         self.record = record or {}
 
     @classmethod
-    def of(cls, row: dict, images: list[str], why: str) -> "UnusableImage":
+    def of(cls, row: dict, images: list[str], why: str) -> UnusableImage:
         stats = []
         for image in images:
             try:

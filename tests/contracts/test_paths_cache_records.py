@@ -400,3 +400,12 @@ def test_a_target_whose_weights_file_is_a_pickle_is_refused_in_one_message(tmp_p
     msg = str(e.value)
     assert f"target.name_or_path={folder}" in msg and "Unsupported global" in msg and "safetensors" in msg
     assert "weights_only=False" not in msg  # torch's advice to load it unsafely is not passed on
+
+
+@pytest.mark.parametrize("program", ["lab.studies.sampling_rank", "lab.studies.real_lm.scale_data",
+                                     "lab.bench.train_summary"])
+def test_lab_programs_given_no_arguments_print_their_usage(program):
+    out = subprocess.run([sys.executable, "-m", program], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "usage:" in out.stderr and "the following arguments are required" in out.stderr
