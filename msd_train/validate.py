@@ -397,7 +397,7 @@ def check_generate(cfg) -> None:
 
     check_target(_get(cfg, "target"))  # a missing, half-written or cut target: before it loads
     # the guard every writer takes; a store (even a damaged one, or one begun) is resumed
-    check_output(user_path(_get(cfg, "features.path")), "scripts/generate_features.py", setting="features.path",
+    check_output(user_path(_get(cfg, "features.path")), "scripts/generate_features.py", None, setting="features.path",
                  recognise=lambda p: feature_store(p) or (p / "manifest.json").exists() or (p / "progress").is_dir())
     from msd_train.config import SPLITS
 

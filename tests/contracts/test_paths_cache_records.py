@@ -409,3 +409,67 @@ def test_lab_programs_given_no_arguments_print_their_usage(program):
                          timeout=300)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert "usage:" in out.stderr and "the following arguments are required" in out.stderr
+
+
+# ----------------------------------------------------------------------------- promises kept
+
+
+def hold_lock_as_another_live_process(lock_file: Path):
+    """A live process (this test's parent shell) named as the owner of ``lock_file``."""
+    import socket
+
+    from msd_train.outputs import process_start
+
+    owner = os.getppid()
+    lock_file.write_text(json.dumps({"pid": owner, "host": socket.gethostname(), "start_time": process_start(owner),
+                                     "started": "now", "command": "scripts/generate_features.py features.path=..."}))
+
+
+def test_the_second_writer_of_a_feature_store_or_a_regeneration_folder_is_refused(tmp_path):
+    from msd_train.outputs import FolderLock, OutputBusy, lock_path
+
+    for folder, setting in ((tmp_path / "store", "features.path"), (tmp_path / "regen", "out")):
+        with FolderLock(folder, setting):
+            with pytest.raises(OutputBusy, match=f"{setting}=.*is being written by another command.*resumes"):
+                FolderLock(folder, setting).acquire()
+        FolderLock(folder, setting).acquire()  # released: the next one takes it
+    # the scripts take it: a second generate_features.py is refused before any work, in one message
+    store = tmp_path / "store2"
+    hold_lock_as_another_live_process(lock_path(store))
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate_features.py"), f"features.path={store}",
+                          f"target.name_or_path={ROOT / 'data' / 'tiny-llava'}"],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "is being written by another command" in out.stderr and "features.path=" in out.stderr
+    assert not store.exists()
+
+
+def test_refusals_of_commands_without_overwrite_offer_none(tmp_path):
+    from msd_train.outputs import OutputError, check_output
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(OutputError) as e:
+        check_output(mine, "scripts/generate_features.py", None, setting="features.path")
+    assert "overwrite" not in str(e.value) and "features.path=" in str(e.value)
+    with pytest.raises(OutputError) as e:
+        check_output(mine, "scripts/export.py", False)
+    assert "overwrite=true" in str(e.value)  # where it exists, it is offered
+
+
+def test_a_refused_training_launch_leaves_nothing_in_the_folder_it_refused(tmp_path):
+    regen = tmp_path / "regen"
+    regen.mkdir()
+    (regen / "settings.json").write_text(json.dumps({"max_new_tokens": 8}))
+    (regen / "rank-0.jsonl").write_text("")
+    before = sorted(p.name for p in regen.iterdir())
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), f"run_dir={regen}"], cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "a regeneration folder" in out.stderr, out.stderr[-3000:]
+    assert sorted(p.name for p in regen.iterdir()) == before
+    new = tmp_path / "new" / "run"  # a run_dir this launch made for nothing is gone too
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), f"run_dir={new}", "train.lr=-1"], cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "train.lr" in out.stderr, out.stderr[-3000:]
+    assert not (tmp_path / "new").exists()
