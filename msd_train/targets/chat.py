@@ -98,21 +98,26 @@ def _template_error(e: Exception) -> ChatTemplateError:
           "the Jinja source of one that works")
 
 
-@lru_cache(maxsize=16)
-def _compiled(template: str):
-    # Compiling is ~100x the cost of rendering; a dataset renders one template millions of times.
-    try:
-        compiled = ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False).from_string(template)
-    except TemplateError as e:
-        raise _template_error(e) from None
+class _Compiled:
+    """A compiled template whose render errors are :class:`ChatTemplateError`."""
 
-    def render(**kw) -> str:
+    def __init__(self, template: str):
         try:
-            return compiled.render(**kw)
+            self.template = ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False).from_string(template)
         except TemplateError as e:
             raise _template_error(e) from None
 
-    return render
+    def render(self, **kw) -> str:
+        try:
+            return self.template.render(**kw)
+        except TemplateError as e:
+            raise _template_error(e) from None
+
+
+@lru_cache(maxsize=16)
+def _compiled(template: str) -> _Compiled:
+    # Compiling is ~100x the cost of rendering; a dataset renders one template millions of times.
+    return _Compiled(template)
 
 
 # The Python twins of the templates below render one message at a time, ``(k, message,
@@ -167,7 +172,7 @@ def _prefix_renderer(template: str, messages: list[dict], special: dict):
     fast = _PYTHON_TEMPLATES.get(template)
     if fast is None:
         compiled = _compiled(template)
-        return lambda n, gen: compiled(messages=messages[:n], add_generation_prompt=gen, **special)
+        return lambda n, gen: compiled.render(messages=messages[:n], add_generation_prompt=gen, **special)
     turn, generation = fast
     texts = [turn(k, m, **special) for k, m in enumerate(messages)]
     ends = [0]
