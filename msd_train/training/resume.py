@@ -126,7 +126,7 @@ def resume_point(cfg, rank: int, world: int) -> ResumePoint:
         if main:
             log.warning("resume: %s was written by %s process(es), this launch has %d: train.grad_accum=%d (was %s) "
                         "keeps its global batch of %d", point.checkpoint, saved, world, point.grad_accum,
-                        "not recorded" if was_accum is None else was_accum, int(point.state["global_batch"]))
+                        cfg.train.grad_accum, int(point.state["global_batch"]))
         # a checkpoint from before it kept its micro-batch size and grad_accum: None (not known)
         point.changed["world_size"] = {"checkpoint": int(saved), "now": world}
         if was_micro != micro_batch_size:
