@@ -491,11 +491,11 @@ class TrainRecipe:
         self.export("final")
 
     def _unusable(self, e: UnusableImage) -> TrainingError:
-        """The message for an image found unusable while training; rank 0 keeps it in the data
-        cache, so that the relaunch leaves the sample out (``data.on_bad_sample=skip``) or
-        refuses it, named (``error``)."""
+        """The message for an image found unusable while training; the rank that read it keeps
+        it in the data cache, so that the relaunch leaves the sample out
+        (``data.on_bad_sample=skip``) or refuses it, named (``error``)."""
         d = self.cfg.data
-        kept = record_unusable(d.cache_dir, e.record) if self.main else (d.cache_dir or None)
+        kept = record_unusable(d.cache_dir, e.record)
         if kept is None:
             then = ("fix that, then launch the same command again (with no data.cache_dir to keep the finding, a "
                     "relaunch meets it again)")
