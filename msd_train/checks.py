@@ -11,6 +11,7 @@ decoder imports it, so it must not draw in the hub or the training stack.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 from msd_train.errors import ConfigError
@@ -145,3 +146,34 @@ def method_refusal(architecture: str, methods: tuple[str, ...], method: str, ens
         return (f"decoding.ensemble={ensemble}: ensembles draft with stepped heads over input variants; an "
                 f"{architecture} head drafts one block: drop decoding.ensemble")
     return None
+
+
+# ----------------------------------------------------------------------------- the CPU kernels eval.py uses
+#: oneDNN's instruction-set levels (ONEDNN_MAX_CPU_ISA), lowest first; bf16 dot products from AVX512_CORE_BF16
+ONEDNN_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
+               "AVX512_CORE_BF16", "AVX10_1_512", "AVX512_CORE_FP16", "AVX10_1_512_AMX", "AVX512_CORE_AMX",
+               "AVX10_1_512_AMX_FP16", "AVX512_CORE_AMX_FP16", "ALL", "DEFAULT")
+
+
+def onednn_max_isa(env: dict | None = None) -> str:
+    """``ONEDNN_MAX_CPU_ISA`` as oneDNN reads it (upper case; unset: ALL); a value oneDNN does not
+    know is refused with the ones it does (oneDNN itself would ignore it without a word)."""
+    env = os.environ if env is None else env
+    isa = str(env.get("ONEDNN_MAX_CPU_ISA", "ALL")).strip().upper() or "ALL"
+    if isa not in ONEDNN_ISAS:
+        raise ConfigError(f"ONEDNN_MAX_CPU_ISA={env.get('ONEDNN_MAX_CPU_ISA')}: oneDNN knows no such instruction set "
+                          f"and would run without a limit; set one of {', '.join(ONEDNN_ISAS)}, or unset it")
+    return isa
+
+
+#: what target.cpu_linear takes
+CPU_LINEARS = ("auto", "onednn", "aten")
+
+
+def check_cpu_linear(value) -> str:
+    """``target.cpu_linear`` (null: auto), or a ConfigError naming the values it takes."""
+    linear = str(value or "auto")
+    if linear not in CPU_LINEARS:
+        raise ConfigError(f"target.cpu_linear={value}: use auto (oneDNN linears for fp32 on a CPU where this PyTorch "
+                          f"has oneDNN), onednn or aten")
+    return linear

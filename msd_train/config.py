@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -21,11 +23,53 @@ if not OmegaConf.has_resolver("user_path"):
     OmegaConf.register_new_resolver("user_path", lambda p: str(user_path(p)))
 
 
+#: run_dir -> (the nearest of ``run_dir/hydra`` and its parents that existed, the names in
+#: ``run_dir/hydra``) before Hydra made its output folder there: what a refused launch removes
+_BEFORE_HYDRA: dict[str, tuple[Path, set[str]]] = {}
+
+
 def _run_dir_path(value) -> str:
     # Hydra resolves this while creating its output folder, before the run's own checks and
     # outside their error handling: a run_dir that cannot be made is reported (exit 1) here.
     with user_errors(ValueError):
-        return str(creatable_dir(value))
+        path = creatable_dir(value)
+    if str(path) not in _BEFORE_HYDRA:
+        existing = path / "hydra"
+        while not existing.exists() and existing.parent != existing:
+            existing = existing.parent
+        try:
+            names = set(os.listdir(path / "hydra"))
+        except OSError:
+            names = set()
+        _BEFORE_HYDRA[str(path)] = (existing, names)
+    return str(path)
+
+
+def remove_hydra_output() -> None:
+    """Remove the output folder Hydra made for this launch under ``run_dir/hydra/`` (its log
+    only), and the folders above it that this launch made: a launch refused by its checks
+    leaves nothing in a folder it refused (a feature store, a regeneration folder)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        out = Path(HydraConfig.get().runtime.output_dir)
+    except Exception:  # not under Hydra (a test calling the entry point's function)
+        return
+    for run_dir, (existing, names) in _BEFORE_HYDRA.items():
+        hydra = Path(run_dir) / "hydra"
+        if out.parent != hydra or out.name in names or not out.is_dir():
+            continue
+        if any(p.is_dir() or p.suffix != ".log" for p in out.iterdir()):
+            return  # more than Hydra's log: not only this launch's
+        shutil.rmtree(out, ignore_errors=True)
+        for folder in (hydra, *hydra.parents):
+            if folder == existing:
+                break
+            try:
+                folder.rmdir()  # only when empty
+            except OSError:
+                break
+        return
 
 
 # ${run_dir_path:X}: the same, refused with a one-line reason when the folder cannot be made

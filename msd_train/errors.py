@@ -63,6 +63,20 @@ def disk_full(err: BaseException, where=None) -> BaseException | None:
     return None
 
 
+def unpickling_reason(err: BaseException) -> str:
+    """The one line of reason in ``torch.load(weights_only=True)``'s refusal, which wraps it in
+    paragraphs of advice (among them to load with ``weights_only=False``, which this project
+    never does)."""
+    text = " ".join(str(err).split())
+    if "WeightsUnpickler error: " in text:
+        reason = text.split("WeightsUnpickler error: ", 1)[1]
+        return reason.split(" Please use `torch.serialization")[0].split(" Check the documentation")[0].strip()
+    paras = [" ".join(p.split()) for p in str(err).split("\n\n") if p.strip()]
+    reason = next((p for p in paras[1:] if not p.startswith(("Check the documentation", "Please file an issue"))),
+                  paras[0] if paras else "")
+    return reason or type(err).__name__
+
+
 def describe(err: BaseException, kept: str | None = None) -> str | None:
     """One paragraph for a failure every command can meet (the file, the cause, the fix), or
     None when ``err`` is none of them (a bug: its traceback is shown). ``kept``: what the

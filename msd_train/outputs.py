@@ -335,45 +335,59 @@ def _inside(a: Path, b: Path) -> bool:
         return False
 
 
-def check_output(out: str | Path, kind: str, overwrite: bool = False, sources: Iterable = (),
+def folder_path(out: str | Path) -> Path:
+    """An output folder as a path with a name of its own: ``~`` expanded, and one written with
+    ``.`` or ``..`` in it (``out=DIR/sub/..``) as the folder it names (staging, lock and record
+    files go beside a folder by its name)."""
+    out = Path(out).expanduser()
+    if any(part in (".", "..") for part in Path(os.fspath(out)).parts) or out.name in ("", ".", ".."):
+        out = Path(os.path.realpath(out))
+    return out
+
+
+def check_output(out: str | Path, kind: str, overwrite: bool | None = False, sources: Iterable = (),
                  recognise=None, setting: str = "out") -> Path:
     """Refuse an ``out`` this ``kind`` of command may not write; returns it as a Path.
 
-    ``sources``: what the command reads (never replaced, nor a folder holding them).
-    ``recognise(folder) -> bool``: a folder of this kind (made before records existed, or
-    one the command resumes). ``setting``: the name the user gave the folder under."""
-    out = Path(out).expanduser()
+    ``overwrite``: the user's ``overwrite=``; None for a command that has no such option
+    (its refusals then offer none). ``sources``: what the command reads (never replaced, nor
+    a folder holding them). ``recognise(folder) -> bool``: a folder of this kind (made before
+    records existed, or one the command resumes). ``setting``: the name the user gave the
+    folder under."""
+    out = folder_path(out)
     name = f"{setting}={out}"
+    never = "" if overwrite is None else ", not even with overwrite=true"
     if out.exists() and not out.is_dir():
         raise OutputError(f"{name} is a file; give a folder to write into (a new or empty one)")
     if _inside(Path.cwd(), out):
         here = "the current folder" if out.resolve() == Path.cwd().resolve() else "a folder holding the current one"
         raise OutputError(f"{name} is {here}: replacing it would pull the working folder from under this command; "
-                          f"give a folder of its own, e.g. {setting}=./{Path(kind).stem}-out (not even with "
-                          f"overwrite=true)")
+                          f"give a folder of its own, e.g. {setting}=./{Path(kind).stem}-out"
+                          + (" (not even with overwrite=true)" if never else ""))
     for src in sources:
         if src is None or str(src) == "":
             continue
         src = Path(str(src)).expanduser()
         if src.exists() and _inside(src, out):
             raise OutputError(f"{name} holds this command's input {src}: writing it would replace what is "
-                              f"being read; choose another {setting}= (never this folder, not even with overwrite=true)")
+                              f"being read; choose another {setting}= (never this folder{never})")
     run = holds_run(out)
     if run:
-        raise OutputError(f"{name} is {run}: a command never replaces a training run, not even with "
-                          f"overwrite=true; choose another {setting}= (e.g. a new folder beside it)")
+        raise OutputError(f"{name} is {run}: a command never replaces a training run{never}; choose another "
+                          f"{setting}= (e.g. a new folder beside it)")
     maker = made_by(out) if out.is_dir() else None
     own = maker == kind or (out.is_dir() and maker is None and recognise is not None and recognise(out))
     data = None if own else holds_data(out)
     if data:
-        raise OutputError(f"{name} is {data}: {kind} never writes into another command's data, not even with "
-                          f"overwrite=true; choose another {setting}= (e.g. a new folder beside it)")
+        raise OutputError(f"{name} is {data}: {kind} never writes into another command's data{never}; choose "
+                          f"another {setting}= (e.g. a new folder beside it)")
     if out.is_dir() and any(out.iterdir()) and not own:
         if not overwrite:
             why = f"it was made by {maker}" if maker else "this command did not make it"
             raise OutputError(f"{name} is a folder that is not empty and {why}; {kind} writes a folder of its "
-                              f"own, so choose a new {setting}= folder, or replace it with overwrite=true "
-                              f"(what is in it is then deleted)")
+                              f"own, so choose a new {setting}= folder"
+                              + ("" if overwrite is None else
+                                 ", or replace it with overwrite=true (what is in it is then deleted)"))
         deep = _holds_deep(out)
         if deep:
             raise OutputError(f"{name} is {deep}: overwrite=true would delete it; choose another {setting}= "
@@ -504,3 +518,26 @@ def relocate(value, tmp: Path, out: Path):
     if isinstance(value, (list, tuple)):
         return type(value)(relocate(v, tmp, out) for v in value)
     return value
+
+
+class FolderLock(OwnerLock):
+    """One writer at a time of a folder a command fills and resumes in place (a feature store,
+    a regeneration folder): ``.NAME.lock`` beside it, as :class:`OwnerLock`; ``setting``:
+    the name the user gave the folder under."""
+
+    def __init__(self, folder: str | Path, setting: str):
+        folder = folder_path(folder)
+        super().__init__(lock_path(folder), f"{setting}={folder}")
+        self.setting = setting
+
+    def busy(self, owner: dict) -> Exception:
+        return OutputBusy(
+            f"{self.what} is being written by another command: pid {owner['pid']} on {owner['host']}, started "
+            f"{owner.get('started')} ({owner.get('command')}). Two writers would do the same work twice and mix "
+            f"their files; wait for it to end (launching the same command then resumes what it left), stop it, or "
+            f"choose another {self.setting}=. If that command is gone (its machine died), delete {self.path}.")
+
+    def unwritable(self, err: OSError) -> Exception:
+        return OutputError(f"cannot write the lock {self.path} ({type(err).__name__}: {err.strerror or err}); "
+                           f"{self.what} must be on a writable disk with free space: fix its permissions or free "
+                           f"space, or choose another {self.setting}=")

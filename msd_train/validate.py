@@ -31,8 +31,10 @@ from msd_train.checks import (  # noqa: F401  (the primitives, and the decoder's
     _choice,
     _get,
     _number,
+    check_cpu_linear,
     check_decoding,
     check_sampling,
+    onednn_max_isa,
 )
 from msd_train.errors import ConfigError, debug, user_errors  # noqa: F401  (re-exported: callers import them from here)
 from msd_train.paths import user_path
@@ -258,6 +260,9 @@ def check_eval(cfg, method: str) -> None:
                               "decoding.cuda_graphs=auto (on for CUDA targets, off on CPU)")
     _wandb(cfg, "wandb")
     check_target(_get(cfg, "target"))
+    linear = _get(cfg, "target.cpu_linear")
+    check_cpu_linear(None if linear is _MISSING else linear)
+    onednn_max_isa()
     if method != "ar":
         check_head(_get(cfg, "draft"), draft_vocab, method, decoding.get("ensemble") if hasattr(decoding, "get") else None)
 
@@ -424,7 +429,9 @@ def check_head(draft, draft_vocab=None, method: str | None = None, ensemble: str
 
 def check_out_dir(out: str | Path) -> None:
     """The output folder can be created and written, before anything is measured."""
-    out = user_path(out)
+    from msd_train.outputs import folder_path
+
+    out = folder_path(user_path(out))
     if out.exists() and not out.is_dir():
         raise ConfigError(f"out={out} is a file; give a folder for the report")
     try:
@@ -452,7 +459,7 @@ def check_generate(cfg) -> None:
 
     check_target(_get(cfg, "target"))  # a missing, half-written or cut target: before it loads
     # the guard every writer takes; a store (even a damaged one, or one begun) is resumed
-    check_output(user_path(_get(cfg, "features.path")), "scripts/generate_features.py", setting="features.path",
+    check_output(user_path(_get(cfg, "features.path")), "scripts/generate_features.py", None, setting="features.path",
                  recognise=lambda p: feature_store(p) or (p / "manifest.json").exists() or (p / "progress").is_dir())
     from msd_train.config import SPLITS
 

@@ -22,10 +22,14 @@ from omegaconf import DictConfig  # noqa: E402
 @hydra.main(config_path=str(CONF_DIR), config_name="generate_features", version_base=None)
 def main(cfg: DictConfig) -> None:
     import logging
+    import os
 
     from msd_train import runtime
+    from msd_train.data.dataset import UnusableImage
     from msd_train.features.generate import generate
     from msd_train.features.store import FeatureStoreError
+    from msd_train.outputs import FolderLock
+    from msd_train.paths import user_path
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     for noisy in ("datasets", "httpx", "torch.distributed"):
@@ -36,16 +40,25 @@ def main(cfg: DictConfig) -> None:
 
     with user_errors():  # before the target loads: a bad value or path is one message, exit 1
         check_generate(OmegaConf.to_container(cfg, resolve=True))
-    # Joins the launcher's group (torchrun / deepspeed set WORLD_SIZE), NCCL on CUDA, gloo on CPU.
-    with user_errors(runtime.JoinError):  # a node that never started: one message
-        group = runtime.setup_group(runtime.local_device(cfg.target.device), timeout_minutes=cfg.dist.timeout_minutes)
-    kept = (f"every finished shard in {cfg.features.path} is kept (progress/rank-*.jsonl lists them); relaunch the "
-            "same command to resume")
+        # one launch per store (the other ranks of a refused launch are stopped by its launcher)
+        lock = FolderLock(user_path(cfg.features.path), "features.path") if int(os.environ.get("RANK", 0)) == 0 else None
+        if lock is not None:
+            lock.acquire()
     try:
-        with user_errors(FeatureStoreError, runtime.SharedPathError, kept=kept):  # a full disk, Ctrl-C, a bad store: one message
-            generate(cfg, group)
+        # Joins the launcher's group (torchrun / deepspeed set WORLD_SIZE), NCCL on CUDA, gloo on CPU.
+        with user_errors(runtime.JoinError):  # a node that never started: one message
+            group = runtime.setup_group(runtime.local_device(cfg.target.device),
+                                        timeout_minutes=cfg.dist.timeout_minutes)
+        kept = (f"every finished shard in {cfg.features.path} is kept (progress/rank-*.jsonl lists them); relaunch "
+                "the same command to resume")
+        try:
+            with user_errors(FeatureStoreError, runtime.SharedPathError, UnusableImage, kept=kept):  # a full disk, Ctrl-C, a bad store: one message
+                generate(cfg, group)
+        finally:
+            group.destroy(barrier=False)
     finally:
-        group.destroy(barrier=False)
+        if lock is not None:
+            lock.release()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ original turns kept beside (``original``); train on it with
 ``data.text='[{path: DIR/regenerated.jsonl}]'``. See msd_train/data/regenerate.py.
 """
 
+import os
 import sys
 
 from msd_train.config import CONF_DIR, strip_launcher_args
@@ -31,7 +32,7 @@ def main(cfg: DictConfig) -> None:
     from msd_train import runtime
     from msd_train.data.engines import EngineError, HFEngine, Sampling
     from msd_train.data.regenerate import RegenerateError, regenerate
-    from msd_train.outputs import check_output, regeneration_folder
+    from msd_train.outputs import FolderLock, check_output, regeneration_folder
     from msd_train.paths import user_path
     from msd_train.serving.regenerate import VLLMEngine, vllm_version
     from msd_train.targets import load_target
@@ -60,11 +61,17 @@ def main(cfg: DictConfig) -> None:
         # the guard every writer takes: a file, the current folder, a run, a feature store, a folder of
         # the user's, or one holding the inputs is refused; a regeneration folder is resumed
         check_target(settings["target"])  # a missing, half-written or cut target: before it loads
-        check_output(user_path(settings["out"]), "scripts/regenerate_data.py",
-                     sources=[user_path(i["path"]) for i in settings["inputs"] if i.get("path")],
-                     recognise=regeneration_folder)
-        group = runtime.setup_group(runtime.local_device(cfg.target.device), timeout_minutes=cfg.dist.timeout_minutes)
+        out = check_output(user_path(settings["out"]), "scripts/regenerate_data.py", None,
+                           sources=[user_path(i["path"]) for i in settings["inputs"] if i.get("path")],
+                           recognise=regeneration_folder)
+        # one launch per folder (the other ranks of a refused launch are stopped by its launcher)
+        lock = FolderLock(out, "out") if int(os.environ.get("RANK", 0)) == 0 else None
+        if lock is not None:
+            lock.acquire()
+        group = None
         try:
+            group = runtime.setup_group(runtime.local_device(cfg.target.device),
+                                        timeout_minutes=cfg.dist.timeout_minutes)
             tc = cfg.target
             target = load_target(tc.name_or_path, tc.dtype, runtime.local_device(tc.device), tc.adapter,
                                  tc.chat_template, tc.trust_remote_code, tc.attn_implementation)
@@ -79,7 +86,10 @@ def main(cfg: DictConfig) -> None:
                 engine = HFEngine(target, sampling, settings["batch_size"] or 1)
             manifest = regenerate(target, settings, group, engine=engine)
         finally:
-            group.destroy(barrier=False)
+            if group is not None:
+                group.destroy(barrier=False)
+            if lock is not None:
+                lock.release()
     if manifest is not None:
         t = manifest["this_launch"]
         print(f"{manifest['conversations']} conversations in {settings['out']}/{manifest['file']}; this launch: "

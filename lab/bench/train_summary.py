@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import platform
 import random
-import sys
 from pathlib import Path
 
 import torch
@@ -175,10 +174,24 @@ def table(r: dict) -> list[str]:
 
 
 if __name__ == "__main__":
-    mode, work, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    if mode == "features":
-        features(work, out, float(sys.argv[4]))
-    elif mode == "padding":
-        padding(work, out, sys.argv[4:])
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=("features", "padding", "all"))
+    parser.add_argument("work", type=Path, help="lab/bench/train_data_path.sh's work folder")
+    parser.add_argument("out", type=Path, help="OUT.json (features, padding) or OUT_DIR (all)")
+    parser.add_argument("rest", nargs="*", help="features: the seconds the store took; padding: target/data overrides")
+    args = parser.parse_args()
+    if args.mode == "features":
+        if len(args.rest) != 1:
+            parser.error("features needs the seconds the store took: features WORK OUT.json SECONDS")
+        try:
+            seconds = float(args.rest[0])
+        except ValueError:
+            parser.error(f"SECONDS={args.rest[0]!r} is not a number")
+        features(args.work, args.out, seconds)
+    elif args.mode == "padding":
+        padding(args.work, args.out, args.rest)
     else:
-        summary(work, out)
+        summary(args.work, args.out)

@@ -6,12 +6,16 @@ log-probabilities, per decoding seed, with mean and spread.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
-root, stem = Path(sys.argv[1]), Path(sys.argv[2])
+parser = argparse.ArgumentParser(description="Summarise lab/studies/sampling_rank.sh's eval reports.")
+parser.add_argument("root", type=Path, help="the folder sampling_rank.sh wrote (OUT=, e.g. /tmp/rank_by)")
+parser.add_argument("stem", type=Path, help="where the table goes, without suffix (STEM.json; the Markdown is printed)")
+args = parser.parse_args()
+root, stem = args.root, args.stem
 runs: dict[str, dict[int, dict]] = {}
 for report in sorted(root.glob("*-s*/report.json")):
     rank, seed = report.parent.name.rsplit("-s", 1)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from msd_train.data.dataset import load_images
+from msd_train.data.dataset import DamagedImage, UnusableImage, load_images
 from msd_train.targets.protocol import TargetProtocol
 
 
@@ -31,7 +31,7 @@ def collate(rows: list[dict], target: TargetProtocol, pad_id: int = 0, pixels: b
         ids[i, :n] = torch.tensor(r["input_ids"])
         loss[i, :n] = torch.tensor(r["loss_mask"])
         attn[i, :n] = 1
-    images = [im for r in rows for im in load_images(r["images"])] if pixels else []
+    images = [im for r in rows for im in _row_images(r)] if pixels else []
     pixel: dict[str, torch.Tensor] = {}
     if images:
         pixel, counts = target.image_inputs(images)
@@ -41,18 +41,26 @@ def collate(rows: list[dict], target: TargetProtocol, pad_id: int = 0, pixels: b
             "n_images": sum(len(r["images"]) for r in rows)}
 
 
+def _row_images(row: dict) -> list:
+    try:
+        return load_images(row["images"])
+    except DamagedImage as e:
+        raise UnusableImage.of(row, [e.filename], f"does not decode ({e.why}): the file is damaged, though its "
+                                                  "header passed the check when the data was tokenised") from None
+
+
 def check_visual_counts(rows: list[dict], counts: list[int]) -> None:
     """The processor's visual tokens per image against the rows' ``n_visual`` (counted from
     the image headers when the data was tokenised): an image replaced by one of another size
-    since then would feed the target the wrong number of visual embeddings."""
+    since then would feed the target the wrong number of visual embeddings. Raises
+    :class:`UnusableImage` naming the sample and its images."""
     at = 0
     for r in rows:
         n = len(r["images"])
         if "n_visual" in r and sum(counts[at:at + n]) != r["n_visual"]:
-            raise ValueError(
-                f"{r['source']}, sample {r['id']}: its images now give {sum(counts[at:at + n])} visual tokens, "
-                f"but {r['n_visual']} when the data was tokenised (an image changed: {', '.join(r['images'])}); "
-                "touch the data file or delete data.cache_dir to tokenise it again")
+            raise UnusableImage.of(r, list(r["images"]), f"changed since the data was tokenised: it now gives "
+                                                         f"{sum(counts[at:at + n])} visual tokens, "
+                                                         f"{r['n_visual']} then")
         at += n
 
 
@@ -86,7 +94,10 @@ class StepBatches(torch.utils.data.Dataset):
         micro = []
         for a in range(self.ga):
             start = (a * self.world + self.rank) * self.mb
-            batch = collate(rows[start:start + self.mb], self.target, pixels=self.pixels)
+            try:
+                batch = collate(rows[start:start + self.mb], self.target, pixels=self.pixels)
+            except UnusableImage as e:  # to the trainer whole (a worker's exception reaches it as text)
+                return {"step": step, "cursor": cursor, "unusable": (str(e), e.record)}
             if self.host_features is not None:
                 batch["offline"] = self.host_features(batch)
             micro.append(batch)

@@ -10,10 +10,11 @@ mapping its share of the records from disk, a batch of conversations per tokeniz
 ``Target.encode_many``) into Arrow files under ``data.cache_dir``, one folder per split
 (``split-<key>``) with a ``manifest.json`` written last.
 
-Every later launch finds that folder from the data files' path, size and mtime, the
-target's identity (name, tokenizer, chat template, image processor) and this code's
-``CACHE_VERSION``, without reading the files (their content digest is computed only when
-size or mtime changed: a touched but unchanged file keeps its cache). The rows are
+Every later launch finds that folder from the data files' content (their sha1, read once
+per launch in large blocks: ``benchmarks/data/README.md`` measures it), the target's
+identity (name, tokenizer, chat template, image processor) and this code's
+``CACHE_VERSION``: a file edited in place is tokenised again even when its size and mtime
+were restored, and a touched but unchanged file keeps its cache. The rows are
 memory-mapped, not loaded. Images are checked against a listing of their folders (one
 ``listdir`` per folder, not one ``stat`` per image): an image deleted after caching is a
 skipped sample, and one restored after being reported missing is tokenised again. A cache
@@ -23,6 +24,8 @@ says so and tokenises anew.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import hashlib
 import json
@@ -35,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from msd_train.data.formats import BadSample, BadSampleError, read_conversations
+from msd_train.errors import ConfigError
 from msd_train.paths import user_path
 from msd_train.targets.identity import tokenizer_identity
 from msd_train.targets.protocol import TargetProtocol
@@ -91,23 +95,110 @@ class Split:
 
 def load_images(paths: list[str]):
     """RGB images; a missing file raises FileNotFoundError naming it (the trainer turns an
-    image deleted during a run into a message: relaunching skips that sample)."""
+    image deleted during a run into a message: relaunching skips that sample), one that does
+    not decode :class:`DamagedImage` naming it."""
     from PIL import Image
 
     images = []
     for p in paths:
-        with Image.open(p) as im:
-            images.append(im.convert("RGB"))
+        try:
+            with Image.open(p) as im:
+                images.append(im.convert("RGB"))
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # PIL raises several types for broken files (OSError: image file is truncated)
+            err = DamagedImage(f"{p}: {type(e).__name__}: {e}")
+            err.filename, err.why = str(p), f"{type(e).__name__}: {e}"
+            raise err from None
     return images
 
 
+#: images found unusable while a run read them (``cache_dir/unusable_images.jsonl``)
+UNUSABLE = "unusable_images.jsonl"
+
+
+class UnusableImage(ValueError):
+    """A sample's image that cannot be trained on as the cache holds it: it does not decode
+    (its header passed the check when the data was tokenised, its pixels do not), or it
+    changed since (another number of visual tokens). ``record``: what
+    :func:`record_unusable` keeps so that the next launch leaves the sample out."""
+
+    def __init__(self, message: str, record: dict | None = None):
+        super().__init__(message)
+        self.record = record or {}
+
+    @classmethod
+    def of(cls, row: dict, images: list[str], why: str) -> UnusableImage:
+        stats = []
+        for image in images:
+            try:
+                st = os.stat(image)
+                stats.append((st.st_size, st.st_mtime_ns))
+            except OSError:
+                stats.append((None, None))
+        record = {"images": [{"image": p, "size": a, "mtime_ns": b} for p, (a, b) in zip(images, stats)],
+                  "n_visual": row.get("n_visual"), "source": row.get("source"), "id": row.get("id"), "reason": why}
+        name = f"image {images[0]}" if len(images) == 1 else f"one of the images {', '.join(images)}"
+        return cls(f"{row.get('source')}, sample {row.get('id')}: {name} {why}; replace it with a whole copy of "
+                   f"the original, or remove the sample", record)
+
+
+def record_unusable(cache_dir, record: dict) -> Path | None:
+    """Keep ``record`` (an :class:`UnusableImage`'s) in ``cache_dir``, where every later
+    :func:`build_split` of that cache leaves its sample out (``data.on_bad_sample=skip``) or
+    refuses it (``error``) while the image is as it was then; None when there is no cache to
+    keep it in."""
+    if not cache_dir or not record.get("images"):
+        return None
+    path = Path(user_path(cache_dir)) / UNUSABLE
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            for im in record["images"]:
+                f.write(json.dumps({**{k: v for k, v in record.items() if k != "images"}, **im}) + "\n")
+    except OSError as e:
+        log.warning("%s cannot be written (%s): the sample is not left out at the next launch", path, e)
+        return None
+    return path
+
+
+def _unusable_images(cache_dir) -> dict[str, dict]:
+    """The records of :func:`record_unusable` whose image is still as it was when recorded."""
+    out = {}
+    try:
+        lines = (Path(user_path(cache_dir)) / UNUSABLE).read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            rec = json.loads(line)
+            st = os.stat(rec["image"])
+        except (ValueError, KeyError, TypeError, OSError):
+            continue
+        if (st.st_size, st.st_mtime_ns) == (rec.get("size"), rec.get("mtime_ns")):
+            out[rec["image"]] = rec
+    return out
+
+
+#: digests this process computed, by (algorithm, path, device, inode, size, mtime, ctime): a launch
+#: reads each data file once, though the cache, the resume check and the run's record all ask
+_DIGESTS: dict[tuple, str] = {}
+
+
 def file_digest(path: str | Path, algorithm: str = "sha1") -> str:
-    """Hex digest of a file, read in 4 MiB chunks (data files and shards can be GBs)."""
-    h = hashlib.new(algorithm)
-    with open(user_path(path), "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    """Hex digest of a file's content, read in 4 MiB chunks (data files and shards can be
+    GBs); computed once per process for a file as it is (a file changed since, even with its
+    size and mtime restored, has another ctime and is read again)."""
+    path = user_path(path)
+    st = os.stat(path)
+    key = (algorithm, os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key not in _DIGESTS:
+        h = hashlib.new(algorithm)
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        _DIGESTS[key] = h.hexdigest()
+    return _DIGESTS[key]
 
 
 def stat_images(paths) -> tuple[list, str | None]:
@@ -170,6 +261,11 @@ def image_size(path: str) -> tuple[int, int]:
             tail = f.read()
     except IsADirectoryError:
         raise DamagedImage("a folder, not an image file") from None
+    if fmt == "PNG" and end < size[0] * size[1] // (8 * 1032):
+        # deflate packs at most 1032 bytes into one: a PNG of w x h pixels (one bit each at
+        # the least) cannot be smaller than this, whatever its header says
+        raise DamagedImage(f"the file holds {end} bytes, too few for the {size[0]}x{size[1]} pixels its header "
+                           "claims")
     if marker not in tail.rstrip(b"\x00\r\n ") [-max(len(marker) + 16, 64):]:
         raise DamagedImage(f"the file is cut short: no {fmt} end marker in its last bytes")
     return size
@@ -265,14 +361,18 @@ def _digest(obj) -> str:
 
 
 def _file_stamp(path: str) -> dict:
+    """A data file as a cache records it: path, size, mtime and the sha1 of its content."""
     st = os.stat(user_path(path))
-    return {"path": str(user_path(path)), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return {"path": str(user_path(path)), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "sha1": file_digest(path)}
 
 
 class _SplitCache:
     """The split folders of ``cache_dir``: ``split-<content key>/`` (Arrow files and
-    ``manifest.json``) and ``index/<stat key>`` (the content key of the data files as they
-    were when that size and mtime were seen)."""
+    ``manifest.json``, which records each data file's path, size, mtime and sha1). The key
+    is a digest of the target's identity and of the data files' content: a file edited in
+    place, even with its size and mtime restored (``cp -p``, ``rsync -t``, ``tar``), gets
+    another folder; one merely touched or copied keeps its cache."""
 
     def __init__(self, cache_dir: str, sources: list[dict], identity: dict):
         self.dir = Path(cache_dir)
@@ -281,23 +381,14 @@ class _SplitCache:
             if not user_path(s["path"]).exists():
                 raise FileNotFoundError(f"{user_path(s['path'])}: data file not found; check data.*.path")
         self.stamps = [_file_stamp(s["path"]) for s in sources]
-        self.stat_key = _digest({"identity": identity, "files": self.stamps})
 
     def _entry(self, key: str) -> Path:
         return self.dir / f"split-{key}"
 
     def find(self) -> tuple[Path | None, str]:
-        """(the folder of a finished cache for these files and this target, or None; the content key)."""
-        index = self.dir / "index" / self.stat_key
-        if index.is_file():
-            key = index.read_text().strip()
-            if self._usable(self._entry(key)):
-                return self._entry(key), key
-        digests = [file_digest(s["path"]) for s in self.sources]
-        key = _digest({"identity": self.identity, "digests": digests})
+        """(the folder of a finished cache for these files' content and this target, or None; its key)."""
+        key = _digest({"identity": self.identity, "digests": [f["sha1"] for f in self.stamps]})
         if self._usable(self._entry(key)):
-            log.info("data files touched but unchanged: reusing the tokenised cache %s", self._entry(key))
-            self._write_index(key)
             return self._entry(key), key
         self._explain_rebuild()
         return None, key
@@ -339,13 +430,6 @@ class _SplitCache:
             why = "the data files changed since"
         log.warning("the tokenised cache %s is not reused: %s; tokenising again", entry, why)
 
-    def _write_index(self, key: str) -> None:
-        index = self.dir / "index" / self.stat_key
-        index.parent.mkdir(parents=True, exist_ok=True)
-        tmp = index.with_name(f"{index.name}.tmp-{os.getpid()}")
-        tmp.write_text(key)
-        tmp.replace(index)
-
     def commit(self, built: Path, key: str) -> Path:
         """Move a finished build into place (a rank that lost a race keeps the winner's)."""
         entry = self._entry(key)
@@ -357,7 +441,6 @@ class _SplitCache:
                 built.replace(entry)
             except OSError:  # another process moved its build in meanwhile
                 shutil.rmtree(built, ignore_errors=True)
-        self._write_index(key)
         return entry
 
 
@@ -458,10 +541,12 @@ def _build(sources: list[dict], target: TargetProtocol, max_length: int, on_bad_
     (out / MANIFEST).write_text(json.dumps(manifest))
 
 
-def _select_usable(ds, on_bad_sample: str, image_dirs: list[str] | None = None, hint: str = ""):
+def _select_usable(ds, on_bad_sample: str, image_dirs: list[str] | None = None, hint: str = "",
+                   unusable: dict[str, dict] | None = None):
     """(the rows that can be trained on, the BadSamples of the others, how many of those were
     usable when tokenised); with ``image_dirs``, a row whose image is no longer listed in its
-    folder is one of the others."""
+    folder is one of the others; with ``unusable`` (:func:`_unusable_images`), one whose image
+    a run found unusable, as the row holds it (its visual-token count then), is one too."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -482,10 +567,27 @@ def _select_usable(ds, on_bad_sample: str, image_dirs: list[str] | None = None, 
                 zero_copy_only=False)
             parents = pc.list_parent_indices(images).to_numpy()
             gone[np.unique(parents[~present])] = True
+    found = {}  # row -> why a run found its image unusable
+    if unusable:
+        images = table.column("images").combine_chunks()
+        if len(pc.list_flatten(images)):
+            hit = pc.is_in(pc.list_flatten(images), value_set=pa.array(list(unusable), pa.string())).to_numpy(
+                zero_copy_only=False)
+            for i in np.unique(pc.list_parent_indices(images).to_numpy()[hit]):
+                r = ds[int(i)]
+                for p in r["images"]:
+                    rec = unusable.get(p)
+                    if rec is not None and rec.get("n_visual") in (None, r["n_visual"]):
+                        found[int(i)] = {"bad": f"image {p} {rec.get('reason')} (found in training)",
+                                         "fix": "replace the image with a whole copy of the original, or remove the "
+                                                "sample"}
+                        gone[i] = True
     out = []
     for i in np.flatnonzero(bad | gone):
         r = ds[int(i)]
-        if gone[i] and not r["bad"]:
+        if int(i) in found and not r["bad"]:
+            r = {**r, **found[int(i)]}
+        elif gone[i] and not r["bad"]:
             missing = next(p for p in r["images"] if not os.path.exists(p))
             why = _image_not_found(missing, hint)
             r = {**r, **why}
@@ -504,6 +606,21 @@ def _restored(ds) -> bool:
     table = ds.data.table if hasattr(ds.data, "table") else ds.data
     idx = pc.indices_nonzero(table.column("missing")).to_numpy()
     return any(os.path.exists(p) for i in idx[:10000] for p in ds[int(i)]["images"])
+
+
+@contextlib.contextmanager
+def _writable_cache(cache_dir):
+    """Writing the tokenised cache: a folder this launch may not write is one message naming
+    ``data.cache_dir`` and the fix (a finished cache there is read without writing)."""
+    try:
+        yield
+    except OSError as e:
+        if cache_dir is None or e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise ConfigError(
+            f"data.cache_dir={cache_dir}: cannot write the tokenised cache there ({e.filename or cache_dir}: "
+            f"{e.strerror}); a launch writes it there the first time it reads these data files with this target "
+            f"and settings. Give a folder you can write, data.cache_dir=DIR (a node-local disk is fine)") from None
 
 
 def build_split(
@@ -535,28 +652,41 @@ def build_split(
     hint = ",".join(str(s.get("image_root")) for s in sources)
     if cache_dir:
         cache = _SplitCache(cache_dir, sources, identity)
-        cache.dir.mkdir(parents=True, exist_ok=True)
+        with _writable_cache(cache_dir):
+            cache.dir.mkdir(parents=True, exist_ok=True)
         entry, key = cache.find()
     else:
         cache, entry, key = None, None, ""
-    for attempt in range(2):
+    for attempt in range(3):
         if entry is None:
             parent = cache.dir if cache else Path(tempfile.gettempdir())
-            built = Path(tempfile.mkdtemp(prefix=".building-", dir=parent))
-            try:
-                _build(sources, target, max_length, on_bad_sample, num_proc, limit, identity, built)
-            except BaseException:
-                shutil.rmtree(built, ignore_errors=True)
-                raise
-            entry = cache.commit(built, key) if cache else built
+            with _writable_cache(cache_dir if cache else None):
+                built = Path(tempfile.mkdtemp(prefix=".building-", dir=parent))
+                try:
+                    _build(sources, target, max_length, on_bad_sample, num_proc, limit, identity, built)
+                except BaseException:
+                    shutil.rmtree(built, ignore_errors=True)
+                    raise
+                entry = cache.commit(built, key) if cache else built
         manifest = json.loads((entry / MANIFEST).read_text())
         if not manifest["arrow"]:
             ds = datasets.Dataset.from_dict({})
             break
-        ds = datasets.concatenate_datasets([datasets.Dataset.from_file(str(entry / f)) for f in manifest["arrow"]])
+        try:
+            ds = datasets.concatenate_datasets([datasets.Dataset.from_file(str(entry / f)) for f in manifest["arrow"]])
+        except Exception as e:  # pyarrow's ArrowInvalid, an OSError: a file cut short or overwritten
+            if cache is None or attempt == 2:
+                raise
+            log.warning("the tokenised cache %s is damaged (%s: %s): tokenising again", entry, type(e).__name__,
+                        str(e).splitlines()[0][:200] if str(e) else "")
+            shutil.rmtree(entry, ignore_errors=True)
+            if entry.exists():  # a cache this launch cannot write: built beside it, under another name
+                key = f"{key}-{os.getpid()}"
+            entry = None
+            continue
         if cache is None:
             shutil.rmtree(entry, ignore_errors=True)  # the rows stay mapped; nothing is left behind
-        if attempt == 0 and cache is not None and _restored(ds):
+        if attempt < 2 and cache is not None and _restored(ds):
             log.info("an image reported missing when %s was written is back: tokenising again", entry)
             shutil.rmtree(entry, ignore_errors=True)
             entry = None
@@ -570,7 +700,8 @@ def build_split(
         skipped.append(b)
     if len(ds) == 0:
         return Split(datasets.Dataset.from_dict({}), skipped)
-    ds, bad, gone = _select_usable(ds, on_bad_sample, manifest["image_dirs"] if cache else None, hint)
+    ds, bad, gone = _select_usable(ds, on_bad_sample, manifest["image_dirs"] if cache else None, hint,
+                                   _unusable_images(cache_dir) if cache else None)
     ds = ds.remove_columns(["bad", "fix", "missing"])
     # the kept counts are of every usable row; a row left out since (its image is gone) is not in them
     return Split(ds, skipped + bad, entry if cache is not None and not gone else None)

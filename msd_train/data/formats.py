@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -344,5 +345,23 @@ def read_conversations(path: str | Path, fmt: str = "auto", image_root: str | Pa
                 reason += f" (and {n_all - n_markers} of its {n_all} images with it)"
             yield BadSample(src, index, sid, reason, fix + " to keep the rest", action="truncated",
                             kept_exchanges=len(body) // 2)
+        escaped = next((p for p in images[:n_markers] if not _inside(root, p)), None)
+        if escaped is not None:
+            yield BadSample(src, index, sid, f"image path {escaped!r} is outside image_root={root} (an absolute path "
+                            f"or one that climbs with '..')",
+                            "write image paths relative to image_root, inside it, or point image_root at the "
+                            "folder that holds them")
+            continue
         yield {"id": sid, "messages": msgs, "images": [str(root / p) for p in images[:n_markers]],
                "source": src, "index": index}
+
+
+def _inside(root: Path, image) -> bool:
+    """Whether a data file's image path names a file inside ``root``: a relative path that does
+    not climb out of it with ``..`` (judged by its text; a symlink the user put inside ``root``
+    is followed as the user set it up)."""
+    if not isinstance(image, str) or not image or "\x00" in image:
+        return False
+    if os.path.isabs(image) or image.startswith("~"):
+        return False
+    return not os.path.normpath(image).split(os.sep)[0] == ".."

@@ -310,6 +310,15 @@ def regenerate(target: TargetProtocol, settings: dict, group=None, on_record=Non
         rec = dict(done[keys[n]], n=n)
         if rec["regenerated"]["turns"]:
             records.append(rec)
+    # a data file's image paths are relative to its image_root (the readers refuse others): the
+    # merged file's are relative to the folder that holds every image, which the manifest names
+    dirs = [os.path.dirname(os.path.abspath(p)) for r in records for p in r.get("images") or []]
+    image_root = os.path.commonpath(dirs) if dirs else None
+    if image_root is not None:
+        records = [{**r, "images": [os.path.relpath(os.path.abspath(p), image_root) for p in r["images"]]}
+                   if r.get("images") else r for r in records]
+        log.info("%s: its image paths are relative to %s: train on it with image_root=%s", out / MERGED, image_root,
+                 image_root)
     atomic_write_text(out / MERGED, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     engines: dict[str, int] = {}
     for r in records:
@@ -321,7 +330,7 @@ def regenerate(target: TargetProtocol, settings: dict, group=None, on_record=Non
                 "this_launch": {"conversations": len(todo), "new_tokens": tokens, "seconds": round(elapsed, 1),
                                 "world": world, "engine": engine.name,
                                 "new_tokens_per_s": round(tokens / max(elapsed, 1e-9), 2)},
-                "file": MERGED, "complete": True}
+                "file": MERGED, "image_root": image_root, "complete": True}
     atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
     return manifest
 

@@ -24,12 +24,10 @@ from pathlib import Path
 
 import torch
 
+from msd_train.checks import ONEDNN_ISAS as _ONEDNN_ISAS
+from msd_train.checks import check_cpu_linear, onednn_max_isa
 from msd_train.runtime import resolve_dtype
 
-#: oneDNN's instruction-set levels (ONEDNN_MAX_CPU_ISA), lowest first; bf16 dot products from AVX512_CORE_BF16
-_ONEDNN_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
-                "AVX512_CORE_BF16", "AVX10_1_512", "AVX512_CORE_FP16", "AVX10_1_512_AMX", "AVX512_CORE_AMX",
-                "AVX10_1_512_AMX_FP16", "AVX512_CORE_AMX_FP16", "ALL", "DEFAULT")
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -67,8 +65,8 @@ def native_bf16(flags: set[str] | None = None, env: dict | None = None) -> tuple
     capability = torch.backends.cpu.get_cpu_capability()
     if not capability.startswith("AVX512"):
         return False, f"the CPU has {'/'.join(have)}, but PyTorch's kernels run at {capability} (ATEN_CPU_CAPABILITY)"
-    isa = str(env.get("ONEDNN_MAX_CPU_ISA", "ALL")).upper()
-    if isa in _ONEDNN_ISAS and _ONEDNN_ISAS.index(isa) < _ONEDNN_ISAS.index("AVX512_CORE_BF16"):
+    isa = onednn_max_isa(env)
+    if _ONEDNN_ISAS.index(isa) < _ONEDNN_ISAS.index("AVX512_CORE_BF16"):
         return False, f"the CPU has {'/'.join(have)}, but oneDNN is limited to {isa} (ONEDNN_MAX_CPU_ISA)"
     return True, f"the CPU has native bf16 ({'/'.join(have)}, PyTorch at {capability})"
 
@@ -76,9 +74,7 @@ def native_bf16(flags: set[str] | None = None, env: dict | None = None) -> tuple
 def choose(tc: dict, device: torch.device) -> CPUSetting:
     """The dtype, attention and linear kernels eval.py loads the target with (module docstring)."""
     dtype, attn = str(tc.get("dtype") or "auto"), str(tc.get("attn_implementation") or "auto")
-    linear = str(tc.get("cpu_linear") or "auto")
-    if linear not in ("auto", "onednn", "aten"):
-        raise ValueError(f"target.cpu_linear={linear}: use auto, onednn or aten")
+    linear = check_cpu_linear(tc.get("cpu_linear"))
     if device.type != "cpu":
         resolved = resolve_dtype(dtype, device)
         return CPUSetting(_name(resolved), "sdpa" if attn == "auto" else attn, "aten",

@@ -33,6 +33,7 @@ import torch
 from msd_train.draft import MSDDraftConfig, MSDDraftModel, NonFiniteWeightsError, check_finite
 from msd_train.draft.families import LayerFamily, layer_family
 from msd_train.draft.head import DraftHead
+from msd_train.errors import unpickling_reason
 from msd_train.hub.folders import (
     REFERENCE_MODEL_TYPES,
     REFERENCE_WEIGHT_FILES,
@@ -99,13 +100,9 @@ def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
-        # torch's message is paragraphs of advice around one line of reason: keep that line
-        paras = [" ".join(p.split()) for p in str(err).split("\n\n") if p.strip()]
-        reason = next((p.replace("WeightsUnpickler error: ", "") for p in paras[1:]
-                       if not p.startswith(("Check the documentation", "Please file an issue"))), paras[0] if paras else "")
         raise IncompleteHeadError(
             f"{path}: not loadable as plain tensors with torch.load(weights_only=True) "
-            f"({reason or type(err).__name__}); arbitrary pickles are never loaded: convert the "
+            f"({unpickling_reason(err)}); arbitrary pickles are never loaded: convert the "
             "weights to safetensors where they were made, or use a head saved as plain tensors"
         ) from err
 

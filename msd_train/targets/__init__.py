@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -89,6 +90,25 @@ def load_processor(name_or_path: str, model_type: str, trust_remote_code: bool =
     return cls.load_processor(name_or_path, trust_remote_code)
 
 
+@contextlib.contextmanager
+def _no_pickles(setting: str):
+    """A ``.bin`` weights file that holds more than tensors is refused by torch's
+    ``weights_only`` loading (transformers' default): one message naming the setting, never
+    the advice torch appends to load it unsafely."""
+    import pickle
+
+    from msd_train.errors import ConfigError, unpickling_reason
+
+    try:
+        yield
+    except pickle.UnpicklingError as e:
+        raise ConfigError(
+            f"{setting}: a weights file there (pytorch_model.bin or adapter_model.bin) holds Python objects beyond "
+            f"tensors ({unpickling_reason(e)}), so it is refused: such a file can run code when loaded, and this "
+            f"project never loads one. Use a copy saved as safetensors (model.safetensors), or convert it where it "
+            f"was made and is trusted") from None
+
+
 def load_target(
     name_or_path: str,
     dtype: str | torch.dtype = "auto",
@@ -120,17 +140,19 @@ def load_target(
         )
     # The processor first: a missing piece fails in seconds, not after loading 7B weights.
     processor = load_processor(name_or_path, config.model_type, trust_remote_code)
-    model = AutoModelForImageTextToText.from_pretrained(
-        name_or_path, dtype=torch_dtype, trust_remote_code=trust_remote_code,
-        attn_implementation=attn_implementation,
-    )
+    with _no_pickles(f"target.name_or_path={name_or_path}"):
+        model = AutoModelForImageTextToText.from_pretrained(
+            name_or_path, dtype=torch_dtype, trust_remote_code=trust_remote_code,
+            attn_implementation=attn_implementation,
+        )
     if adapter:
         if not Path(adapter).exists() and "/" not in adapter:
             raise FileNotFoundError(f"target.adapter={adapter}: no such adapter folder")
         from peft import PeftModel
 
         log.info("merging LoRA adapter %s into %s", adapter, name_or_path)
-        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+        with _no_pickles(f"target.adapter={adapter}"):
+            model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     model.to(device)
     if onednn_linears:
         from msd_train.targets.cpu_linear import pack_linears

@@ -21,7 +21,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 
+from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from msd_train.errors import ConfigError
 
 IMAGE_MARKER = "<image>"
 
@@ -78,10 +81,43 @@ def resolve_template(name_or_source: str) -> str:
     return BUILTIN_TEMPLATES.get(name_or_source, name_or_source)
 
 
+class ChatTemplateError(ConfigError):
+    """A chat template that Jinja (in its sandbox) cannot compile or render."""
+
+
+def _template_error(e: Exception) -> ChatTemplateError:
+    where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+    unsafe = isinstance(e, SecurityError)
+    return ChatTemplateError(
+        f"the chat template (target.chat_template, or the target folder's chat_template.jinja / "
+        f"tokenizer_config.json) cannot be {'rendered' if unsafe or not where else 'compiled'}{where}: "
+        f"{type(e).__name__}: {e}"
+        + ("; it reaches for Python internals, which the sandbox it runs in refuses (a template only formats "
+           "messages)" if unsafe else "")
+        + ". Fix the template, or set target.chat_template to a built-in one (vicuna_v1, chatml_qwen) or to "
+          "the Jinja source of one that works")
+
+
+class _Compiled:
+    """A compiled template whose render errors are :class:`ChatTemplateError`."""
+
+    def __init__(self, template: str):
+        try:
+            self.template = ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False).from_string(template)
+        except TemplateError as e:
+            raise _template_error(e) from None
+
+    def render(self, **kw) -> str:
+        try:
+            return self.template.render(**kw)
+        except TemplateError as e:
+            raise _template_error(e) from None
+
+
 @lru_cache(maxsize=16)
-def _compiled(template: str):
+def _compiled(template: str) -> _Compiled:
     # Compiling is ~100x the cost of rendering; a dataset renders one template millions of times.
-    return ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False).from_string(template)
+    return _Compiled(template)
 
 
 # The Python twins of the templates below render one message at a time, ``(k, message,

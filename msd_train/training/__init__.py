@@ -10,7 +10,21 @@ from pathlib import Path
 
 def run(cfg) -> None:
     """Check the config, take the run_dir, set up, train and export one stage; a user's
-    mistake exits with its message (``MSD_DEBUG=1``: with the traceback)."""
+    mistake exits with its message (``MSD_DEBUG=1``: with the traceback). A launch refused
+    before training began removes the output folder Hydra made for it (and the folders it
+    made for that), so it leaves nothing in a folder it refused."""
+    from msd_train.config import remove_hydra_output
+
+    begun = []  # set once the recipe is made: from then on the log is the run's
+    try:
+        _run(cfg, begun)
+    except BaseException as e:
+        if not begun and not (isinstance(e, SystemExit) and e.code in (0, None)):
+            remove_hydra_output()
+        raise
+
+
+def _run(cfg, begun: list) -> None:
     from omegaconf import OmegaConf
 
     from msd_train.paths import user_path
@@ -67,6 +81,7 @@ def run(cfg) -> None:
             # DeepSpeed compiles its communication op when the engine starts, waiting silently on
             # a build lock that a killed launch may have left.
             clear_stale_build_locks()
+            begun.append(True)
             recipe = TrainRecipe(cfg, start)
             recipe.setup()
             try:

@@ -41,7 +41,7 @@ from msd_train import runtime
 from msd_train.config import stage_splits
 from msd_train.data.collate import StepBatches, collate, step_loader
 from msd_train.data.curriculum import Curriculum, mm_share, sample_lengths
-from msd_train.data.dataset import build_split, split_limit, write_skipped
+from msd_train.data.dataset import UNUSABLE, UnusableImage, build_split, record_unusable, split_limit, write_skipped
 from msd_train.draft import DraftHead, MSDDraftModel, head_class
 from msd_train.draft.vocabulary import draft_vocabulary, load_counts, most_frequent, save_counts
 from msd_train.features import make_feature_source
@@ -201,6 +201,7 @@ class TrainRecipe:
             *([sample_lengths(self.text), sample_lengths(self.mm)] if window else [None, None]), window)
         if self.start.checkpoint is not None:
             self._restore(*resume.load(self.start, self.engine, self.group, self.identity))
+            resume.record_applied(self.start, self.step, self.main)  # what this launch changed, now applied
         self.wandb = wandb_run.start(cfg, self.run_dir, self.stage) if self.main else None
 
     def _setup_data(self) -> None:
@@ -345,6 +346,9 @@ class TrainRecipe:
                                              int(tc.prefetch)))
         item = next(self._batches)
         assert item["step"] == self.step, (item["step"], self.step)
+        if "unusable" in item:
+            self._batches_at = None  # the loader stops here; a caller that goes on makes a new one
+            raise UnusableImage(*item["unusable"])
         self._batches_at = self.step + 1
         self.curriculum.load_state_dict(item["cursor"])
         return item
@@ -449,6 +453,8 @@ class TrainRecipe:
         while self.step < tc.max_steps:
             try:
                 metrics = self.train_step()
+            except UnusableImage as e:  # an image damaged or changed under the run
+                raise self._unusable(e) from None
             except FileNotFoundError as e:  # an image deleted during the run (launches check them all)
                 raise TrainingError(
                     f"image {e.filename} disappeared during training (step {self.step + 1}); launch the same command "
@@ -483,6 +489,23 @@ class TrainRecipe:
         if bar is not None:
             bar.close()
         self.export("final")
+
+    def _unusable(self, e: UnusableImage) -> TrainingError:
+        """The message for an image found unusable while training; the rank that read it keeps
+        it in the data cache, so that the relaunch leaves the sample out
+        (``data.on_bad_sample=skip``) or refuses it, named (``error``)."""
+        d = self.cfg.data
+        kept = record_unusable(d.cache_dir, e.record)
+        if kept is None:
+            then = ("fix that, then launch the same command again (with no data.cache_dir to keep the finding, a "
+                    "relaunch meets it again)")
+        elif d.on_bad_sample == "skip":
+            then = ("or launch the same command again as it is: it resumes from the last checkpoint and skips that "
+                    f"sample (listed in skipped_samples.jsonl; the finding is kept in {Path(d.cache_dir) / UNUSABLE})")
+        else:
+            then = ("fix that and launch the same command again, or set data.on_bad_sample=skip: the relaunch then "
+                    "resumes from the last checkpoint and skips that sample")
+        return TrainingError(f"training stopped at step {self.step + 1}: {e}; {then}")
 
     def _request_stop(self, signum, frame) -> None:
         # Launchers forward what they receive (deepspeed: Ctrl-C reaches the trainer directly and
@@ -525,7 +548,10 @@ class TrainRecipe:
 
     def _validate_and_log(self) -> None:
         # Every rank computes the same validation (cheap at held-out sizes); no gather needed.
-        res = self.validate()
+        try:
+            res = self.validate()
+        except UnusableImage as e:  # a held-out image damaged or changed under the run
+            raise self._unusable(e) from None
         if not res:
             return
         flat = {"step": self.step, "val/sim_tau": res["sim_tau"]}
@@ -570,7 +596,9 @@ class TrainRecipe:
                     ckpt.save_portable(portable, tmp)
             state = {"step": self.step, "stage": self.stage, "curriculum": self.curriculum.state_dict(),
                      "bad_total": self.bad_total, "best_tau": self.best_tau, "global_batch": self.global_batch,
-                     "world_size": self.world, "zero_stage": self.start.zero_stage, "target": self.identity}
+                     "world_size": self.world, "zero_stage": self.start.zero_stage, "target": self.identity,
+                     "micro_batch_size": int(self.cfg.train.micro_batch_size),
+                     "grad_accum": int(self.cfg.train.grad_accum)}
             with ckpt.writing(self.ckpt_root, tmp, f"checkpoint step {self.step}"):
                 save_counts(tmp, self.token_counts)  # a resume trains over the same vocabulary (_resumed_counts)
                 ckpt.finish(tmp, ckpt.step_dir(self.ckpt_root, self.step), state)

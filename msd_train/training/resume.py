@@ -27,13 +27,15 @@ with that record, before anything loads:
   rate stored in the optimizer state while ``final/training.json`` recorded 0.01;
 - a change that does apply from the resumed step on (``train.max_steps``: the run continues
   to the new step count and the cosine schedule ends there; ``train.grad_clip``) is applied
-  and recorded: one log line per key, and a ``history`` entry in ``settings.json`` (step,
+  and recorded: one log line per key, and, once a checkpoint has loaded (:func:`record_applied`:
+  a launch refused before that records nothing), a ``history`` entry in ``settings.json`` (step,
   key, old and new value), so no record claims a setting the steps before did not have.
 
 The record also holds each training data file's size, modification time and digest
 (``data_files``): a relaunch whose data file was edited in place (same path, other content)
-is refused naming the file. Size and time are compared first; only when they differ is the
-file read again, so a file that was merely touched (or copied back) still resumes.
+is refused naming the file, whatever its size and time say (``cp -p``, ``rsync -t`` and
+``tar`` restore them); the digest is the one the data cache computes at this launch, so a
+file that was merely touched (or copied back) still resumes.
 
 Stages written before this record existed fall back to the configuration in their
 ``best/`` or ``final/`` export's ``training.json``; with neither, the launch's settings
@@ -45,7 +47,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from msd_train.runtime import atomic_write_text
@@ -77,6 +79,10 @@ class ResumePoint:
     grad_accum: int | None = None
     #: nothing to resume: the exported head the stage starts from (``stage.init_from``; None: a fresh head)
     init_from: Path | None = None
+    #: what this launch changes against the checkpoint (key -> {checkpoint, now}) and its settings:
+    #: recorded in ``settings.json`` by :func:`record_applied` once a checkpoint has loaded
+    changed: dict = field(default_factory=dict)
+    settings: dict | None = None
 
     @property
     def checkpoint(self) -> Path | None:
@@ -104,8 +110,8 @@ def resume_point(cfg, rank: int, world: int) -> ResumePoint:
         if refusal:
             raise ResumeRefused(refusal)
     # what the checkpoint was trained with vs this launch: a change it cannot take is refused
-    # (naming each key), one it can is applied and recorded (stageN/settings.json)
-    check_resume(cfg, stage_dir, point.checkpoint, point.state.get("step"), write=main)
+    # (naming each key), one it can is applied, and recorded once a checkpoint has loaded
+    check_resume(cfg, stage_dir, point.checkpoint, point.state.get("step"), write=main, pending=point)
     if not candidates:
         if main:  # killed before its first checkpoint: what it logged is not part of the run that starts now
             rundir.truncate_metrics(stage_dir / "metrics.jsonl", 0)
@@ -114,16 +120,29 @@ def resume_point(cfg, rank: int, world: int) -> ResumePoint:
     saved = point.state.get("world_size")
     if saved is not None and int(saved) != world:
         point.grad_accum = rundir.resumed_grad_accum(point.state, world, micro_batch_size)
+        was_micro, was_accum = point.state.get("micro_batch_size"), point.state.get("grad_accum")
+        if was_accum is None and was_micro is not None:
+            was_accum = int(point.state["global_batch"]) // (int(saved) * int(was_micro))
         if main:
-            global_batch = int(point.state["global_batch"])
             log.warning("resume: %s was written by %s process(es), this launch has %d: train.grad_accum=%d (was %s) "
                         "keeps its global batch of %d", point.checkpoint, saved, world, point.grad_accum,
-                        cfg.train.grad_accum, global_batch)
-            record_change(stage_dir, point.step, {
-                "world_size": {"checkpoint": int(saved), "now": world},
-                "train.grad_accum": {"checkpoint": global_batch // (int(saved) * micro_batch_size),
-                                     "now": point.grad_accum}})
+                        cfg.train.grad_accum, int(point.state["global_batch"]))
+        # a checkpoint from before it kept its micro-batch size and grad_accum: None (not known)
+        point.changed["world_size"] = {"checkpoint": int(saved), "now": world}
+        if was_micro != micro_batch_size:
+            point.changed["train.micro_batch_size"] = {"checkpoint": was_micro, "now": micro_batch_size}
+        if was_accum != point.grad_accum:
+            point.changed["train.grad_accum"] = {"checkpoint": was_accum, "now": point.grad_accum}
     return point
+
+
+def record_applied(point: ResumePoint, step: int, main: bool) -> None:
+    """Record in ``settings.json`` what this launch changed against the checkpoint it resumed
+    (``point.changed``), now that it is applied: once a checkpoint of ``step`` has loaded, so a
+    launch refused before that records nothing."""
+    if main and point.changed:
+        record_change(point.stage_dir, step, point.changed, point.settings)
+    point.changed = {}
 
 
 def load(point: ResumePoint, engine, group, identity: dict) -> tuple[Path, dict]:
@@ -277,7 +296,8 @@ def data_files(current: dict) -> dict[str, dict]:
 
 def changed_data_files(saved: dict, current: dict) -> list[str]:
     """The files of ``saved`` (from :func:`data_files`) that ``current`` names too and whose
-    content differs now: one line each. Size and time first; the digest only when they differ."""
+    content differs now: one line each. By their digest (read once per launch, shared with the
+    data cache): a same-size edit whose mtime was restored is a change too."""
     from msd_train.data.dataset import file_digest
 
     changed = []
@@ -289,13 +309,13 @@ def changed_data_files(saved: dict, current: dict) -> list[str]:
             st = Path(path).stat()
         except OSError:
             continue  # gone: the data loading names it
-        if st.st_size == was.get("size") and st.st_mtime_ns == was.get("mtime_ns"):
-            continue
-        if st.st_size == was.get("size") and file_digest(path) == was.get("sha1"):
-            continue  # touched or copied back: the same content
-        changed.append(f"{path} (was {was.get('size')} bytes, modified "
+        sha1 = file_digest(path) if st.st_size == was.get("size") else None
+        if sha1 is not None and (sha1 == was.get("sha1") or was.get("sha1") is None):
+            continue  # the same content (touched or copied back), or a record without digests
+        changed.append(f"{path} (was {was.get('size')} bytes, sha1 {str(was.get('sha1'))[:12]}, modified "
                        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(was.get('mtime_ns', 0) / 1e9))}; now "
-                       f"{st.st_size} bytes, modified {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(st.st_mtime))})")
+                       f"{st.st_size} bytes, sha1 {(sha1 or file_digest(path))[:12]}, modified "
+                       f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(st.st_mtime))})")
     return changed
 
 
@@ -337,11 +357,13 @@ def differences(saved: dict, current: dict) -> tuple[list[str], dict[str, tuple]
     return refused, applied
 
 
-def check_resume(cfg, stage_dir: Path, checkpoint: Path | None, step: int | None, write: bool) -> list[str]:
+def check_resume(cfg, stage_dir: Path, checkpoint: Path | None, step: int | None, write: bool,
+                 pending: ResumePoint | None = None) -> list[str]:
     """Compare this launch's settings with those ``checkpoint`` (the newest loadable one, or
     None) was trained with; raise ``ResumeRefused`` on a change the resume cannot take.
-    ``write`` (rank 0): record the settings (a fresh stage) or the applied changes. Returns the
-    lines saying what was applied."""
+    ``write`` (rank 0): record the settings (a fresh stage) or the applied changes, at once or,
+    with ``pending``, in that point for :func:`record_applied` once a checkpoint has loaded.
+    Returns the lines saying what is applied."""
     current = settings(cfg)
     path = stage_dir / RECORD
     if checkpoint is None:  # nothing to resume: this launch's settings are the stage's
@@ -377,9 +399,12 @@ def check_resume(cfg, stage_dir: Path, checkpoint: Path | None, step: int | None
             f"start this stage over with resume=false (the old outputs are moved aside, not deleted), or use "
             f"another run_dir.")
     lines = [f"{key}={new}: " + APPLIED[key].format(old=old, new=new, step=step) for key, (old, new) in applied.items()]
-    if applied and write:
-        record_change(stage_dir, step, {k: {"checkpoint": old, "now": new} for k, (old, new) in applied.items()},
-                      current)
+    changed = {k: {"checkpoint": old, "now": new} for k, (old, new) in applied.items()}
+    if pending is not None:
+        pending.changed.update(changed)
+        pending.settings = current if applied else None
+    elif applied and write:
+        record_change(stage_dir, step, changed, current)
     for line in lines:
         log.warning("resume: %s", line)
     return lines

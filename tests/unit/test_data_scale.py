@@ -3,6 +3,7 @@ Python-rendered built-in templates, and the cache found without reading the data
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -171,19 +172,23 @@ def test_a_cut_image_is_named_with_its_sample_and_fix_before_training(llava_targ
     assert [b.id for b in split.skipped] == ["s4"] and len(split) == 6
 
 
-def test_warm_launch_reads_no_data_file(llava_target, tmp_path, monkeypatch):
+def test_warm_launch_parses_no_data_file_and_digests_it_once(llava_target, tmp_path, monkeypatch):
     import msd_train.data.dataset as dataset
 
     src = _mm_data(tmp_path)
     cold = build_split(src, llava_target, 4096, cache_dir=str(tmp_path / "cache"))
 
     def no_reading(*a, **k):
-        raise AssertionError("the data file was read on a warm launch")
+        raise AssertionError("the data file was parsed on a warm launch")
 
     monkeypatch.setattr(dataset, "read_conversations", no_reading)
-    monkeypatch.setattr(dataset, "file_digest", no_reading)
+    monkeypatch.setattr(dataset, "_DIGESTS", {})  # a new launch's process
+    digests, new = [], hashlib.new
+    monkeypatch.setattr(hashlib, "new", lambda *a, **k: digests.append(a) or new(*a, **k))
     warm = build_split(src, llava_target, 4096, cache_dir=str(tmp_path / "cache"))
     assert warm.dataset["input_ids"] == cold.dataset["input_ids"]
+    dataset.file_digest(src[0]["path"])  # the resume check and the run's record ask again: not read again
+    assert digests == [("sha1",)]
     assert all(len(f["filename"]) for f in warm.dataset.cache_files)  # memory-mapped Arrow, not in memory
 
 
@@ -224,7 +229,7 @@ def test_a_touched_file_keeps_its_cache_and_a_changed_one_is_tokenised_again(lla
     os.utime(data, ns=(data.stat().st_atime_ns, data.stat().st_mtime_ns + 10**9))
     with caplog.at_level(logging.INFO, logger="msd_train.data.dataset"):
         again = build_split(src, llava_target, 4096, cache_dir=cache)
-    assert "touched but unchanged" in caplog.text and len(list(Path(cache).glob("split-*"))) == 1
+    assert "tokenising again" not in caplog.text and len(list(Path(cache).glob("split-*"))) == 1
     assert again.dataset["input_ids"] == first.dataset["input_ids"]
     text = data.read_text().replace("a red circle 1", "a red square 1")  # same size, other content
     data.write_text(text)

@@ -202,7 +202,7 @@ def test_an_image_that_cannot_be_decoded_is_named_before_answering(target, tmp_p
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"not a png")
     src = tmp_path / "in.jsonl"
-    src.write_text(json.dumps({"id": "x", "images": [str(bad)], "messages": [
+    src.write_text(json.dumps({"id": "x", "images": ["bad.png"], "messages": [
         {"role": "user", "content": "<image>\nWhat is this?"}, {"role": "assistant", "content": "A cat."}]}) + "\n")
     answered = []
     with pytest.raises(RegenerateError, match=r"conversation 'x': image .*bad.png cannot be decoded"):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import lzma
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -95,6 +94,10 @@ def unpack(work: Path) -> None:
 
 
 if __name__ == "__main__":
-    mode = sys.argv[1]
-    work = Path(sys.argv[2] if len(sys.argv) > 2 else "/work/scale")
-    {"pack": pack, "unpack": unpack}[mode](work)
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=("pack", "unpack"), help="pack: WORK -> data/smollm2-llava-regen; unpack: back")
+    parser.add_argument("work", nargs="?", type=Path, default=Path("/work/scale"), help="the scale work folder")
+    args = parser.parse_args()
+    {"pack": pack, "unpack": unpack}[args.mode](args.work)
