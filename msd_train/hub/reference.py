@@ -48,6 +48,7 @@ from msd_train.paths import user_path
 from msd_train.runtime import atomic_dir
 from msd_train.targets import FAMILIES, head_family
 from msd_train.targets.protocol import TargetProtocol
+from msd_train.trust import torch_load
 
 log = logging.getLogger(__name__)
 
@@ -91,23 +92,13 @@ class ReferenceHead:
 
 
 def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
-    """safetensors, or a `pytorch_model.bin` through `torch.load(weights_only=True)` only."""
+    """safetensors, or a `pytorch_model.bin` of plain tensors (``msd_train.trust.torch_load``)."""
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
         return load_file(path)
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:
-        # torch's message is paragraphs of advice around one line of reason: keep that line
-        paras = [" ".join(p.split()) for p in str(err).split("\n\n") if p.strip()]
-        reason = next((p.replace("WeightsUnpickler error: ", "") for p in paras[1:]
-                       if not p.startswith(("Check the documentation", "Please file an issue"))), paras[0] if paras else "")
-        raise IncompleteHeadError(
-            f"{path}: not loadable as plain tensors with torch.load(weights_only=True) "
-            f"({reason or type(err).__name__}); arbitrary pickles are never loaded: convert the "
-            "weights to safetensors where they were made, or use a head saved as plain tensors"
-        ) from err
+    return torch_load(path, map_location="cpu", fix="Convert the weights to safetensors where they were made, "
+                                                    "or use a head saved as plain tensors")
 
 
 def read_reference(folder: str | Path) -> ReferenceHead:

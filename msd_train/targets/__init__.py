@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import pickle
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from msd_train.targets.base import Encoded, Features, Target
 from msd_train.targets.llava import LlavaNextTarget, LlavaTarget
 from msd_train.targets.protocol import TargetProtocol
 from msd_train.targets.qwen_vl import Qwen3VLTarget, Qwen25VLTarget, QwenVLTarget
+from msd_train.trust import unsafe_file
 
 log = logging.getLogger(__name__)
 
@@ -120,17 +122,25 @@ def load_target(
         )
     # The processor first: a missing piece fails in seconds, not after loading 7B weights.
     processor = load_processor(name_or_path, config.model_type, trust_remote_code)
-    model = AutoModelForImageTextToText.from_pretrained(
-        name_or_path, dtype=torch_dtype, trust_remote_code=trust_remote_code,
-        attn_implementation=attn_implementation,
-    )
+    try:  # transformers reads .bin weights with torch.load(weights_only=True), refusing pickled code
+        model = AutoModelForImageTextToText.from_pretrained(
+            name_or_path, dtype=torch_dtype, trust_remote_code=trust_remote_code,
+            attn_implementation=attn_implementation,
+        )
+    except pickle.UnpicklingError as err:
+        raise unsafe_file(f"{name_or_path}/pytorch_model*.bin", err, "Use the target's safetensors weights, or "
+                                                                      "convert them where they were made") from err
     if adapter:
         if not Path(adapter).exists() and "/" not in adapter:
             raise FileNotFoundError(f"target.adapter={adapter}: no such adapter folder")
         from peft import PeftModel
 
         log.info("merging LoRA adapter %s into %s", adapter, name_or_path)
-        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+        try:
+            model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+        except pickle.UnpicklingError as err:
+            raise unsafe_file(f"target.adapter={adapter} (adapter_model.bin)", err,
+                              "Save the adapter as safetensors where it was made") from err
     model.to(device)
     if onednn_linears:
         from msd_train.targets.cpu_linear import pack_linears

@@ -33,6 +33,7 @@ import torch
 from msd_train.draft.vocabulary import save_counts
 from msd_train.errors import disk_full
 from msd_train.runtime import atomic_dir, replace_dir
+from msd_train.trust import DEEPSPEED_TYPES, torch_load
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +214,39 @@ def export_atomic(model, out: Path, extra_files: dict[str, str] | None = None,
     atomic_dir(out, write)
 
 
+# ------------------------------------------------------------------ what a resume unpickles
+def _not_loaded(ckpt: Path) -> str:
+    return (f"A checkpoint this project wrote holds nothing else: if you did not put it there, do not trust "
+            f"{ckpt.parent}. To resume from the checkpoint before it, move {ckpt} out of {ckpt.parent}; or start "
+            f"the stage over with resume=false (the old outputs are moved aside, not deleted)")
+
+
+class SafeLoads:
+    """The engine's DeepSpeed checkpoint engine, its ``load`` through :func:`msd_train.trust.torch_load`.
+
+    DeepSpeed reads its model and optimizer states with ``torch.load(weights_only=False)``,
+    which runs whatever a pickle in them calls; :func:`install_safe_loads` puts this in its
+    place, so a resume unpickles tensors, plain values and :data:`DEEPSPEED_TYPES` only.
+    Writing and everything else is the wrapped engine's."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def load(self, path: str, map_location=None):
+        path = Path(path)
+        return torch_load(path, allowed=DEEPSPEED_TYPES, map_location=map_location,
+                          fix=_not_loaded(path.parent.parent if path.parent.name == ENGINE_TAG else path.parent))
+
+
+def install_safe_loads(engine) -> None:
+    """Make every checkpoint ``engine`` loads go through :class:`SafeLoads`."""
+    if not isinstance(engine.checkpoint_engine, SafeLoads):
+        engine.checkpoint_engine = SafeLoads(engine.checkpoint_engine)
+
+
 # ------------------------------------------------------------------ resuming at another world size
 # DeepSpeed's own checkpoint splits ZeRO's optimizer state per process, so it loads only into the
 # number of processes that wrote it. A draft head is small (one decoder layer): every checkpoint
@@ -282,7 +316,7 @@ def load_portable(engine, ckpt: Path) -> None:
     the learning-rate schedule and the engine's counters. Every rank reads the whole file."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    state = torch.load(ckpt / PORTABLE_FILE, map_location="cpu", weights_only=True)
+    state = torch_load(ckpt / PORTABLE_FILE, map_location="cpu", fix=_not_loaded(ckpt))
     inner = _inner_optimizer(engine)
     module = engine.module
     masters = _masters(engine)
