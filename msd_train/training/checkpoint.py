@@ -6,9 +6,9 @@ Layout of a stage folder::
                                       + portable.pt (the same state in a form any world size loads)
                                       + token_counts.safetensors (the counts the stage started with:
                                       a resume trains over the same draft.train_vocab)
-    stage1/checkpoints/.tmp-...       a write in progress (ignored, removed on the next save)
+    stage1/checkpoints/.tmp-step-...  a write in progress (ignored, removed on the next save)
     stage1/final/, stage1/best/       exports: config.json + model.safetensors (written like
-                                      checkpoints: into .tmp-final, then renamed)
+                                      checkpoints: into .tmp-final, then renamed; runtime.atomic_dir)
 
 A checkpoint is complete when ``recipe_state.json`` exists in it; it is written last and
 the folder is renamed into place only after that, so a crash leaves at most a ``.tmp``
@@ -46,6 +46,7 @@ PORTABLE_FILE = "portable.pt"
 #: AdamW's per-parameter state besides its step count
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _STEP_NAME = re.compile(r"^step-(\d+)$")
+_TMP_NAME = re.compile(r"^\.tmp-step-(\d+)$")
 
 
 class CheckpointWriteError(RuntimeError):
@@ -136,11 +137,14 @@ def finish(tmp: Path, final: Path, state: dict) -> None:
 
 
 def rotate(root: Path, keep: int) -> None:
-    """Remove all but the newest ``keep`` complete checkpoints and stale temp folders."""
+    """Remove all but the newest ``keep`` complete checkpoints and the temp folders of
+    checkpoint writes that did not finish (``.tmp-step-<digits>``, the names the recipe
+    writes; the caller holds the run's lock, so none is being written)."""
     for p in complete_checkpoints(root)[:-keep] if keep > 0 else []:
         shutil.rmtree(p, ignore_errors=True)
-    for p in root.glob(".tmp-*"):
-        shutil.rmtree(p, ignore_errors=True)
+    for p in root.glob(".tmp-step-*"):
+        if _TMP_NAME.match(p.name) and p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
 
 
 @contextmanager
