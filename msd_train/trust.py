@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import pickle
+import re
 from pathlib import Path
 
 from msd_train.errors import ConfigError
@@ -53,10 +54,14 @@ def unsafe_file(what: str, err: pickle.UnpicklingError, fix: str = "") -> Unsafe
     """The refusal of ``torch.load(weights_only=True)`` (``err``, torch's or raised by a library
     loading that way) as one message naming ``what`` (the file), the object refused and ``fix``."""
     # torch's message is paragraphs of advice around one line of reason: keep that line
-    paras = [" ".join(p.split()) for p in str(err).split("\n\n") if p.strip()]
-    reason = next((p.replace("WeightsUnpickler error: ", "") for p in paras[1:]
-                   if not p.startswith(("Check the documentation", "Please file an issue", "In PyTorch"))),
-                  paras[0] if paras else type(err).__name__)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))
+    found = re.search(r"WeightsUnpickler error: (.*?)(?:\s+Please use |\s+Check the documentation|$)",
+                      " ".join(text.split()))
+    paras = [" ".join(p.split()) for p in text.split("\n\n") if p.strip()]
+    reason = found.group(1) if found else next(
+        (p for p in paras[1:] if not p.startswith(("Check the documentation", "Please file an issue", "In PyTorch"))),
+        paras[0] if paras else type(err).__name__)
     return UnsafeFileError(
-        f"{what}: holds objects other than tensors and plain values ({reason}); it was not loaded, since "
-        f"unpickling it could run any code it carries{'. ' + fix if fix else ''}")
+        f"{what}: holds objects other than tensors and plain values ({reason.rstrip('.')}); it was not loaded: "
+        f"files are read with torch.load(weights_only=True), since unpickling anything else could run any code it "
+        f"carries{'. ' + fix if fix else ''}")

@@ -28,6 +28,7 @@ from msd_train.hub import (
     push_head,
 )
 from msd_train.hub import folders as hub_folders
+from msd_train.trust import UnsafeFileError
 
 ROOT = Path(__file__).resolve().parents[2]
 H, INTER, HEADS, VOCAB = 32, 64, 4, 40
@@ -152,7 +153,8 @@ def test_bin_is_never_unpickled(tmp_path):
     state = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
     state["payload"] = Path("/etc/passwd")  # any non-tensor class
     torch.save(state, tmp_path / "pytorch_model.bin")
-    with pytest.raises(IncompleteHeadError, match="weights_only=True"):
+    with pytest.raises(UnsafeFileError, match=r"pytorch_model.bin: .*\(Unsupported global: GLOBAL pathlib.PosixPath"
+                                              r" was not an allowed global by default\).*weights_only=True"):
         import_reference(tmp_path, tmp_path / "out")
 
 
