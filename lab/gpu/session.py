@@ -858,15 +858,16 @@ def unpack(src: Path, dest: Path, tmpdir: Path | None = None) -> int:
     if why:
         print(f"error: unpack {src}: {why}; nothing was copied", file=sys.stderr)
         return 1
+    from msd_train import leftovers
+
     tmpdir = Path(tmpdir or tempfile.gettempdir())
-    for old in tmpdir.glob("gpu-unpack.*"):  # a killed unpack's temporary folder (its pid gone)
-        pid = old.name.split(".")[1]
-        if old.is_dir() and pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(old, ignore_errors=True)
+    for old in tmpdir.glob("gpu-unpack.*"):  # a killed unpack's temporary folder (its marker says so)
+        leftovers.remove_if_left(old)
     copied = []
     dest.mkdir(parents=True, exist_ok=True)
     for t in sorted(src.glob("*.tar.gz")):
         tmp = Path(tempfile.mkdtemp(prefix=f"gpu-unpack.{os.getpid()}.", dir=tmpdir))
+        leftovers.mark(tmp)
         try:
             with tarfile.open(t) as tar:  # its members were checked (unpack_refusal); the filter checks again
                 if hasattr(tarfile, "data_filter"):
@@ -922,16 +923,6 @@ def unpack_refusal(src: Path, gpu) -> str | None:
         except (OSError, tarfile.TarError) as e:
             return f"{t.name} does not open as a tar.gz ({e}); run that part again"
     return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ----------------------------------------------------------------------------- the command

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import socket
 import subprocess
 import sys
 import tarfile
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from lab.gpu import session as gs
+from msd_train import leftovers
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU = {p: gs.PARTS[p].gpu_s for p in gs.PARTS}
@@ -210,7 +212,10 @@ def test_unpack_of_nothing_is_an_error_and_a_killed_unpacks_folder_is_removed(tm
     tmpdir.mkdir()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     killed = tmpdir / f"gpu-unpack.{int(dead.stdout)}.abcdef"
-    (killed / "decode").mkdir(parents=True)
+    (killed / "decode").mkdir(parents=True)  # as an unpack killed with pid `dead` leaves it: marked
+    (killed / leftovers.MARKER).write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname()}))
+    users = tmpdir / f"gpu-unpack.{int(dead.stdout)}.mine"
+    users.mkdir()  # named like one, not made by one
     (tmp_path / "empty").mkdir()
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("x")
@@ -220,7 +225,7 @@ def test_unpack_of_nothing_is_an_error_and_a_killed_unpacks_folder_is_removed(tm
         assert gs.unpack(src, dest, tmpdir=tmpdir) == 1
         out = capsys.readouterr()
         assert f"error: unpack {src}: {phrase}" in out.err and "git commit" not in out.out
-    assert not killed.exists() and not any(tmpdir.iterdir())
+    assert not killed.exists() and list(tmpdir.iterdir()) == [users]
 
 
 def _came_back(back: Path, gpu="h100") -> Path:
