@@ -75,14 +75,18 @@ def marker(folder: Path) -> dict | None:
     return made if ok else None
 
 
-def gone_writer(folder: Path) -> dict | None:
-    """``folder``'s marker when a writer of this host made it and that process is gone (its pid
-    is free or now another process's), else None: only then may the folder be removed."""
+def gone_writer(folder: Path, locked: bool = False) -> dict | None:
+    """``folder``'s marker when a writer made it and that process is gone (its pid is free or
+    now another process's), else None: only then may the folder be removed. A writer on
+    another host cannot be asked: its folder counts as gone only when the caller holds the
+    lock its writers take (``locked``: a run's, an output's), so none of them can be live."""
     if folder.is_symlink() or not folder.is_dir():
         return None
     made = marker(folder)
-    if made is None or made["host"] != socket.gethostname():
+    if made is None:
         return None
+    if made["host"] != socket.gethostname():
+        return made if locked else None
     start = process_start(made["pid"])
     recorded = made.get("start_time")
     if start is None:
@@ -92,20 +96,22 @@ def gone_writer(folder: Path) -> dict | None:
     return None
 
 
-def remove_if_left(folder: Path) -> bool:
+def remove_if_left(folder: Path, locked: bool = False) -> bool:
     """Remove ``folder`` when :func:`gone_writer` says a killed writer left it (logged)."""
-    made = gone_writer(folder)
+    made = gone_writer(folder, locked)
     if made is None:
         return False
-    log.warning("removing %s, left by a killed command (pid %s: %s)", folder, made["pid"], made.get("command"))
+    log.warning("removing %s, left by a killed command (pid %s on %s: %s)", folder, made["pid"], made["host"],
+                made.get("command"))
     shutil.rmtree(folder, ignore_errors=True)
     return True
 
 
-def make_staging(tmp: Path, out: Path) -> None:
+def make_staging(tmp: Path, out: Path, locked: bool = False) -> None:
     """Make the staging folder ``tmp`` for ``out``, marked; a killed writer's leftover of that
-    name is removed first, anything else there is :class:`InTheWay`."""
-    if (tmp.exists() or tmp.is_symlink()) and not remove_if_left(tmp):
+    name is removed first (``locked``: see :func:`gone_writer`), anything else there is
+    :class:`InTheWay`."""
+    if (tmp.exists() or tmp.is_symlink()) and not remove_if_left(tmp, locked):
         made = marker(tmp) if tmp.is_dir() and not tmp.is_symlink() else None
         why = (f"it is being written by pid {made['pid']} on {made['host']} ({made.get('command')})"
                if made else "it is not a leftover of this project's commands (it holds no "

@@ -396,7 +396,7 @@ def output_dir(out: str | Path, kind: str, overwrite: bool = False, sources: Ite
                              f"what is there, then run this command again to replace it, or choose another out=")
         try:
             clean_litter(out)  # what killed writers of out left (each folder's marker says so)
-            make_staging(tmp, out)
+            make_staging(tmp, out, locked=True)  # this command, or its caller, holds out's lock
         except OSError as e:
             raise OutputError(f"out={out} cannot be written ({e.strerror or e}); choose a folder you can "
                               f"write to") from e
@@ -465,9 +465,9 @@ def clean_litter(out: Path) -> None:
     """Remove what killed writers of ``out`` left beside it: its staging folder and moved-aside
     ``.old-NAME-*`` folders whose marker says a writer made them and that process is gone
     (``msd_train.leftovers``); any other folder of those names is left as it is."""
-    remove_if_left(staging_path(out))
+    remove_if_left(staging_path(out), locked=True)  # the caller holds out's lock
     for old in out.parent.glob(f".old-{out.name}-*"):
-        remove_if_left(old)
+        remove_if_left(old, locked=True)
 
 
 def relocate(value, tmp: Path, out: Path):

@@ -215,7 +215,7 @@ def export_atomic(model, out: Path, extra_files: dict[str, str] | None = None,
             if token_counts is not None:
                 save_counts(tmp, token_counts)
 
-    atomic_dir(out, write)
+    atomic_dir(out, write, locked=True)  # training holds its run_dir's lock (rundir.RunDirLock)
 
 
 # ------------------------------------------------------------------ what a resume unpickles

@@ -105,3 +105,17 @@ def test_checkpoint_rotation_removes_only_its_own_temp_folders(tmp_path):
     ckpt.rotate(root, keep=1)
     assert not (root / ".tmp-step-000200").exists()
     assert (root / ".tmp-notes" / "thesis.tex").read_text() == "mine"
+
+
+def test_a_killed_writer_of_another_host_is_taken_only_under_the_lock(tmp_path):
+    """A preempted job's rank 0 on another node left `.tmp-final`: training (which holds its run's
+    lock) removes it; a writer without that lock cannot ask the other host, and refuses."""
+    import json
+
+    tmp = tmp_path / ".tmp-final"
+    tmp.mkdir()
+    (tmp / leftovers.MARKER).write_text(json.dumps({"pid": 1, "host": "another-node", "command": "train.py"}))
+    with pytest.raises(leftovers.InTheWay, match="being written by pid 1 on another-node"):
+        runtime.atomic_dir(tmp_path / "final", lambda d: (d / "a").write_text("1"))
+    runtime.atomic_dir(tmp_path / "final", lambda d: (d / "a").write_text("1"), locked=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
