@@ -20,7 +20,9 @@ directly:
   owner is gone is taken over with a warning); a writer that finished while this one ran
   (``out`` made after this process started, :func:`made_since_start`) is not replaced;
 - what killed writers leave (the staging folder, ``.old-NAME-PID``) is removed at the next
-  write of that ``out`` (:func:`clean_litter`).
+  write of that ``out`` when the marker inside says a writer made it and that process is gone
+  (:func:`clean_litter`, ``msd_train.leftovers``); a user's folder of those names is never
+  touched, and one in the way of the staging folder is refused, naming it.
 
 Light (no torch): the hub scripts and the evaluation import it.
 """
@@ -39,6 +41,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from msd_train.errors import ConfigError, disk_full
+from msd_train.leftovers import MARKER, make_staging, move_aside, process_start, remove_if_left, unmark
 
 log = logging.getLogger(__name__)
 
@@ -56,25 +59,6 @@ class OutputBusy(OutputError):
 
 
 # ----------------------------------------------------------------------------- owner locks
-def process_start(pid: int) -> float | None:
-    """Start time of ``pid`` (None when no such process; -1.0 when it cannot be read): a pid
-    reused by another process after the owner died has another start time."""
-    if pid <= 0:  # os.kill(-1, 0) would ask about every process
-        return None
-    try:
-        import psutil
-
-        return psutil.Process(pid).create_time()
-    except Exception:  # psutil.NoSuchProcess, AccessDenied, or psutil missing
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            return -1.0
-        return -1.0
-
-
 def owner_alive(owner: dict) -> bool:
     start = process_start(owner["pid"])
     if start is None:
@@ -425,18 +409,16 @@ def output_dir(out: str | Path, kind: str, overwrite: bool = False, sources: Ite
                              f"writers of one folder: this one would replace that one's; nothing was written. Look at "
                              f"what is there, then run this command again to replace it, or choose another out=")
         try:
-            if owner is not None:
-                clean_litter(out)  # a killed writer's (the lock says no live one is writing)
-            else:
-                _remove(tmp)
-            tmp.mkdir(parents=True)
+            clean_litter(out)  # what killed writers of out left (each folder's marker says so)
+            make_staging(tmp, out, locked=True)  # this command, or its caller, holds out's lock
         except OSError as e:
             raise OutputError(f"out={out} cannot be written ({e.strerror or e}); choose a folder you can "
                               f"write to") from e
         try:
             yield tmp
         except BaseException as err:
-            if keep_partial and tmp.is_dir() and any(tmp.iterdir()) and not disk_full(err, out.parent):
+            if keep_partial and tmp.is_dir() and any(p.name != MARKER for p in tmp.iterdir()) \
+                    and not disk_full(err, out.parent):
                 _into_place(tmp, out, kind)
             else:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -471,12 +453,9 @@ def _into_place(tmp: Path, out: Path, kind: str) -> None:
     """Rename ``tmp`` to ``out``; an older ``out`` is moved aside first and removed after."""
     from msd_train.runtime import make_readable  # torch: only once there is something to place
 
+    unmark(tmp)
     make_readable(tmp)
-    old = None
-    if out.exists() or out.is_symlink():
-        old = out.parent / f".old-{out.name}-{os.getpid()}"
-        _remove(old)
-        os.replace(out, old)
+    old = move_aside(out) if out.exists() or out.is_symlink() else None
     os.replace(tmp, out)
     record = {"kind": kind, "command": " ".join(sys.argv), "made": time.strftime("%Y-%m-%d %H:%M:%S"),
               "made_at": time.time(), "pid": os.getpid(), "host": socket.gethostname()}
@@ -497,14 +476,12 @@ def _remove(path: Path) -> None:
 
 
 def clean_litter(out: Path) -> None:
-    """Remove what killed writers of ``out`` left beside it: the staging folder (the caller
-    holds the lock, so no live writer uses it) and ``.old-NAME-PID`` of processes that are gone."""
-    _remove(staging_path(out))
+    """Remove what killed writers of ``out`` left beside it: its staging folder and moved-aside
+    ``.old-NAME-*`` folders whose marker says a writer made them and that process is gone
+    (``msd_train.leftovers``); any other folder of those names is left as it is."""
+    remove_if_left(staging_path(out), locked=True)  # the caller holds out's lock
     for old in out.parent.glob(f".old-{out.name}-*"):
-        pid = old.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and process_start(int(pid)) is None:
-            log.warning("removing %s, left by a killed command", old)
-            _remove(old)
+        remove_if_left(old, locked=True)
 
 
 def relocate(value, tmp: Path, out: Path):

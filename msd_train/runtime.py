@@ -488,19 +488,25 @@ def make_readable(folder: str | Path) -> None:
             os.chmod(p, 0o666 & ~mask)
 
 
-def atomic_dir(out: str | Path, write: Callable[[Path], None]) -> None:
+def atomic_dir(out: str | Path, write: Callable[[Path], None], locked: bool = False) -> None:
     """``write(tmp)`` into ``.tmp-NAME`` beside ``out``, then rename it over ``out``; its
-    files get the usual mode (``make_readable``)."""
+    files get the usual mode (``make_readable``). A ``.tmp-NAME`` already there is removed
+    only when a killed writer left it (``leftovers.make_staging``; ``locked``: the caller holds
+    the lock of the folder ``out`` is in, as training holds its run's); when ``out`` is itself
+    another writer's staging folder, its marker stays with what replaces it."""
+    from msd_train import leftovers
+
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".tmp-{out.name}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    staged = leftovers.marker(out) is not None if out.is_dir() and not out.is_symlink() else False
+    leftovers.make_staging(tmp, out, locked)
     try:
         write(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if not staged:
+        leftovers.unmark(tmp)
     make_readable(tmp)
     replace_dir(tmp, out)

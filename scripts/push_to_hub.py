@@ -5,7 +5,7 @@
     python scripts/push_to_hub.py checkpoint=runs/tiny/stage2/final repo_id=me/msd-tiny private=true
 
 Creates the repository if missing and uploads the export folder (weights, config.json,
-training.json), report.json and README.md. The card carries the training commands, the
+training.json, local paths masked), report.json and README.md. The card carries the training commands, the
 curriculum, the target (and its LoRA adapter) and the latest eval.py numbers. The token
 comes from HF_TOKEN or `huggingface-cli login` and is never printed. Arguments:
 conf/hub/push.yaml. See docs/hub.md.
@@ -30,7 +30,7 @@ def main(cfg: DictConfig) -> None:
 
         push_head(cfg.checkpoint, cfg.repo_id, private=cfg.private, dry_run=cfg.dry_run, report=cfg.report,
                   license=cfg.license, datasets=list(cfg.datasets) if cfg.datasets else None,
-                  commit_message=cfg.commit_message, base_model=cfg.base_model)
+                  commit_message=cfg.commit_message, base_model=cfg.base_model, staging=cfg.staging)
 
 
 if __name__ == "__main__":

@@ -389,12 +389,16 @@ class Context:
             f.write(f"{pid}\n")
 
 
+#: the GPUs a session names its results by (``gpu_slug``); "gpu" and "cpu" besides
+GPUS = ("gh200", "h100", "h200", "a100", "l40s")
+
+
 def gpu_slug(ctx: Context) -> str:
     if ctx.settings.local or not shutil.which("nvidia-smi"):
         return "gpu" if ctx.dry and not ctx.settings.local else "cpu"
     name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                           text=True).stdout.lower()
-    m = re.search(r"gh200|h100|h200|a100|l40s", name)
+    m = re.search("|".join(GPUS), name)
     return m[0] if m else "gpu"
 
 
@@ -847,39 +851,46 @@ def run_one_part(state_file: str) -> int:
 def unpack(src: Path, dest: Path, tmpdir: Path | None = None) -> int:
     """What came back (the device call's files_at) -> ``dest``: decode-*/train-* files side by
     side, the README journey in readme-<gpu>/, env.txt, summary.json and session.log as
-    session-<gpu>-*. Nothing to unpack is an error."""
+    session-<gpu>-*. Nothing to unpack is an error; so is anything that could write outside
+    ``dest`` or bring a file of this machine into it (:func:`unpack_refusal`), before anything
+    is copied."""
     if not src.is_dir() or not any(src.iterdir()):
         print(f"error: unpack {src}: no such folder, or nothing in it; give the folder the device call's files came "
               "back to (its files_at)", file=sys.stderr)
         return 1
     try:
         gpu = json.loads((src / "summary.json").read_text())["gpu"]
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):
         gpu = "gpu"
+    why = unpack_refusal(src, gpu)
+    if why:
+        print(f"error: unpack {src}: {why}; nothing was copied", file=sys.stderr)
+        return 1
+    from msd_train import leftovers
+
     tmpdir = Path(tmpdir or tempfile.gettempdir())
-    for old in tmpdir.glob("gpu-unpack.*"):  # a killed unpack's temporary folder (its pid gone)
-        pid = old.name.split(".")[1]
-        if old.is_dir() and pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(old, ignore_errors=True)
+    for old in tmpdir.glob("gpu-unpack.*"):  # a killed unpack's temporary folder (its marker says so)
+        leftovers.remove_if_left(old)
     copied = []
     dest.mkdir(parents=True, exist_ok=True)
     for t in sorted(src.glob("*.tar.gz")):
         tmp = Path(tempfile.mkdtemp(prefix=f"gpu-unpack.{os.getpid()}.", dir=tmpdir))
+        leftovers.mark(tmp)
         try:
-            with tarfile.open(t) as tar:
-                if hasattr(tarfile, "data_filter"):  # refuses links and paths out of the folder
+            with tarfile.open(t) as tar:  # its members were checked (unpack_refusal); the filter checks again
+                if hasattr(tarfile, "data_filter"):
                     tar.extractall(tmp, filter="data")
                 else:
-                    tar.extractall(tmp)  # noqa: S202 - what our own session packed
+                    tar.extractall(tmp)  # noqa: S202
             for f in sorted(tmp.rglob("*")):
-                if f.is_file() and f.name.startswith(("decode-", "train-")):
+                if f.is_file() and not f.is_symlink() and f.name.startswith(("decode-", "train-")):
                     shutil.copy(f, dest / f.name)
                     copied.append(dest / f.name)
             if (tmp / "readme").is_dir():
                 r = dest / f"readme-{gpu}"
                 r.mkdir(exist_ok=True)
                 for f in (tmp / "readme").iterdir():
-                    if f.is_file():
+                    if f.is_file() and not f.is_symlink():
                         shutil.copy(f, r / f.name)
                 copied.append(r)
         finally:
@@ -897,14 +908,29 @@ def unpack(src: Path, dest: Path, tmpdir: Path | None = None) -> int:
     return 0
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def unpack_refusal(src: Path, gpu) -> str | None:
+    """Why ``src`` is not unpacked, or None: a ``gpu`` name (from summary.json, it names
+    folders) that is not one :func:`gpu_slug` gives; a file of ``src`` that is a link (it
+    would copy a file of this machine); a tar member that is a link, a device, an absolute
+    path or one with ``..``, or a tar that does not open."""
+    if not isinstance(gpu, str) or gpu not in (*GPUS, "gpu", "cpu"):
+        return (f"summary.json names the GPU {str(gpu)!r}, not one a session names ({', '.join(GPUS)}, gpu, cpu); "
+                f"its name makes folder names, so fix summary.json's \"gpu\" or delete summary.json")
+    for f in sorted(src.iterdir()):
+        if f.is_symlink():
+            return f"{f.name} is a link (to {os.readlink(f)}), not a file the session wrote; remove it"
+    for t in sorted(src.glob("*.tar.gz")):
+        try:
+            with tarfile.open(t) as tar:
+                for m in tar.getmembers():
+                    parts = Path(m.name).parts
+                    if m.name.startswith(("/", "\\")) or ".." in parts:
+                        return f"{t.name} holds {m.name!r}, a path out of the folder it is unpacked into"
+                    if not (m.isfile() or m.isdir()):
+                        return f"{t.name} holds {m.name!r}, which is not a plain file or folder (a link or a device)"
+        except (OSError, tarfile.TarError) as e:
+            return f"{t.name} does not open as a tar.gz ({e}); run that part again"
+    return None
 
 
 # ----------------------------------------------------------------------------- the command

@@ -73,7 +73,7 @@ class Split:
         path = None if self.counts_home is None else self.counts_home / f"token_counts-{vocab_size}.npy"
         if path is not None:
             try:
-                counts = np.load(path)
+                counts = np.load(path, allow_pickle=False)
                 if counts.shape == (vocab_size,) and counts.dtype == np.int64:
                     return torch.from_numpy(counts)
             except (OSError, ValueError):

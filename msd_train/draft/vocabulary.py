@@ -27,6 +27,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from msd_train.errors import ConfigError
+
 COUNTS_FILE = "token_counts.safetensors"
 
 
@@ -125,7 +127,13 @@ def load_counts(folder: str | Path | None) -> torch.Tensor | None:
         return None
     from safetensors.torch import load_file
 
-    return load_file(str(Path(folder) / COUNTS_FILE))["counts"]
+    path = Path(folder) / COUNTS_FILE
+    try:
+        return load_file(str(path))["counts"]
+    except Exception as e:  # safetensors' own error (a header that does not parse), or no "counts"
+        raise ConfigError(f"{path}: not the token counts this project writes ({type(e).__name__}: {e}); nothing in "
+                          f"it was run or used. Put back the file it was copied from, or write it again with "
+                          f"`python scripts/count_tokens.py`") from e
 
 
 class ReadsTargetLMHead:

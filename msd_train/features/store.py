@@ -317,7 +317,14 @@ class FeatureStore:
                 if verify == "full" and sha256_file(f) != rec["sha256"]:
                     bad.append(f"{f}: SHA-256 differs from the manifest (corrupt)")
                     continue
-            with safe_open(str(f), "pt") as h:
+            try:
+                h = safe_open(str(f), "pt")
+            except Exception as e:  # safetensors' own error: a header that does not parse (not a shard)
+                raise FeatureStoreError(
+                    f"{f}: not a safetensors shard ({type(e).__name__}: {e}); nothing in it was run or used. "
+                    f"Re-run generate_features with the same features.path: it regenerates the shards that fail "
+                    f"its checks") from e
+            with h:
                 meta = shard_metadata(h)
                 if tuple(meta.get("index_columns", ())) != INDEX_COLUMNS:
                     raise FeatureStoreError(f"{f}: written by another version of the store layout; regenerate the store")

@@ -4,6 +4,12 @@
 `upload_folder` (`huggingface_hub.HfApi` by default); tests pass a recording fake.
 The token is handed to the client only: it is never printed, logged or written, and
 is scrubbed from any error the client raises.
+
+What goes up is what a user elsewhere can read: the weights as they are, and the JSON side
+files (config, training record, import record, evaluation report) with every local
+absolute path masked as the model card masks them (``card.public``: ``<local>/NAME``).
+Both a push and a dry run stage those exact files in a folder first (:func:`stage`); a dry
+run keeps it and names it, so the files can be read before anything is published.
 """
 
 from __future__ import annotations
@@ -16,9 +22,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from msd_train.hub.card import find_report, model_card, read_training
+from msd_train.hub.card import find_report, model_card, public, read_training
 from msd_train.hub.folders import IncompleteHeadError, export_weight_files, is_repo_id, load_export
 from msd_train.hub.reference import IMPORT_RECORD
+from msd_train.outputs import output_dir
 from msd_train.paths import user_path
 
 log = logging.getLogger(__name__)
@@ -28,22 +35,51 @@ class PushError(RuntimeError):
     the message says why, with the token scrubbed, and what to do."""
 
 
-#: Files of an export folder that are published besides the weights.
+#: Files of an export folder that are published besides the weights (local paths masked).
 SIDE_FILES = ("config.json", "training.json", IMPORT_RECORD)
 
 
 @dataclass
 class PushPlan:
-    """What would be uploaded: (name in the repo, source path or None when generated)."""
+    """What would be uploaded: (name in the repo, source) where the source is a file uploaded
+    as it is (the weights) or the text uploaded under that name (JSON with its local paths
+    masked, the card)."""
 
     folder: Path
     repo_id: str
-    files: list[tuple[str, Path | None]]
+    files: list[tuple[str, Path | str]]
     card: str
     report_path: Path | None
 
     def listing(self) -> list[tuple[str, int]]:
-        return [(name, src.stat().st_size if src else len(self.card.encode())) for name, src in self.files]
+        return [(name, src.stat().st_size if isinstance(src, Path) else len(src.encode())) for name, src in self.files]
+
+
+def masked(value):
+    """A JSON value with every local absolute path in its strings (keys too) masked (``card.public``)."""
+    if isinstance(value, str):
+        return public(value)
+    if isinstance(value, dict):
+        return {public(str(k)): masked(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [masked(v) for v in value]
+    return value
+
+
+def masked_json(path: Path) -> str:
+    return json.dumps(masked(json.loads(path.read_text())), indent=1) + "\n"
+
+
+def stage(plan: PushPlan, folder: Path) -> None:
+    """Write the files ``plan`` uploads into ``folder``: the weights linked (or copied), the rest as text."""
+    for name, src in plan.files:
+        if isinstance(src, str):
+            (folder / name).write_text(src)
+            continue
+        try:
+            os.link(src, folder / name)  # same bytes, no copy of a large weight file
+        except OSError:
+            shutil.copy2(src, folder / name)
 
 
 def plan_push(
@@ -71,19 +107,19 @@ def plan_push(
     model = load_export(folder)  # raises when the weights do not load into the configured head
     report_path = find_report(folder, report)
     report_data = json.loads(report_path.read_text()) if report_path else None
-    files = [(p.name, p) for p in weights]
-    files += [(name, folder / name) for name in SIDE_FILES if (folder / name).is_file()]
+    files: list[tuple[str, Path | str]] = [(p.name, p) for p in weights]
+    files += [(name, masked_json(folder / name)) for name in SIDE_FILES if (folder / name).is_file()]
     if report_path:
-        files.append(("report.json", report_path))
+        files.append(("report.json", masked_json(report_path)))
     imported = json.loads((folder / IMPORT_RECORD).read_text())["source"] if (folder / IMPORT_RECORD).is_file() else None
-    listing = [(name, src.stat().st_size) for name, src in files]
+    listing = PushPlan(folder, repo_id, files, "", report_path).listing()
     card = model_card(
         model.config, repo_id, read_training(folder), report=report_data,
         report_name="report.json" if report_path else None, files=listing, license=license, datasets=datasets,
         num_parameters=model.num_parameters(), dtype=str(model.dtype).replace("torch.", ""), imported_from=imported,
         base_model=base_model,
     )
-    return PushPlan(folder, repo_id, [*files, ("README.md", None)], card, report_path)
+    return PushPlan(folder, repo_id, [*files, ("README.md", card)], card, report_path)
 
 
 def _scrub(text: str, token: str | None) -> str:
@@ -106,10 +142,14 @@ def push_head(
     commit_message: str | None = None,
     echo=print,
     base_model: str | None = None,
+    staging: str | Path | None = None,
 ) -> PushPlan:
     """Create `repo_id` if missing and upload the export folder with its model card.
 
-    `dry_run`: list the files and print the card, touch nothing. `token`: given to the
+    `dry_run`: list the files, print the card and stage the exact files a push uploads in
+    ``staging`` (a new folder, refused when it holds anything this command did not make;
+    None: a new folder under the system's temporary folder), named, for the user to read;
+    nothing is uploaded. `token`: given to the
     client only (default: HF_TOKEN or the cached `huggingface-cli login`). `base_model`:
     the target's Hub id, named in the card's metadata, title and usage snippet (needed when
     the head was trained on a local copy of the target). Returns the plan that was (or
@@ -119,6 +159,7 @@ def push_head(
     check_push(repo_id, dry_run or client is not None, token)
     plan = plan_push(checkpoint, repo_id, report, license, datasets, base_model)
     plan.card = _scrub(plan.card, token)
+    plan.files = [(name, plan.card if name == "README.md" else src) for name, src in plan.files]
     echo(f"head: {plan.folder}")
     echo(f"report: {plan.report_path or 'none (the card says no evaluation was recorded)'}")
     echo(f"{'would upload' if dry_run else 'uploading'} to {repo_id} ({'private' if private else 'public'}):")
@@ -126,6 +167,14 @@ def push_head(
         echo(f"  {name:<32} {size:>14,} bytes")
     if dry_run:
         echo("\n----- README.md -----\n" + plan.card)
+        if staging is None:
+            where = Path(tempfile.mkdtemp(prefix="msd-push-"))
+            stage(plan, where)
+        else:
+            where = user_path(staging)
+            with output_dir(where, "scripts/push_to_hub.py", sources=[plan.folder]) as tmp:
+                stage(plan, tmp)
+        echo(f"\nstaged in {where}: the exact files a push uploads (read them; nothing was uploaded)")
         return plan
     if client is None:
         from huggingface_hub import HfApi
@@ -133,14 +182,7 @@ def push_head(
         client = HfApi(token=token)
     with tempfile.TemporaryDirectory(prefix="msd-push-") as tmp:
         staged = Path(tmp)
-        for name, src in plan.files:
-            if src is None:
-                (staged / name).write_text(plan.card)
-                continue
-            try:
-                os.link(src, staged / name)  # same bytes, no copy of a large weight file
-            except OSError:
-                shutil.copy2(src, staged / name)
+        stage(plan, staged)
         try:
             client.create_repo(repo_id=repo_id, private=private, exist_ok=True, repo_type="model")
             result = client.upload_folder(

@@ -33,7 +33,6 @@ import torch
 from msd_train.draft import MSDDraftConfig, MSDDraftModel, NonFiniteWeightsError, check_finite
 from msd_train.draft.families import LayerFamily, layer_family
 from msd_train.draft.head import DraftHead
-from msd_train.errors import unpickling_reason
 from msd_train.hub.folders import (
     REFERENCE_MODEL_TYPES,
     REFERENCE_WEIGHT_FILES,
@@ -49,6 +48,7 @@ from msd_train.paths import user_path
 from msd_train.runtime import atomic_dir
 from msd_train.targets import FAMILIES, head_family
 from msd_train.targets.protocol import TargetProtocol
+from msd_train.trust import torch_load
 
 log = logging.getLogger(__name__)
 
@@ -92,19 +92,13 @@ class ReferenceHead:
 
 
 def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
-    """safetensors, or a `pytorch_model.bin` through `torch.load(weights_only=True)` only."""
+    """safetensors, or a `pytorch_model.bin` of plain tensors (``msd_train.trust.torch_load``)."""
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
         return load_file(path)
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise IncompleteHeadError(
-            f"{path}: not loadable as plain tensors with torch.load(weights_only=True) "
-            f"({unpickling_reason(err)}); arbitrary pickles are never loaded: convert the "
-            "weights to safetensors where they were made, or use a head saved as plain tensors"
-        ) from err
+    return torch_load(path, map_location="cpu", fix="Convert the weights to safetensors where they were made, "
+                                                    "or use a head saved as plain tensors")
 
 
 def read_reference(folder: str | Path) -> ReferenceHead:

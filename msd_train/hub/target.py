@@ -17,6 +17,7 @@ import torch
 from msd_train.draft.head import DraftHead
 from msd_train.targets import ADAPTERS, FAMILIES
 from msd_train.targets.protocol import TargetProtocol
+from msd_train.trust import torch_load
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +151,8 @@ def read_target_embedding(name_or_path: str, revision: str | None = None) -> tor
             bin_path = fetch("pytorch_model.bin")
             if bin_path is None:
                 raise FileNotFoundError(f"{name_or_path}: no model.safetensors(.index.json) or pytorch_model.bin")
-            state = torch.load(bin_path, map_location="cpu", weights_only=True, mmap=True)
+            state = torch_load(bin_path, map_location="cpu", mmap=True,
+                               fix="Convert the target's weights to safetensors where they were made")
             return state[pick(state)].clone()
         with safe_open(path, "pt") as f:
             key = pick(f.keys())

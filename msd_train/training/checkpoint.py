@@ -6,9 +6,9 @@ Layout of a stage folder::
                                       + portable.pt (the same state in a form any world size loads)
                                       + token_counts.safetensors (the counts the stage started with:
                                       a resume trains over the same draft.train_vocab)
-    stage1/checkpoints/.tmp-...       a write in progress (ignored, removed on the next save)
+    stage1/checkpoints/.tmp-step-...  a write in progress (ignored, removed on the next save)
     stage1/final/, stage1/best/       exports: config.json + model.safetensors (written like
-                                      checkpoints: into .tmp-final, then renamed)
+                                      checkpoints: into .tmp-final, then renamed; runtime.atomic_dir)
 
 A checkpoint is complete when ``recipe_state.json`` exists in it; it is written last and
 the folder is renamed into place only after that, so a crash leaves at most a ``.tmp``
@@ -33,6 +33,7 @@ import torch
 from msd_train.draft.vocabulary import save_counts
 from msd_train.errors import disk_full
 from msd_train.runtime import atomic_dir, replace_dir
+from msd_train.trust import DEEPSPEED_TYPES, torch_load
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ PORTABLE_FILE = "portable.pt"
 #: AdamW's per-parameter state besides its step count
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _STEP_NAME = re.compile(r"^step-(\d+)$")
+_TMP_NAME = re.compile(r"^\.tmp-step-(\d+)$")
 
 
 class CheckpointWriteError(RuntimeError):
@@ -135,11 +137,14 @@ def finish(tmp: Path, final: Path, state: dict) -> None:
 
 
 def rotate(root: Path, keep: int) -> None:
-    """Remove all but the newest ``keep`` complete checkpoints and stale temp folders."""
+    """Remove all but the newest ``keep`` complete checkpoints and the temp folders of
+    checkpoint writes that did not finish (``.tmp-step-<digits>``, the names the recipe
+    writes; the caller holds the run's lock, so none is being written)."""
     for p in complete_checkpoints(root)[:-keep] if keep > 0 else []:
         shutil.rmtree(p, ignore_errors=True)
-    for p in root.glob(".tmp-*"):
-        shutil.rmtree(p, ignore_errors=True)
+    for p in root.glob(".tmp-step-*"):
+        if _TMP_NAME.match(p.name) and p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
 
 
 @contextmanager
@@ -210,7 +215,40 @@ def export_atomic(model, out: Path, extra_files: dict[str, str] | None = None,
             if token_counts is not None:
                 save_counts(tmp, token_counts)
 
-    atomic_dir(out, write)
+    atomic_dir(out, write, locked=True)  # training holds its run_dir's lock (rundir.RunDirLock)
+
+
+# ------------------------------------------------------------------ what a resume unpickles
+def _not_loaded(ckpt: Path) -> str:
+    return (f"A checkpoint this project wrote holds nothing else: if you did not put it there, do not trust "
+            f"{ckpt.parent}. To resume from the checkpoint before it, move {ckpt} out of {ckpt.parent}; or start "
+            f"the stage over with resume=false (the old outputs are moved aside, not deleted)")
+
+
+class SafeLoads:
+    """The engine's DeepSpeed checkpoint engine, its ``load`` through :func:`msd_train.trust.torch_load`.
+
+    DeepSpeed reads its model and optimizer states with ``torch.load(weights_only=False)``,
+    which runs whatever a pickle in them calls; :func:`install_safe_loads` puts this in its
+    place, so a resume unpickles tensors, plain values and :data:`DEEPSPEED_TYPES` only.
+    Writing and everything else is the wrapped engine's."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def load(self, path: str, map_location=None):
+        path = Path(path)
+        return torch_load(path, allowed=DEEPSPEED_TYPES, map_location=map_location,
+                          fix=_not_loaded(path.parent.parent if path.parent.name == ENGINE_TAG else path.parent))
+
+
+def install_safe_loads(engine) -> None:
+    """Make every checkpoint ``engine`` loads go through :class:`SafeLoads`."""
+    if not isinstance(engine.checkpoint_engine, SafeLoads):
+        engine.checkpoint_engine = SafeLoads(engine.checkpoint_engine)
 
 
 # ------------------------------------------------------------------ resuming at another world size
@@ -282,7 +320,7 @@ def load_portable(engine, ckpt: Path) -> None:
     the learning-rate schedule and the engine's counters. Every rank reads the whole file."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    state = torch.load(ckpt / PORTABLE_FILE, map_location="cpu", weights_only=True)
+    state = torch_load(ckpt / PORTABLE_FILE, map_location="cpu", fix=_not_loaded(ckpt))
     inner = _inner_optimizer(engine)
     module = engine.module
     masters = _masters(engine)

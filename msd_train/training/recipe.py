@@ -186,6 +186,7 @@ class TrainRecipe:
         }
         self.engine, _, _, _ = deepspeed.initialize(
             model=self.draft, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+        ckpt.install_safe_loads(self.engine)  # a resume unpickles no code (msd_train.trust)
         if precision == "bf16":
             # bf16 mode casts every buffer, RoPE frequencies included; inference rebuilds them
             # in fp32, so training must use the same angles.

@@ -13,7 +13,9 @@ how to go on:
   (``rundir.world_size_refusal``); one that does continues with the checkpoint's global
   batch (``train.grad_accum`` recomputed, logged and recorded);
 - settings the checkpoint cannot take, and training data edited in place (below);
-- (at load) a checkpoint trained on another target than this launch's.
+- (at load) a checkpoint trained on another target than this launch's, or one holding a file
+  that is more than tensors and plain values (``msd_train.trust``: nothing in it runs, and
+  no older checkpoint is tried in its place).
 
 The settings that shaped a stage's checkpoints, compared. A launch records the settings
 that shape training (the learning-rate schedule and optimizer, the head, the data it reads,
@@ -53,6 +55,7 @@ from pathlib import Path
 from msd_train.runtime import atomic_write_text
 from msd_train.training import checkpoint as ckpt
 from msd_train.training import rundir
+from msd_train.trust import UnsafeFileError
 
 log = logging.getLogger(__name__)
 
@@ -167,17 +170,22 @@ def load(point: ResumePoint, engine, group, identity: dict) -> tuple[Path, dict]
                     f"{cand} was trained on another target than this launch's ({'; '.join(diffs)}). Resume with "
                     f"the checkpoint's target, or start this stage over with resume=false (the old outputs "
                     f"are moved aside).")
-        failed = False
+        failed, unsafe = False, None
         try:
             if portable:
                 ckpt.load_portable(engine, cand)
             else:
                 engine.load_checkpoint(str(cand), tag=ckpt.ENGINE_TAG, load_optimizer_states=True,
                                        load_lr_scheduler_states=True)
+        except UnsafeFileError as e:  # not damage: a file someone put there; nothing older is tried
+            unsafe = e
         except Exception as e:  # a torch zip error, a missing rank's file, DeepSpeed's assertions
             log.warning("rank %d: skipping checkpoint %s: it does not load (%s: %s)", group.rank, cand,
                         type(e).__name__, e)
             failed = True
+        if group.any(unsafe is not None):
+            raise ResumeRefused(str(unsafe) if unsafe is not None else
+                                f"another process refused a file of {cand} as unsafe (its message names it)")
         # Every rank must resume from the same step: one rank's failure moves all to the next one.
         if group.any(failed):
             continue

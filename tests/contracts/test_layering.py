@@ -191,8 +191,10 @@ def test_circle_finder_sees_function_level_imports(tmp_path, monkeypatch):
 #: decoder sits below the hub and the entry points' checks (``validate``): the bounds it
 #: needs are in ``checks``, at the bottom.
 LAYERS = [
-    {"msd_train.errors", "msd_train.paths", "msd_train.hf_compat", "msd_train.formatting", "msd_train.runtime"},
-    {"msd_train.config", "msd_train.outputs", "msd_train.checks"},
+    {"msd_train.errors", "msd_train.paths", "msd_train.hf_compat", "msd_train.formatting"},
+    {"msd_train.leftovers"},
+    {"msd_train.runtime"},
+    {"msd_train.config", "msd_train.outputs", "msd_train.checks", "msd_train.trust"},
     {"msd_train.targets"},
     {"msd_train.draft"},
     {"msd_train.decoding"},

@@ -241,8 +241,8 @@ def test_import_reference_speaks_in_messages(tmp_path):
     (src / "config.json").write_text(json.dumps({"model_type": "llava", "hidden_size": 8}))
     (src / "pytorch_model.bin").write_bytes(pickle.dumps({"fc.weight": os.system}, protocol=2))
     out, _ = run("scripts/import_reference.py", f"src={src}", f"out={tmp_path / 'x'}")
-    refused(out, "pytorch_model.bin: not loadable as plain tensors", "posix.system",
-            "arbitrary pickles are never loaded")
+    refused(out, "pytorch_model.bin: holds objects other than tensors and plain values", "posix.system",
+            "it was not loaded", "Convert the weights to safetensors")
     assert not (tmp_path / "x").exists()
 
 

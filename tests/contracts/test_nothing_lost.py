@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ import pytest
 from builders.heads import msd3_head, msd_head, released_head
 from builders.runs import fake_checkpoint
 
-from msd_train import outputs
+from msd_train import leftovers, outputs
 from msd_train.validate import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -635,7 +636,8 @@ def test_generate_features_and_training_take_the_output_guard(tmp_path, monkeypa
 
 
 def test_overwrite_through_a_link_and_killed_writers_leave_no_litter(tmp_path):
-    """Each overwrite through a symlink left a `.old-link-PID`; a killed writer's folders stayed."""
+    """Each overwrite through a symlink left a `.old-link-PID`; a killed writer's folders stayed
+    (those its marker says it made: tests/contracts/test_leftovers.py)."""
     real = tmp_path / "real"
     real.mkdir()
     (real / "a").write_text("theirs")
@@ -645,9 +647,9 @@ def test_overwrite_through_a_link_and_killed_writers_leave_no_litter(tmp_path):
         (tmp / "a").write_text("mine")
     assert (link / "a").read_text() == "mine" and (real / "a").read_text() == "theirs"
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    killed = tmp_path / f".old-link-{int(dead.stdout)}"
-    killed.mkdir()
-    outputs.staging_path(link).mkdir()
+    for killed in (tmp_path / f".old-link-{int(dead.stdout)}", outputs.staging_path(link)):
+        killed.mkdir()  # as a writer killed with pid `dead` leaves them: marked
+        (killed / leftovers.MARKER).write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname()}))
     with outputs.output_dir(link, "test") as tmp:
         (tmp / "a").write_text("again")
     assert sorted(p.name for p in tmp_path.iterdir()) == [".link.msd-output", "link", "real"]

@@ -3,8 +3,10 @@ running part is stopped), the carried wheels' check, what comes back, and one re
 
 from __future__ import annotations
 
+import io
 import json
 import re
+import socket
 import subprocess
 import sys
 import tarfile
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from lab.gpu import session as gs
+from msd_train import leftovers
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU = {p: gs.PARTS[p].gpu_s for p in gs.PARTS}
@@ -209,7 +212,10 @@ def test_unpack_of_nothing_is_an_error_and_a_killed_unpacks_folder_is_removed(tm
     tmpdir.mkdir()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     killed = tmpdir / f"gpu-unpack.{int(dead.stdout)}.abcdef"
-    (killed / "decode").mkdir(parents=True)
+    (killed / "decode").mkdir(parents=True)  # as an unpack killed with pid `dead` leaves it: marked
+    (killed / leftovers.MARKER).write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname()}))
+    users = tmpdir / f"gpu-unpack.{int(dead.stdout)}.mine"
+    users.mkdir()  # named like one, not made by one
     (tmp_path / "empty").mkdir()
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("x")
@@ -219,7 +225,57 @@ def test_unpack_of_nothing_is_an_error_and_a_killed_unpacks_folder_is_removed(tm
         assert gs.unpack(src, dest, tmpdir=tmpdir) == 1
         out = capsys.readouterr()
         assert f"error: unpack {src}: {phrase}" in out.err and "git commit" not in out.out
-    assert not killed.exists() and not any(tmpdir.iterdir())
+    assert not killed.exists() and list(tmpdir.iterdir()) == [users]
+
+
+def _came_back(back: Path, gpu="h100") -> Path:
+    """A folder as a device call brings it back: one part's tar and the session's summary."""
+    work = back.parent / f"w-{back.name}"
+    (work / "decode").mkdir(parents=True)
+    (work / "decode" / "decode-x-h100.json").write_text("{}")
+    back.mkdir()
+    with tarfile.open(back / "decode.tar.gz", "w:gz") as t:
+        t.add(work / "decode", arcname="decode")
+    (back / "summary.json").write_text(json.dumps({"gpu": gpu, "parts": []}))
+    return back
+
+
+def _refused(capsys, back, dest, *phrases):
+    assert gs.unpack(back, dest, tmpdir=back.parent) == 1
+    out = capsys.readouterr()
+    assert f"error: unpack {back}: " in out.err and "nothing was copied" in out.err, out.err
+    assert "Traceback" not in out.err and len(out.err.strip().splitlines()) == 1, out.err
+    for p in phrases:
+        assert p in out.err, out.err
+    assert not dest.exists() or not any(dest.rglob("*")), "something was copied"
+
+
+def test_unpack_writes_only_under_dest_and_copies_no_link(tmp_path, capsys):
+    """summary.json's "gpu" made folder names ("x/../../esc" wrote outside --dest), an env.txt that
+    is a link was copied by content, a tar member with '..' was a traceback."""
+    dest = tmp_path / "a" / "bench"
+    back = _came_back(tmp_path / "b1", gpu="x/../../esc")
+    _refused(capsys, back, dest, "'x/../../esc'", "summary.json")
+    assert not list(tmp_path.rglob("*esc*"))
+
+    back = _came_back(tmp_path / "b2")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("a file of this machine")
+    (back / "env.txt").symlink_to(secret)
+    _refused(capsys, back, dest, "env.txt is a link")
+
+    for name, member in (("dotdot", "../../esc.json"), ("absolute", "/tmp/esc.json"), ("link", "decode/l")):
+        back = _came_back(tmp_path / f"b-{name}")
+        with tarfile.open(back / "evil.tar.gz", "w:gz") as t:
+            info = tarfile.TarInfo(member)
+            if name == "link":
+                info.type, info.linkname = tarfile.SYMTYPE, str(secret)
+                t.addfile(info)
+            else:
+                info.size = 2
+                t.addfile(info, io.BytesIO(b"{}"))
+        _refused(capsys, back, dest, "evil.tar.gz holds", repr(member))
+    assert not (tmp_path / "esc.json").exists()
 
 
 # ----- a real run -------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from msd_train.hub import (
     push_head,
 )
 from msd_train.hub import folders as hub_folders
+from msd_train.trust import UnsafeFileError
 
 ROOT = Path(__file__).resolve().parents[2]
 H, INTER, HEADS, VOCAB = 32, 64, 4, 40
@@ -151,7 +153,8 @@ def test_bin_is_never_unpickled(tmp_path):
     state = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
     state["payload"] = Path("/etc/passwd")  # any non-tensor class
     torch.save(state, tmp_path / "pytorch_model.bin")
-    with pytest.raises(IncompleteHeadError, match="weights_only=True"):
+    with pytest.raises(UnsafeFileError, match=r"pytorch_model.bin: .*\(Unsupported global: GLOBAL pathlib.PosixPath"
+                                              r" was not an allowed global by default\).*weights_only=True"):
         import_reference(tmp_path, tmp_path / "out")
 
 
@@ -517,6 +520,44 @@ def test_push_dry_run_touches_nothing(tmp_path, capsys):
     for name in ("config.json", "model.safetensors", "training.json", "report.json", "README.md"):
         assert name in out
     assert plan.card in out and "---\nbase_model:" in out and TOKEN not in out
+
+
+def test_a_push_uploads_no_path_of_this_machine_and_a_dry_run_stages_exactly_that(tmp_path, capsys):
+    """training.json (data files, cache folder, run folder, the command line), report.json and an
+    import record went up as they were: each named folders of the machine that trained the head."""
+    final = trained_export(tmp_path / "run")
+    meta = json.loads((final / "training.json").read_text())
+    meta["config"]["data"]["cache_dir"] = str(tmp_path / "cache")
+    meta["command"] = f"{tmp_path}/train.py stage=2 run_dir={tmp_path / 'run'} data.cache_dir=~/cache"
+    (final / "training.json").write_text(json.dumps(meta))
+    (final / "reference_import.json").write_text(json.dumps({"source": str(tmp_path / "released")}))
+    (final / "report.json").write_text(json.dumps({**REPORT, "draft": str(final),
+                                                   "command": f"python eval.py draft={final} out={tmp_path}/e"}))
+    hub = RecordingHub()
+    push_head(final, "me/msd-tiny", token=TOKEN, client=hub)
+    assert sorted(hub.uploaded) == ["README.md", "config.json", "model.safetensors", "reference_import.json",
+                                    "report.json", "training.json"]
+    for name, data in hub.uploaded.items():
+        if name.endswith(".json") or name.endswith(".md"):
+            text = data.decode()
+            assert str(tmp_path) not in text and "/data/" not in text and "~/" not in text, (name, text)
+    training = json.loads(hub.uploaded["training.json"])
+    assert training["config"]["data"]["cache_dir"] == "<local>/cache"
+    assert training["config"]["data"]["multimodal"][0] == {"path": "<local>/llava_v1_5_mix665k.json",
+                                                           "image_root": "<local>/images"}
+    assert training["command"] == "<local>/train.py stage=2 run_dir=<local>/run data.cache_dir=<local>/cache"
+    assert json.loads(hub.uploaded["report.json"])["overall"] == REPORT["overall"]  # the numbers as they were
+    assert hub.uploaded["model.safetensors"] == (final / "model.safetensors").read_bytes()
+
+    staging = tmp_path / "staged"  # a dry run stages the very same files, in a folder it names
+    dry = RecordingHub()
+    push_head(final, "me/msd-tiny", dry_run=True, token=TOKEN, client=dry, staging=staging)
+    assert dry.calls == [] and f"staged in {staging}" in capsys.readouterr().out
+    assert {p.name: p.read_bytes() for p in staging.iterdir()} == hub.uploaded
+    push_head(final, "me/msd-tiny", dry_run=True, token=TOKEN, client=dry)
+    named = re.search(r"staged in (\S+):", capsys.readouterr().out).group(1)
+    assert {p.name: p.read_bytes() for p in Path(named).iterdir()} == hub.uploaded
+    shutil.rmtree(named)
 
 
 def test_push_refuses_incomplete_folders(tmp_path):
