@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from builders.heads import msd3_head, msd_head, released_head
 from builders.runs import fake_checkpoint
+from builders.scripts import refused_in_process, restore_root_logging, script_main  # noqa: F401 (an autouse fixture)
 
 from msd_train import leftovers, outputs
 from msd_train.validate import ConfigError
@@ -30,41 +31,6 @@ ENV = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPA
 ENV.pop("MSD_DEBUG", None)
 
 
-@pytest.fixture(autouse=True)
-def _root_logging():
-    """The scripts' logging.basicConfig binds the root logger to this test's captured stderr:
-    undo it, so that later tests do not log into a closed stream."""
-    import logging
-
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
-def script_main(script: str, args, monkeypatch):
-    """``scripts/<script>`` in-process, as a user types it (Hydra reads sys.argv)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(Path(script).stem, ROOT / script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    monkeypatch.setattr(sys, "argv", [script, *args])
-    monkeypatch.delenv("MSD_DEBUG", raising=False)
-    return module.main()
-
-
-def refused_in_process(capsys, call, *phrases) -> str:
-    """``call()`` exits 1 with one ``error:`` paragraph naming ``phrases``."""
-    with pytest.raises(SystemExit) as e:
-        call()
-    err = capsys.readouterr().err
-    assert e.value.code == 1, err
-    assert "Traceback" not in err and "error: " in err, err
-    for p in phrases:
-        assert p in err, err
-    return err
 
 
 def a_run(root: Path) -> Path:

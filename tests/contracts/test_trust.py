@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from builders.heads import released_head
 from builders.runs import gen_cfg, recipe
+from builders.scripts import refused_in_process, restore_root_logging, script_main  # noqa: F401 (an autouse fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,39 +37,6 @@ def plant(path: Path, marker: Path) -> None:
     torch.save(state, path)
 
 
-@pytest.fixture(autouse=True)
-def _root_logging():
-    """The scripts' logging.basicConfig binds the root logger to this test's captured stderr."""
-    import logging
-
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
-def script_main(script: str, args, monkeypatch):
-    """``scripts/<script>`` (or an entry point) in-process, as a user types it."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(Path(script).stem, ROOT / script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    monkeypatch.setattr(sys, "argv", [script, *args])
-    monkeypatch.delenv("MSD_DEBUG", raising=False)
-    return module.main()
-
-
-def refused(capsys, call, *phrases) -> str:
-    with pytest.raises(SystemExit) as e:
-        call()
-    err = capsys.readouterr().err
-    assert e.value.code == 1, err
-    assert "Traceback" not in err and "error: " in err, err
-    for p in phrases:
-        assert p in err, err
-    return err
 
 
 # ----------------------------------------------------------------------------- resume
@@ -132,7 +99,7 @@ def test_import_runs_no_pickle_planted_in_a_released_head(tmp_path, monkeypatch,
     released_head(tmp_path / "released", "llava", "bin")
     weights = tmp_path / "released" / "pytorch_model.bin"
     plant(weights, tmp_path / "ran")
-    refused(capsys, lambda: script_main("scripts/import_reference.py", [
+    refused_in_process(capsys, lambda: script_main("scripts/import_reference.py", [
         f"src={tmp_path / 'released'}", f"out={tmp_path / 'ours'}"], monkeypatch), str(weights), "posix.mkdir")
     assert not (tmp_path / "ran").exists() and not (tmp_path / "ours").exists()
 
@@ -142,7 +109,7 @@ def test_eval_runs_no_pickle_planted_in_the_head_or_the_target(target_dir, head_
 
     released_head(tmp_path / "released", "llava", "bin")
     plant(tmp_path / "released" / "pytorch_model.bin", tmp_path / "ran")
-    refused(capsys, lambda: script_main("eval.py", [
+    refused_in_process(capsys, lambda: script_main("eval.py", [
         f"target.name_or_path={target_dir}", f"draft={tmp_path / 'released'}", f"out={tmp_path / 'out'}"],
         monkeypatch), str(tmp_path / "released" / "pytorch_model.bin"), "posix.mkdir")
     assert not (tmp_path / "ran").exists()
@@ -152,7 +119,7 @@ def test_eval_runs_no_pickle_planted_in_the_head_or_the_target(target_dir, head_
     state = load_file(target / "model.safetensors")
     (target / "model.safetensors").unlink()
     torch.save({**state, "planted": Planted(tmp_path / "ran")}, target / "pytorch_model.bin")
-    refused(capsys, lambda: script_main("eval.py", [
+    refused_in_process(capsys, lambda: script_main("eval.py", [
         f"target.name_or_path={target}", f"draft={head_dir}", f"out={tmp_path / 'out'}"], monkeypatch),
         str(target), "pytorch_model", "posix.mkdir")
     assert not (tmp_path / "ran").exists()

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from builders.runs import compose_entry
+
 from lab.gpu import carry
 
 ROOT = Path(__file__).resolve().parents[2]
