@@ -348,7 +348,7 @@ def read_conversations(path: str | Path, fmt: str = "auto", image_root: str | Pa
         escaped = next((p for p in images[:n_markers] if not _inside(root, p)), None)
         if escaped is not None:
             yield BadSample(src, index, sid, f"image path {escaped!r} is outside image_root={root} (an absolute path "
-                            f"or one that climbs with '..')",
+                            f"elsewhere, or one that climbs out with '..')",
                             "write image paths relative to image_root, inside it, or point image_root at the "
                             "folder that holds them")
             continue
@@ -358,10 +358,11 @@ def read_conversations(path: str | Path, fmt: str = "auto", image_root: str | Pa
 
 def _inside(root: Path, image) -> bool:
     """Whether a data file's image path names a file inside ``root``: a relative path that does
-    not climb out of it with ``..`` (judged by its text; a symlink the user put inside ``root``
-    is followed as the user set it up)."""
-    if not isinstance(image, str) or not image or "\x00" in image:
+    not climb out of it with ``..``, or an absolute one under ``root`` (judged by their text; a
+    symlink the user put inside ``root`` is followed as the user set it up)."""
+    if not isinstance(image, str) or not image or "\x00" in image or image.startswith("~"):
         return False
-    if os.path.isabs(image) or image.startswith("~"):
-        return False
+    if os.path.isabs(image):
+        base = os.path.normpath(os.path.abspath(root))
+        return os.path.commonpath([base, os.path.normpath(image)]) == base
     return not os.path.normpath(image).split(os.sep)[0] == ".."

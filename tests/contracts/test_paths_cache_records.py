@@ -42,12 +42,12 @@ def test_image_paths_outside_image_root_are_bad_samples_named(tmp_path):
     random_image(0, 8).save(secret)
     random_image(1, 8).save(root / "ok.png")
     data = llava_file(tmp_path / "d.json", ["ok.png", str(secret), "../secret.png", "sub/../../secret.png",
-                                           "sub/../ok.png"])
+                                           "sub/../ok.png", str(root / "ok.png"), str(root / ".." / "secret.png")])
     out = list(read_conversations(data, "auto", root))
     good = [r for r in out if isinstance(r, dict)]
     bad = [r for r in out if not isinstance(r, dict)]
-    assert [r["id"] for r in good] == ["s0", "s4"]
-    assert [b.id for b in bad] == ["s1", "s2", "s3"]
+    assert [r["id"] for r in good] == ["s0", "s4", "s5"]  # an absolute path under image_root is inside it
+    assert [b.id for b in bad] == ["s1", "s2", "s3", "s6"]
     for b in bad:
         assert "outside image_root" in b.message() and str(root) in b.message()
     assert all(str(secret) not in r["images"][0] for r in good)
