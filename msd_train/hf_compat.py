@@ -26,3 +26,22 @@ def cache_kwargs(cache) -> dict:
 def output_cache(out):
     """The KV cache of a transformers model output, under either field name."""
     return getattr(out, "cache", None) if CACHE_ARG == "cache" else out.past_key_values
+
+
+def rope_cos_sin(rotary_emb, x, position_ids, mrope_section=None):
+    """``rotary_emb(x, position_ids)`` as one (cos, sin) per position, (B, L, D): Qwen2-VL's M-RoPE
+    embedding returns one per position-id row, (3, B, L, D), in the older transformers releases (the
+    attention then picks each section's row); newer ones pick them inside. Picked here the same way
+    (the sections doubled over the two halves of D), so ``apply_rotary_pos_emb`` reads either."""
+    cos, sin = rotary_emb(x, position_ids)
+    if cos.dim() == 4 and mrope_section:
+        split = list(mrope_section) * 2
+        cos, sin = (_rows_by_section(t, split) for t in (cos, sin))
+    return cos, sin
+
+
+def _rows_by_section(t, split):
+    """Section i of the last dim taken from row i % 3 of ``t`` (3, B, L, D)."""
+    import torch
+
+    return torch.cat([part[i % 3] for i, part in enumerate(t.split(split, dim=-1))], dim=-1)

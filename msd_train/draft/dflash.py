@@ -60,6 +60,7 @@ from msd_train.draft.model import MSDDraftOutput, check_finite
 from msd_train.draft.positions import draft_position_ids
 from msd_train.draft.vocabulary import ReadsTargetLMHead, VocabSubset
 from msd_train.errors import ConfigError
+from msd_train.hf_compat import rope_cos_sin
 from msd_train.targets.protocol import TargetProtocol
 
 
@@ -290,13 +291,15 @@ class DFlashDraftModel(ReadsTargetLMHead, DraftHead):
         if position_ids is None:
             raise ValueError("a dflash head needs the roots' position_ids")
         block_pos = (position_ids[..., None] + offsets).flatten(-2)  # (.., B, N*S)
-        block_pe = self.rotary_emb(x, self._position_ids(block_pos, B, N * S, 0, x.device))
+        sections = self.config.mrope_section if self.config.uses_mrope else None
+        block_pe = rope_cos_sin(self.rotary_emb, x, self._position_ids(block_pos, B, N * S, 0, x.device), sections)
         ctx = hidden_states.to(dtype)
         C = ctx.shape[1]
         if context_position_ids is None:
             past = past_key_values.get_seq_length() if past_key_values is not None else 0
             context_position_ids = past + torch.arange(C, device=x.device)[None].expand(B, C)
-        ctx_pe = self.rotary_emb(ctx, self._position_ids(context_position_ids, B, C, 0, x.device)) if C else None
+        ctx_pe = (rope_cos_sin(self.rotary_emb, ctx, self._position_ids(context_position_ids, B, C, 0, x.device), sections)
+                  if C else None)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             d = attn.head_dim
