@@ -87,6 +87,9 @@ class OwnerLock:
     host is respected, since its process cannot be checked from here. Subclasses word the
     refusals (:meth:`busy`, :meth:`unwritable`)."""
 
+    #: the setting the user names the locked folder under, in the refusals' advice
+    setting = "out"
+
     def __init__(self, path: str | Path, what: str = "output"):
         self.path = Path(path)
         self.what = what
@@ -103,7 +106,7 @@ class OwnerLock:
     def unwritable(self, err: OSError) -> Exception:
         return OutputError(f"cannot write the lock {self.path} ({type(err).__name__}: {err.strerror or err}); "
                            f"{self.what} must be on a writable disk with free space: fix its permissions or "
-                           f"free space, or choose another out=")
+                           f"free space, or choose another {self.setting}=")
 
     def acquire(self) -> None:
         try:
@@ -514,7 +517,3 @@ class FolderLock(OwnerLock):
             f"their files; wait for it to end (launching the same command then resumes what it left), stop it, or "
             f"choose another {self.setting}=. If that command is gone (its machine died), delete {self.path}.")
 
-    def unwritable(self, err: OSError) -> Exception:
-        return OutputError(f"cannot write the lock {self.path} ({type(err).__name__}: {err.strerror or err}); "
-                           f"{self.what} must be on a writable disk with free space: fix its permissions or free "
-                           f"space, or choose another {self.setting}=")
