@@ -92,7 +92,8 @@ class DFlashDraftConfig(MSDDraftConfig):
         num_hidden_layers: draft decoder layers.
         feature_layers: target layers whose inputs are fused into the context; None:
             DFlash's default for ``target_num_layers`` and ``num_hidden_layers``
-            (``dflash_layers``).
+            (``dflash_layers``); ``[target_num_layers]``: the target's last, post-norm
+            output, the feature an msd head reads (``reads_last_output``).
         target_num_layers: the target's layer count.
         num_anchors: training: blocks sampled per sequence (anchors inside the answers).
         loss_decay_gamma: training: block position i's loss weighs exp(-(i-1)/gamma).
@@ -155,10 +156,13 @@ class DFlashDraftConfig(MSDDraftConfig):
                               f"smaller draft.block_size (4 on a CPU, 16 on a GPU)")
         layers = overrides.get("feature_layers")
         if layers is not None:
-            bad = [i for i in layers if not 0 <= int(i) < n]
-            if bad or not layers:
-                raise ConfigError(f"draft.feature_layers={list(layers)}: the target has {n} layers (0 .. {n - 1}); "
-                                  f"name layers among them, or draft.feature_layers=null for DFlash's default "
+            layers = [int(i) for i in layers]
+            bad = [i for i in layers if not 0 <= i <= n]
+            if bad or not layers or (n in layers and len(layers) > 1):
+                raise ConfigError(f"draft.feature_layers={layers}: the target has {n} layers; name the inputs of "
+                                  f"layers among 0 .. {n - 1}, or [{n}] alone for its last output (what an msd head "
+                                  f"reads: a feature store made for msd serves it), or draft.feature_layers=null for "
+                                  f"DFlash's default "
                                   f"({dflash_layers(n, overrides.get('num_hidden_layers', cls.num_hidden_layers))})")
         return super().from_target_config(text_config, target_name_or_path, **{"target_num_layers": n, **overrides})
 
@@ -229,8 +233,15 @@ class DFlashDraftModel(ReadsTargetLMHead, DraftHead):
     # ----- the head interface ------------------------------------------------------------
 
     @property
-    def feature_layers(self) -> list[int]:
-        return list(self.config.feature_layers)
+    def reads_last_output(self) -> bool:
+        """``feature_layers == [N]``: the context is the target's last, post-norm output (HF's
+        ``hidden_states[N]``), the feature an msd head reads, from the same stores."""
+        c = self.config
+        return c.target_num_layers is not None and list(c.feature_layers or []) == [c.target_num_layers]
+
+    @property
+    def feature_layers(self) -> list[int] | None:
+        return None if self.reads_last_output else list(self.config.feature_layers)
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """k layers' features (..., k*H) -> context entries (..., H)."""
@@ -323,13 +334,15 @@ class DFlashDraftModel(ReadsTargetLMHead, DraftHead):
                   else "the target's layer features at image positions too (it sees images only through the "
                   "target's hidden states, as the field's block drafts do)")
         layers = ", ".join(map(str, config.feature_layers or []))
+        last = config.target_num_layers is not None and list(config.feature_layers or []) == [config.target_num_layers]
+        source = "the target's last (post-norm) output" if last else f"the inputs of target layers {layers}"
         summary = (
             "A draft head for lossless speculative decoding of a multimodal model: a dflash head, a block drafter "
             "after DFlash (Chen et al., arXiv 2602.06036)"
             + (" with MSD's decoupled visual tokens (Lin et al., arXiv 2505.14260)" if config.decouple_visual else "")
             + f". From the last accepted token and {config.block_size - 1} mask positions it proposes "
             f"{config.block_size - 1} tokens in one forward of its {config.num_hidden_layers} decoder layer(s), "
-            f"attending to a context fused from the inputs of target layers {layers} and, both ways, within its "
+            f"attending to a context made from {source} and, both ways, within its "
             f"block; its context reads {visual}. It is not a model on its own: it uses the target's embedding "
             "table, layer features and `lm_head`, and the target verifies every drafted token in one forward, so "
             "outputs are exactly the target's. Decode it with `decoding=block`. Trained with msd-train.")
@@ -337,7 +350,7 @@ class DFlashDraftModel(ReadsTargetLMHead, DraftHead):
             ("architecture", "dflash (block drafter" + (", MSD's visual decoupling)" if config.decouple_visual
                                                          else ", visual decoupling off)")),
             ("block size", f"{config.block_size} (the root and {config.block_size - 1} proposals per forward)"),
-            ("fused target layers", f"inputs of layers {layers}"
+            ("fused target layers", "the last output (post-norm)" if last else f"inputs of layers {layers}"
              + (f" of {config.target_num_layers}" if config.target_num_layers else "")),
             ("draft vocabulary", f"{config.train_vocab} most frequent target tokens" if config.train_vocab
              else "the target's whole vocabulary"),

@@ -63,7 +63,12 @@ def test_a_feature_store_without_the_heads_layers_is_refused(mini_run, tmp_path)
     from msd_train.features.generate import generate
     from msd_train.features.store import FeatureStoreError
 
-    generate(gen_cfg(mini_run, tmp_path / "plain", "splits=[text]"))
+    generate(gen_cfg(mini_run, tmp_path / "plain", "splits=[text,heldout_text]"))
     with pytest.raises(FeatureStoreError, match=r"generate a store with features.layers=\[1\]"):
         recipe(["stage='1'", *mini_run, *FAST, "train.max_steps=1", "features=offline",
                 f"features.path={tmp_path / 'plain'}", f"run_dir={tmp_path / 'run'}"])
+    # draft.feature_layers=[N] reads the target's last output, what an msd store holds: it trains from it
+    r = recipe(["stage='1'", *mini_run, *FAST, "train.max_steps=1", "features=offline", "draft.feature_layers=[2]",
+                f"features.path={tmp_path / 'plain'}", f"run_dir={tmp_path / 'last'}"])
+    assert r.draft.feature_layers is None and r.draft.reads_last_output
+    assert run_steps(r)[0]["loss"] > 0

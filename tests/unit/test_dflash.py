@@ -68,6 +68,7 @@ def test_decoupling_changes_the_context_at_image_positions_only():
 @pytest.mark.parametrize("overrides, match", [
     ({"block_size": 2048}, r"draft.block_size=2048: the target's context holds 2048 positions"),
     ({"feature_layers": [1, 9]}, r"draft.feature_layers=\[1, 9\]: the target has 4 layers"),
+    ({"feature_layers": [1, 4]}, r"or \[4\] alone for its last output"),  # the last output is read alone
     ({"block_size": 1}, r"draft.block_size=1: a block is the root plus at least one proposal"),
 ])
 def test_settings_the_target_cannot_hold_are_refused(overrides, match):
@@ -105,6 +106,26 @@ def fitted(llava_target):
         loss.backward()
         opt.step()
     return target, head.eval().requires_grad_(False), prompts
+
+
+def test_a_head_reading_the_last_output_decodes_exactly(llava_target):
+    """``feature_layers=[N]``: the context is the target's last output (msd's feature), in
+    training's features and in the decoder's alike."""
+    target = llava_target
+    n = target.config.get_text_config(decoder=True).num_hidden_layers
+    torch.manual_seed(0)
+    head = DFlashDraftModel(DFlashDraftConfig.from_target_config(target.config, target.name, block_size=4,
+                                                                 num_hidden_layers=1, feature_layers=[n])).eval()
+    assert head.feature_layers is None and head.fc.in_features == head.config.hidden_size
+    enc = conversations(target)["image"]
+    plain = generate(target, None, enc, DecodeConfig(method="ar", max_new_tokens=24, eos_token_ids=()))
+    out = generate(target, head, enc, DecodeConfig(method="block", k=3, max_new_tokens=24, eos_token_ids=()))
+    assert out.tokens == plain.tokens
+    feats = target.features(enc.input_ids[None], None, enc.pixel, layers=None)
+    assert feats.layer_states is None  # what the head reads is the last output alone
+    text = ~feats.visual_mask[0, :-1]  # image positions take the decoupled path
+    torch.testing.assert_close(head.target_inputs(feats)["hidden_states"][:, text],
+                               head.project(feats.hidden_states[:, :-1][:, text]))
 
 
 def test_block_decoding_equals_plain_greedy_decoding(fitted):
