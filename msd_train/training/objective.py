@@ -453,10 +453,12 @@ class DFlashObjective(Objective):
         return loss, parts, offset
 
     def _anchors(self, mask: torch.Tensor, seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Up to ``num_anchors`` draft positions per row, drawn among ``mask``'s (without a host
-        read: N = min(num_anchors, T) slots, those past a row's count marked not ok), in order."""
+        """Up to ``num_anchors`` draft positions per row, drawn among ``mask``'s, in order: N =
+        min(num_anchors, the most loss positions of a row) slots, those past a row's count marked
+        not ok. The slots beyond every row's count would be drawn from padding and prompts and
+        masked out: not running their blocks leaves the loss as it is (one host read a step)."""
         B, T = mask.shape
-        n = min(self.head.config.num_anchors, T)
+        n = max(min(self.head.config.num_anchors, int(mask.sum(1).max())), 1)
         g = None if seed is None else torch.Generator(device=mask.device).manual_seed(seed)
         score = torch.rand(B, T, generator=g, device=mask.device).masked_fill(~mask, 2.0)
         anchors = score.topk(n, dim=1, largest=False).indices.sort(dim=1).values

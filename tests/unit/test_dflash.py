@@ -128,6 +128,19 @@ def test_a_head_reading_the_last_output_decodes_exactly(llava_target):
                                head.project(feats.hidden_states[:, :-1][:, text]))
 
 
+def test_anchors_run_only_as_many_blocks_as_a_row_has_loss_positions():
+    """Every loss position is an anchor when there are fewer than ``num_anchors``, and no block
+    runs for slots that every row would mask out (a padded batch of 12 holding 5 and 3)."""
+    objective = objective_for(small_head(num_anchors=8))
+    mask = torch.zeros(2, 12, dtype=torch.bool)
+    mask[0, 2:7], mask[1, 4:7] = True, True
+    anchors, ok = objective._anchors(mask, seed=0)
+    assert anchors.shape == (2, 5) and ok.sum() == 8
+    assert anchors[0].tolist() == [2, 3, 4, 5, 6] and anchors[1][ok[1]].tolist() == [4, 5, 6]
+    few = objective_for(small_head(num_anchors=2))._anchors(mask, seed=0)[0]
+    assert few.shape == (2, 2) and all(mask[r, few[r]].all() for r in range(2))
+
+
 def test_block_decoding_equals_plain_greedy_decoding(fitted):
     target, head, prompts = fitted
     for name, enc in prompts.items():  # text, one and two images, a second turn
