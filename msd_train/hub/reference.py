@@ -101,9 +101,29 @@ def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
                                                     "or use a head saved as plain tensors")
 
 
+def block_draft_sign(config: dict) -> str | None:
+    """What marks a config.json as a DFlash-style block draft (z-lab's and vLLM's
+    ``dflash_config``, a ``DFlash*`` architecture, this project's ``dflash_draft``), or None."""
+    if "dflash_config" in config:
+        return "its dflash_config"
+    arch = next((a for a in config.get("architectures") or [] if "dflash" in str(a).lower()), None)
+    if arch:
+        return f"architectures {arch!r}"
+    if config.get("model_type") == "dflash_draft":
+        return "model_type 'dflash_draft'"
+    return None
+
+
 def read_reference(folder: str | Path) -> ReferenceHead:
     folder = Path(folder)
     config = read_config(folder)
+    block = block_draft_sign(config)
+    if block:
+        raise IncompleteHeadError(
+            f"{folder}/config.json describes a DFlash block draft ({block}), not a released MSD/EAGLE head, which "
+            f"is all this import converts: a block draft trained with this project (head=dflash) loads as it is "
+            f"(draft=FOLDER, decoding=block); one trained elsewhere has no import here: train one with head=dflash"
+        )
     if config.get("model_type") not in REFERENCE_MODEL_TYPES:
         raise IncompleteHeadError(
             f"{folder}/config.json: model_type {config.get('model_type')!r} is not one of the released "

@@ -158,6 +158,23 @@ def test_bin_is_never_unpickled(tmp_path):
         import_reference(tmp_path, tmp_path / "out")
 
 
+@pytest.mark.parametrize("marks", [
+    {"architectures": ["DFlashDraftModel"], "dflash_config": {"mask_token_id": 5, "target_layer_ids": [1]},
+     "block_size": 16},  # z-lab's layout (model_type stays the draft layers' family)
+    {"architectures": ["DFlashDraftModel"]},
+])
+def test_a_block_draft_is_not_imported_as_a_released_head(tmp_path, marks):
+    """A DFlash checkpoint has fc.weight and Llama/Qwen layer names like a released MSD head:
+    it is refused by what its config says, before any weight is read."""
+    released_head(tmp_path / "dflash", "llava", "safetensors")
+    config = json.loads((tmp_path / "dflash" / "config.json").read_text())
+    (tmp_path / "dflash" / "config.json").write_text(json.dumps({**config, **marks}))
+    with pytest.raises(IncompleteHeadError, match=r"config.json describes a DFlash block draft .*train one with "
+                                                  r"head=dflash"):
+        import_reference(tmp_path / "dflash", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_import_refuses_incomplete_heads(tmp_path):
     raw = released_head(tmp_path / "a", "qwen2_vl", "safetensors")
     del raw["layers.0.input_layernorm.weight"]
