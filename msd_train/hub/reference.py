@@ -106,7 +106,7 @@ def block_draft_sign(config: dict) -> str | None:
     ``dflash_config``, a ``DFlash*`` architecture, this project's ``dflash_draft``), or None."""
     if "dflash_config" in config:
         return "its dflash_config"
-    arch = next((a for a in config.get("architectures") or [] if "dflash" in str(a).lower()), None)
+    arch = next((a for a in config.get("architectures") or [] if "DFlash" in str(a)), None)
     if arch:
         return f"architectures {arch!r}"
     if config.get("model_type") == "dflash_draft":

@@ -500,13 +500,15 @@ class DFlashObjective(Objective):
         return [torch.arange(s, min(s + step, T), device=device) for s in range(0, T, step)]
 
     def eval_loss(self, target: TargetProtocol, features, mask: torch.Tensor) -> torch.Tensor:
-        """The weighted terms of every anchor in ``mask`` (B, L-1), summed."""
+        """The weighted terms of every anchor in ``mask`` (B, L-1), summed (blocks run only at
+        the positions some row has in ``mask``: the others add nothing)."""
         inputs, _ = self.head.read_pass(features, target)
         B, T = mask.shape
         mask = mask.bool()
+        columns = mask.any(0).nonzero().flatten()
         total = torch.zeros((), device=mask.device)
-        for part in self._chunks(T, mask.device):
-            anchors = part[None].expand(B, -1)
+        for chunk in self._chunks(columns.numel(), mask.device):
+            anchors = columns[chunk][None].expand(B, -1)
             loss, _, _ = self._loss(target, features, inputs, anchors, mask.gather(1, anchors), mask, 1.0)
             total = total + loss.detach()
         return total

@@ -141,6 +141,28 @@ def test_anchors_run_only_as_many_blocks_as_a_row_has_loss_positions():
     assert few.shape == (2, 2) and all(mask[r, few[r]].all() for r in range(2))
 
 
+def test_held_out_loss_runs_blocks_at_loss_positions_only_and_sums_the_same(fitted):
+    target, head, prompts = fitted
+    objective = objective_for(head)
+    enc = prompts["image"]
+    feats = target.features(enc.input_ids[None], None, enc.pixel, layers=head.feature_layers)
+    T = enc.input_ids.shape[0] - 1
+    mask = torch.zeros(1, T, dtype=torch.bool)
+    mask[:, T // 2:] = True  # an answer in the second half
+    inputs, _ = head.read_pass(feats, target)
+    every = torch.arange(T)[None]  # one block at every position, those outside the mask counting nothing
+    whole, _, _ = objective._loss(target, feats, inputs, every, mask.gather(1, every), mask, 1.0)
+    blocks = []
+    real = head.forward
+    head.forward = lambda *a, **kw: blocks.append(kw["input_embeds"].shape[1]) or real(*a, **kw)
+    try:
+        got = objective.eval_loss(target, feats, mask)
+    finally:
+        del head.forward
+    torch.testing.assert_close(got, whole.detach(), rtol=1e-5, atol=1e-6)
+    assert sum(blocks) == int(mask.sum())
+
+
 def test_block_decoding_equals_plain_greedy_decoding(fitted):
     target, head, prompts = fitted
     for name, enc in prompts.items():  # text, one and two images, a second turn
