@@ -1,0 +1,91 @@
+"""Block drafting against stepped heads on SmolLM2-LLaVA, at equal data: dflash, msd and msd3
+trained by the product's recipe (``experiment=smollm2_llava``, the same feature store) on a
+shortened schedule, two seeds each; stage 1 (text only: decoupling does not enter) once per
+head and seed, stage 2 from it twice, with MSD's visual decoupling on and off. Every launch
+is a product command and resumes where it stopped; a finished stage is not run again.
+
+    python -m lab.studies.real_lm.block_compare WORK OUT [--s1 400] [--s2 300] [--heads dflash msd msd3]
+
+WORK is the experiment's work folder (its store and splits: docs/recipes.md), OUT the runs
+and ``summary.json``: each arm's held-out validation at the end of each stage and its
+training time. The dflash arms read the target's last output (``draft.feature_layers=[30]``),
+what the msd store holds. Decoder tau and speed of the heads: ``lab/bench/any_cpu.sh``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+HEADS = {"msd": [], "msd3": ["head=msd3"], "dflash": ["head=dflash", "draft.feature_layers=[30]"]}
+
+
+def launch(args: list[str], log: Path) -> float:
+    """One ``train.py`` launch; its wall seconds (a resumed launch: this launch's only)."""
+    t = time.perf_counter()
+    with log.open("a") as fh:
+        code = subprocess.call([sys.executable, "train.py", *args, "logging.progress=false"], cwd=ROOT,
+                               stdout=fh, stderr=subprocess.STDOUT)
+    if code:
+        raise SystemExit(f"block_compare: train.py {' '.join(args)} failed ({code}); see {log}")
+    return time.perf_counter() - t
+
+
+def last_validation(stage_dir: Path) -> dict:
+    rows = [json.loads(line) for line in (stage_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    val = [r for r in rows if "val/sim_tau" in r]
+    return {k: v for k, v in val[-1].items() if k == "step" or k.startswith("val/")} if val else {}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("work", type=Path, help="the experiment's work folder (store, splits)")
+    p.add_argument("out", type=Path, help="where the runs and summary.json go")
+    p.add_argument("--s1", type=int, default=400, help="stage-1 steps (16 conversations each)")
+    p.add_argument("--s2", type=int, default=300, help="stage-2 steps (image share ramped 0 -> 0.5 over half)")
+    p.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    a = p.parse_args(argv)
+    if not (a.work / "store" / "manifest.json").is_file():
+        raise SystemExit(f"block_compare: no feature store in {a.work / 'store'}; make it first "
+                         f"(python scripts/generate_features.py experiment=smollm2_llava recipe.work={a.work})")
+    a.out.mkdir(parents=True, exist_ok=True)
+    summary_path = a.out / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    base = ["experiment=smollm2_llava", f"recipe.work={a.work}",
+            f"recipe.stages.1.max_steps={a.s1}", f"recipe.stages.1.every={a.s1}",
+            f"recipe.stages.2.max_steps={a.s2}", f"recipe.stages.2.every={a.s2}",
+            f"recipe.stages.2.curriculum.ramp_steps={max(a.s2 // 2, 1)}"]
+    for head in a.heads:
+        for seed in a.seeds:
+            run = a.out / "runs" / f"{head}-s{seed}"
+            arm = summary.setdefault(f"{head}-s{seed}", {"head": head, "seed": seed})
+            if not (run / "stage1" / "final" / "config.json").is_file():
+                arm["stage1_seconds"] = arm.get("stage1_seconds", 0.0) + launch(
+                    [*base, *HEADS[head], "stage=1", f"seed={seed}", f"run_dir={run}"], a.out / f"{head}-s{seed}.log")
+            arm["stage1"] = last_validation(run / "stage1")
+            for decouple in ("true", "false"):
+                name = f"{head}-s{seed}-{'on' if decouple == 'true' else 'off'}"
+                two = a.out / "runs" / name
+                entry = summary.setdefault(name, {"head": head, "seed": seed, "decouple_visual": decouple == "true"})
+                if not (two / "stage2" / "final" / "config.json").is_file():
+                    entry["stage2_seconds"] = entry.get("stage2_seconds", 0.0) + launch(
+                        [*base, *HEADS[head], "stage=2", f"seed={seed}", f"run_dir={two}",
+                         f"stage.init_from={run / 'stage1' / 'final'}", f"draft.decouple_visual={decouple}"],
+                        a.out / f"{name}.log")
+                entry["stage2"] = last_validation(two / "stage2")
+                entry["head_dir"] = os.path.relpath(two / "stage2" / "final", a.out)
+                summary_path.write_text(json.dumps(summary, indent=1) + "\n")
+    summary_path.write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps({k: {s: v.get(s, {}).get("val/sim_tau") for s in ("stage1", "stage2")} for k, v in summary.items()},
+                     indent=1))
+
+
+if __name__ == "__main__":
+    main()
