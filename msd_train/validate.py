@@ -80,51 +80,104 @@ def experiments() -> list[str]:
     return sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "experiment").glob("*.yaml"))
 
 
-def _recipe_command(cfg, script: str, stage: int | None = None) -> str:
+def _recipe_command(cfg, script: str, *args: str) -> str:
     """The command that runs ``script`` for this launch's experiment (``conf/experiment/NAME.yaml``),
-    with the work folder when it is not the experiment's own."""
+    with the work folder when it is not the experiment's own, then ``args``."""
     name, work = _get(cfg, "recipe.name"), _get(cfg, "recipe.work")
     parts = [script, f"experiment={name}"]
     if work not in (_MISSING, None) and str(work) != f"work/{name}":
         parts.append(f"recipe.work={work}")
-    if stage is not None:
-        parts.append(f"stage={stage}")
-    return " ".join(parts)
+    return " ".join([*parts, *args])
 
 
 def check_experiment(cfg) -> None:
-    """An experiment (``experiment=NAME``) launched as its recipe says: on its own target, and each
-    step after the one it needs (the feature store before training from it, stage N-1 before stage N),
-    refused before anything is read or written, naming the command that comes first."""
+    """An experiment (``experiment=NAME``) launched on its own target, by every command that takes
+    one; refused before anything is read or written."""
     name = _get(cfg, "recipe.name")
     if name in (_MISSING, None):
         return
     want, chosen = _get(cfg, "recipe.target"), _get(cfg, "recipe.target_chosen")
     if want not in (_MISSING, None) and chosen not in (_MISSING, None) and want != chosen:
         raise ConfigError(f"experiment={name} is the recipe for target={want}, but this launch says target={chosen}; "
-                          f"drop target= (to train {want}), or pick the experiment of another target "
+                          f"drop target= (to use {want}), or pick the experiment of another target "
                           f"({', '.join(experiments())}), or point the target elsewhere with target.name_or_path=DIR")
-    stage = _get(cfg, "stage.id")
-    if stage is _MISSING:  # a command with no stage (the feature store): its data is checked by the caller
+
+
+def check_stage_order(cfg) -> None:
+    """A stage of an experiment launched after the one it starts from (stage N-1 before stage N),
+    refused before anything is read or written, naming the command that comes first."""
+    name = _get(cfg, "recipe.name")
+    if name in (_MISSING, None):
         return
-    if _get(cfg, "features.mode") == "offline":
-        store = user_path(str(_get(cfg, "features.path")))
-        if not (store / "manifest.json").is_file():
-            raise ConfigError(f"experiment={name} trains from a feature store, and {store} (features.path) holds none "
-                              f"yet; make it first: `{_recipe_command(cfg, 'python scripts/generate_features.py')}` "
-                              f"(or train without one: features=online)")
+    stage = _get(cfg, "stage.id")
     init, run_dir = _get(cfg, "stage.init_from"), _get(cfg, "run_dir")
     if isinstance(stage, int) and stage > 1 and init not in (_MISSING, None) and run_dir not in (_MISSING, None):
         earlier = user_path(str(run_dir)) / f"stage{stage - 1}" / "final"
         if user_path(str(init)) == earlier and not (earlier / "config.json").is_file():
+            first = _recipe_command(cfg, "deepspeed train.py", f"stage={stage - 1}")
             raise ConfigError(f"stage {stage} of experiment={name} starts from stage {stage - 1}'s head ({earlier}), "
-                              f"which does not exist yet; run `{_recipe_command(cfg, 'deepspeed train.py', stage - 1)}` "
-                              f"first (a stopped one resumes when launched again)")
+                              f"which does not exist yet; run `{first}` first (a stopped one resumes when launched again)")
 
 
-def check_train(cfg) -> None:
-    """``train.py``'s config (a plain dict or DictConfig)."""
+#: the settings of a training launch that the feature store command takes too (its target, data and store)
+_STORE_KEYS = ("target", "data", "features", "experiment", "recipe")
+
+
+def _store_command(cfg, store: Path, overrides) -> str:
+    """The ``scripts/generate_features.py`` command that makes the store this launch reads: the
+    experiment's, else this launch's target, data and ``features.*`` overrides."""
+    import shlex
+
+    script = "python scripts/generate_features.py"
+    if _get(cfg, "recipe.name") not in (_MISSING, None):
+        return _recipe_command(cfg, script)
+    keep = []
+    for o in overrides or ():
+        key = o.split("=", 1)[0].lstrip("+~")
+        if key.split(".")[0] in _STORE_KEYS and key not in ("features", "features.mode", "features.verify"):
+            keep.append(shlex.quote(o))
+    if not any(o.lstrip("'+~").startswith("features.path=") for o in keep):
+        keep.insert(0, shlex.quote(f"features.path={store}"))
+    return " ".join([script, *keep])
+
+
+def check_store(cfg, overrides=None) -> None:
+    """``features.mode=offline``: the feature store (``features.path``) exists and its generation
+    finished, before anything is read or written; else the command that makes (or finishes) it.
+    ``overrides``: the launch's command-line overrides, whose target and data the command repeats."""
+    import json
+
+    if _get(cfg, "features.mode") != "offline":
+        return
+    path = _get(cfg, "features.path")
+    if path in (_MISSING, None, "", "???"):
+        raise ConfigError("features.mode=offline trains from a feature store, and features.path is not set; give the "
+                          "store's folder (features.path=DIR, made by `python scripts/generate_features.py "
+                          "features.path=DIR` with the same target and data), or train without one: features=online")
+    store = user_path(str(path))
+    command = _store_command(cfg, store, overrides)
+    manifest = store / "manifest.json"
+    if not manifest.is_file():
+        raise ConfigError(f"features.path={path}: no feature store there yet (no {manifest.name}); make it first: "
+                          f"`{command}` (or train without one: features=online)")
+    try:
+        record = json.loads(manifest.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"features.path={path}: its {manifest.name} cannot be read ({e}); run `{command}` again: it "
+                          f"keeps the finished shards and rewrites {manifest.name}") from None
+    if not isinstance(record, dict) or not record.get("complete"):
+        shards = len(record.get("shards") or []) if isinstance(record, dict) else 0
+        raise ConfigError(f"features.path={path}: the feature store is not finished ({shards} shards written); "
+                          f"relaunch `{command}` to finish it (it keeps what is written)")
+
+
+def check_train(cfg, overrides=None) -> None:
+    """``train.py``'s config (a plain dict or DictConfig); ``overrides``: the launch's command-line
+    overrides (Hydra's), which a refusal's fix repeats."""
+    # a recipe's steps in order: its target, the feature store, then the stage before this one
     check_experiment(cfg)
+    check_store(cfg, overrides)
+    check_stage_order(cfg)
     for key in ("train.max_steps", "train.micro_batch_size", "train.grad_accum", "train.max_bad_steps",
                 "eval.every", "eval.rollout", "eval.batch_size", "checkpoint.every", "data.max_length",
                 "data.num_proc"):

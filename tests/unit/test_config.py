@@ -112,7 +112,9 @@ def compose_resolved(entry, overrides):
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, open_dict
 
-    conf_dir, name = {**ENTRY_POINTS, "generate_features.py": (CONF_DIR, "generate_features")}[entry]
+    more = {"generate_features.py": "generate_features", "serve_check.py": "serve_check",
+            "regenerate_data.py": "regenerate"}
+    conf_dir, name = {**ENTRY_POINTS, **{k: (CONF_DIR, v) for k, v in more.items()}}[entry]
     argv = [entry, *overrides]
     strip_launcher_args(argv)
     with initialize_config_dir(config_dir=str(conf_dir), version_base=None):
@@ -198,7 +200,7 @@ def test_a_recipe_step_out_of_order_names_the_command_that_comes_first(tmp_path)
             f"`python scripts/generate_features.py experiment=smollm2_llava recipe.work={tmp_path}`")):
         check_train(compose_resolved("train.py", [*work, "stage=1"]))
     (tmp_path / "store").mkdir()
-    (tmp_path / "store" / "manifest.json").write_text("{}")
+    (tmp_path / "store" / "manifest.json").write_text('{"complete": true}')
     with pytest.raises(ConfigError, match=re.escape(
             f"`deepspeed train.py experiment=smollm2_llava recipe.work={tmp_path} stage=1`")):
         check_train(compose_resolved("train.py", [*work, "stage=2"]))
