@@ -171,6 +171,52 @@ def check_store(cfg, overrides=None) -> None:
                           f"relaunch `{command}` to finish it (it keeps what is written)")
 
 
+def _missing_head(cfg, key: str) -> str | None:
+    """``key``'s value when it names a head the launch's experiment trains (``RUN_DIR/stageN/final``)
+    and that head is not written yet: the message naming the stage's command; else None."""
+    name, head, run_dir = _get(cfg, "recipe.name"), _get(cfg, key), _get(cfg, "run_dir")
+    if any(v in (_MISSING, None) for v in (name, head, run_dir)):
+        return None
+    path = user_path(str(head))
+    stage = re.fullmatch(r"stage(\d+)", path.parent.name)
+    if (path / "config.json").is_file() or path.name != "final" or stage is None:
+        return None
+    if path.parent.parent.resolve() != user_path(str(run_dir)).resolve():
+        return None
+    return (f"{key}={head} is the head stage {stage[1]} of experiment={name} exports, and it does not exist yet; "
+            f"train it first: `{_recipe_command(cfg, 'deepspeed train.py', f'stage={stage[1]}')}` (a stopped one "
+            f"resumes when launched again)")
+
+
+def check_recipe_head(cfg, key: str) -> None:
+    """A step after training (eval.py's ``draft=``, export.py's ``checkpoint=``...) reads the head its
+    experiment's training writes: refused before anything loads while that head does not exist,
+    naming the training command."""
+    message = _missing_head(cfg, key)
+    if message:
+        raise ConfigError(message)
+
+
+def check_recipe_export(cfg, key: str, fmt: str, head_key: str | None = None) -> None:
+    """``key`` names the experiment's export in format ``fmt`` (``recipe.exports``/FMT, what
+    ``scripts/export.py experiment=NAME format=FMT`` writes): refused while it does not exist, naming
+    the training command when the head it is made from (``head_key``) is missing too, else the export."""
+    from msd_train.config import recipe_export
+
+    name, value, exports = _get(cfg, "recipe.name"), _get(cfg, key), _get(cfg, "recipe.exports")
+    if any(v in (_MISSING, None) for v in (name, value, exports)):
+        return
+    path = user_path(str(value))
+    if (path / "config.json").is_file() or path.resolve() != user_path(recipe_export(exports, fmt)).resolve():
+        return
+    first = _missing_head(cfg, head_key) if head_key else None
+    if first:
+        raise ConfigError(f"{key}={value} is experiment={name}'s format={fmt} export, made from its trained "
+                          f"head; {first}")
+    raise ConfigError(f"{key}={value} is experiment={name}'s format={fmt} export, which does not exist yet; make it "
+                      f"first: `{_recipe_command(cfg, 'python scripts/export.py', f'format={fmt}')}`")
+
+
 def check_train(cfg, overrides=None) -> None:
     """``train.py``'s config (a plain dict or DictConfig); ``overrides``: the launch's command-line
     overrides (Hydra's), which a refusal's fix repeats."""
@@ -283,7 +329,11 @@ EXACT_ATTENTION = ("auto", "sdpa", "eager")
 def check_eval(cfg, method: str) -> None:
     """``eval.py``'s config: numbers, the target's attention, the decoding settings (a tree's
     top_k against the target's vocabulary, read from its config.json), the head, the output
-    folder (writable, checked now rather than after all the decoding)."""
+    folder (writable, checked now rather than after all the decoding); with an experiment, its target
+    and its head trained first."""
+    check_experiment(cfg)
+    if method != "ar":
+        check_recipe_head(cfg, "draft")
     attn = _get(cfg, "target.attn_implementation")
     if attn is not _MISSING and attn is not None and attn not in EXACT_ATTENTION:
         raise ConfigError(
@@ -478,6 +528,17 @@ def check_head(draft, draft_vocab=None, method: str | None = None, ensemble: str
             raise ConfigError(f"decoding.draft_vocab={draft_vocab}: draft={draft} is an {kind} head, which drafts over "
                               f"the {config.get('draft_vocab_size')}-token vocabulary it was trained with "
                               f"(draft.draft_vocab_size at training); decoding.draft_vocab is for msd heads: drop it")
+
+
+def check_serve(cfg) -> None:
+    """``scripts/serve_check.py``'s heads, before vLLM is asked for: ``draft=`` given; with an
+    experiment, its target, and its head trained and exported first (naming the command)."""
+    check_experiment(cfg)
+    check_recipe_export(cfg, "draft", "vllm", head_key="original")
+    check_recipe_head(cfg, "original")
+    if _get(cfg, "draft") in (_MISSING, None, "", "???"):
+        raise ConfigError("draft is not set; give draft=DIR, a head exported with `python scripts/export.py "
+                          "checkpoint=HEAD format=vllm out=DIR`, or experiment=NAME (its recipe's export)")
 
 
 def check_out_dir(out: str | Path) -> None:

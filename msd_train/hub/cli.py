@@ -33,6 +33,31 @@ def require_arguments(cfg: DictConfig, script: str) -> None:
                           f"(see conf/hub/{script}.yaml)")
 
 
+def experiment_defaults(cfg: DictConfig, script: str) -> dict | None:
+    """``experiment=NAME`` (``conf/experiment/NAME.yaml``, composed as train.py does, with the
+    ``recipe.work=`` given): ``checkpoint=`` when left out is the head its recipe ends with
+    (``recipe.head``), and export.py's ``out=`` its ``recipe.exports``/FORMAT; a head the recipe has
+    not trained yet is refused naming the command that trains it. Returns the experiment's
+    ``recipe`` block (resolved: name, target, work, head, exports), or None without one."""
+    name = cfg.get("experiment")
+    if not name:
+        return None
+    from msd_train.config import compose_experiment, recipe_export
+    from msd_train.validate import check_recipe_head
+
+    work = OmegaConf.select(cfg, "recipe.work")
+    quoted = str(work).replace("'", "\\'")
+    composed = compose_experiment(str(name), [f"recipe.work='{quoted}'"] if work else [])
+    recipe = {k: OmegaConf.select(composed, f"recipe.{k}") for k in ("name", "target", "work", "head", "exports")}
+    if OmegaConf.is_missing(cfg, "checkpoint"):
+        cfg.checkpoint = recipe["head"]
+    if script == "export" and OmegaConf.is_missing(cfg, "out"):
+        cfg.out = recipe_export(recipe["exports"], cfg.format)
+    check_recipe_head({"recipe": recipe, "run_dir": OmegaConf.select(composed, "run_dir"),
+                       "checkpoint": cfg.checkpoint}, "checkpoint")
+    return recipe
+
+
 def target_info(value: str | None):
     """`target=` of the hub scripts as the ``TargetInfo`` the hub functions take (None without one)."""
     from msd_train.hub import TargetInfo
