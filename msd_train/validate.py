@@ -125,17 +125,21 @@ _STORE_KEYS = ("target", "data", "features", "experiment", "recipe")
 
 def _store_command(cfg, store: Path, overrides) -> str:
     """The ``scripts/generate_features.py`` command that makes the store this launch reads: the
-    experiment's, else this launch's target, data and ``features.*`` overrides."""
+    experiment's, with this launch's target, data and ``features.*`` overrides."""
     import shlex
 
     script = "python scripts/generate_features.py"
-    if _get(cfg, "recipe.name") not in (_MISSING, None):
-        return _recipe_command(cfg, script)
+    experiment = _get(cfg, "recipe.name") not in (_MISSING, None)
     keep = []
     for o in overrides or ():
         key = o.split("=", 1)[0].lstrip("+~")
-        if key.split(".")[0] in _STORE_KEYS and key not in ("features", "features.mode", "features.verify"):
-            keep.append(shlex.quote(o))
+        if key.split(".")[0] not in _STORE_KEYS or key in ("features", "features.mode", "features.verify"):
+            continue
+        if experiment and (key in ("experiment", "recipe.work") or key.startswith("recipe.stages")):
+            continue  # _recipe_command names them; the stages are training's
+        keep.append(shlex.quote(o))
+    if experiment:
+        return _recipe_command(cfg, script, *keep)
     if not any(o.lstrip("'+~").startswith("features.path=") for o in keep):
         keep.insert(0, shlex.quote(f"features.path={store}"))
     return " ".join([script, *keep])
