@@ -275,6 +275,11 @@ def test_training_from_a_store_not_made_or_not_finished_names_the_command_that_m
     check_store(cfg, overrides)
     with pytest.raises(ConfigError, match="features.path is not set"):
         check_train(compose_resolved("train.py", ["features=offline"]))
+    work = tmp_path / "work"
+    recipe = ["experiment=smollm2_llava", f"recipe.work={work}", "stage='1'", "data.max_length=256"]
+    with pytest.raises(ConfigError, match=re.escape(  # an experiment's, with the launch's data overrides
+            f"`python scripts/generate_features.py experiment=smollm2_llava recipe.work={work} data.max_length=256`")):
+        check_train(compose_resolved("train.py", recipe), recipe)
 
 
 def test_a_recipe_step_out_of_order_names_the_command_that_comes_first(tmp_path):
