@@ -123,11 +123,11 @@ def compose_experiment(name: str, overrides=()):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from msd_train.validate import ConfigError, experiments
+    from msd_train.errors import ConfigError
 
-    if name not in experiments():
-        raise ConfigError(f"experiment={name}: no such experiment (conf/experiment/); choose one of "
-                          f"{', '.join(experiments())}")
+    known = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+    if name not in known:
+        raise ConfigError(f"experiment={name}: no such experiment (conf/experiment/); choose one of {', '.join(known)}")
     # Hydra composes once per process: the running command's composition is set aside and restored
     gh = GlobalHydra.instance()
     running = gh.hydra if gh.is_initialized() else None

@@ -201,6 +201,20 @@ def check_recipe_head(cfg, key: str) -> None:
         raise ConfigError(message)
 
 
+def hub_experiment(cfg, script: str) -> dict | None:
+    """``experiment=NAME`` of a hub script (export.py, push_to_hub.py): its ``checkpoint=`` and
+    ``out=`` filled from the experiment (``hub.cli.experiment_defaults``), and refused while the
+    head its recipe ends with is not trained yet, naming the command. Returns the experiment's
+    ``recipe`` block (its ``target``...), or None without one."""
+    from msd_train.hub.cli import experiment_defaults
+
+    found = experiment_defaults(cfg, script)
+    if found is None:
+        return None
+    check_recipe_head(found, "checkpoint")
+    return found["recipe"]
+
+
 def check_recipe_export(cfg, key: str, fmt: str, head_key: str | None = None) -> None:
     """``key`` names the experiment's export in format ``fmt`` (``recipe.exports``/FMT, what
     ``scripts/export.py experiment=NAME format=FMT`` writes): refused while it does not exist, naming

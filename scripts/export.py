@@ -20,10 +20,10 @@ import hydra
 from omegaconf import DictConfig
 
 from msd_train.config import CONF_DIR
-from msd_train.hub.cli import experiment_defaults, require_arguments, target_info, user_error_kinds
+from msd_train.hub.cli import require_arguments, target_info, user_error_kinds
 from msd_train.outputs import output_dir, relocate
 from msd_train.paths import user_path
-from msd_train.validate import user_errors
+from msd_train.validate import hub_experiment, user_errors
 
 #: the keys of conf/hub/export.yaml that are options of some format's export
 OPTIONS = ("target", "dtype", "embed_from", "weights", "vocab_size")
@@ -33,7 +33,7 @@ OPTIONS = ("target", "dtype", "embed_from", "weights", "vocab_size")
 def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with user_errors(*user_error_kinds()):  # a user's mistake: one paragraph, exit 1 (MSD_DEBUG=1: the traceback)
-        recipe = experiment_defaults(cfg, "export")  # experiment=NAME: its head, its exports folder, its target
+        recipe = hub_experiment(cfg, "export")  # experiment=NAME: its head, its exports folder, its target
         require_arguments(cfg, "export")
         from msd_train import hub  # fills the format registry
 

@@ -18,15 +18,15 @@ import hydra
 from omegaconf import DictConfig
 
 from msd_train.config import CONF_DIR
-from msd_train.hub.cli import experiment_defaults, require_arguments, user_error_kinds
-from msd_train.validate import user_errors
+from msd_train.hub.cli import require_arguments, user_error_kinds
+from msd_train.validate import hub_experiment, user_errors
 
 
 @hydra.main(config_path=str(CONF_DIR / "hub"), config_name="push", version_base=None)
 def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with user_errors(*user_error_kinds()):  # a refused head or id, no token, no network: one paragraph, exit 1
-        experiment_defaults(cfg, "push")  # experiment=NAME: the head its recipe ends with
+        hub_experiment(cfg, "push")  # experiment=NAME: the head its recipe ends with
         require_arguments(cfg, "push")
         from msd_train.hub import push_head
 

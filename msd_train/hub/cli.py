@@ -36,14 +36,13 @@ def require_arguments(cfg: DictConfig, script: str) -> None:
 def experiment_defaults(cfg: DictConfig, script: str) -> dict | None:
     """``experiment=NAME`` (``conf/experiment/NAME.yaml``, composed as train.py does, with the
     ``recipe.work=`` given): ``checkpoint=`` when left out is the head its recipe ends with
-    (``recipe.head``), and export.py's ``out=`` its ``recipe.exports``/FORMAT; a head the recipe has
-    not trained yet is refused naming the command that trains it. Returns the experiment's
-    ``recipe`` block (resolved: name, target, work, head, exports), or None without one."""
+    (``recipe.head``), and export.py's ``out=`` its ``recipe.exports``/FORMAT. Returns what the
+    checks read (``validate.hub_experiment``): the experiment's ``recipe`` block (resolved: name,
+    target, work, head, exports), its ``run_dir`` and the ``checkpoint``; None without one."""
     name = cfg.get("experiment")
     if not name:
         return None
     from msd_train.config import compose_experiment, recipe_export
-    from msd_train.validate import check_recipe_head
 
     work = OmegaConf.select(cfg, "recipe.work")
     quoted = str(work).replace("'", "\\'")
@@ -53,9 +52,7 @@ def experiment_defaults(cfg: DictConfig, script: str) -> dict | None:
         cfg.checkpoint = recipe["head"]
     if script == "export" and OmegaConf.is_missing(cfg, "out"):
         cfg.out = recipe_export(recipe["exports"], cfg.format)
-    check_recipe_head({"recipe": recipe, "run_dir": OmegaConf.select(composed, "run_dir"),
-                       "checkpoint": cfg.checkpoint}, "checkpoint")
-    return recipe
+    return {"recipe": recipe, "run_dir": OmegaConf.select(composed, "run_dir"), "checkpoint": cfg.checkpoint}
 
 
 def target_info(value: str | None):

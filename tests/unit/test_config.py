@@ -184,8 +184,7 @@ def test_head_eagle3_is_msd3_without_decoupling():
 
 
 def test_an_unknown_experiment_is_refused_listing_those_that_exist():
-    from msd_train.hub.cli import experiment_defaults
-    from msd_train.validate import ConfigError
+    from msd_train.validate import ConfigError, hub_experiment
 
     for entry in ("train.py", "eval.py"):
         with pytest.raises(ConfigCompositionException) as err:
@@ -193,13 +192,13 @@ def test_an_unknown_experiment_is_refused_listing_those_that_exist():
         assert "smollm2_llava" in str(err.value) and "qwen25vl_7b" in str(err.value)
         assert "recipe_base" not in str(err.value)
     with pytest.raises(ConfigError, match="experiment=smolm2_llava: no such experiment.*of .*qwen25vl_7b.*smollm2_llava"):
-        experiment_defaults(compose_entry("scripts/export.py", ["experiment=smolm2_llava", "format=vllm"]), "export")
+        hub_experiment(compose_entry("scripts/export.py", ["experiment=smolm2_llava", "format=vllm"]), "export")
 
 
 def test_the_steps_after_training_take_the_experiment(tmp_path):
     """eval.py, serve_check.py and regenerate_data.py compose the experiment (its target, the head its
     recipe ends with, its prompts); export.py and push_to_hub.py fill their checkpoint= and out= from it."""
-    from msd_train.hub.cli import experiment_defaults
+    from msd_train.validate import hub_experiment
 
     work = ["experiment=smollm2_llava", f"recipe.work={tmp_path}"]
     smollm2 = compose_resolved("train.py", ["target=smollm2_llava"])["target"]["name_or_path"]
@@ -217,18 +216,17 @@ def test_the_steps_after_training_take_the_experiment(tmp_path):
     (tmp_path / "run" / "stage2" / "final").mkdir(parents=True)
     (tmp_path / "run" / "stage2" / "final" / "config.json").write_text("{}")
     export = compose_entry("scripts/export.py", [*work, "format=vllm"])
-    assert experiment_defaults(export, "export")["target"] == "smollm2_llava"
+    assert hub_experiment(export, "export")["target"] == "smollm2_llava"
     assert (export.checkpoint, export.out) == (f"{tmp_path}/run/stage2/final", f"{tmp_path}/export/vllm")
     push = compose_entry("scripts/push_to_hub.py", [*work, "repo_id=me/x"])
-    experiment_defaults(push, "push")
+    hub_experiment(push, "push")
     assert push.checkpoint == f"{tmp_path}/run/stage2/final"
 
 
 def test_a_step_after_training_before_its_head_names_the_command_that_makes_it(tmp_path):
     """Evaluating, exporting, pushing or serving an experiment's head before its training (or its
     export) wrote it, or on another target: refused before anything loads, with the command to run first."""
-    from msd_train.hub.cli import experiment_defaults
-    from msd_train.validate import ConfigError, check_eval, check_experiment, check_serve
+    from msd_train.validate import ConfigError, check_eval, check_experiment, check_serve, hub_experiment
 
     work = ["experiment=smollm2_llava", f"recipe.work={tmp_path}"]
     train = re.escape(f"`deepspeed train.py experiment=smollm2_llava recipe.work={tmp_path} stage=2`")
@@ -239,7 +237,7 @@ def test_a_step_after_training_before_its_head_names_the_command_that_makes_it(t
         check_serve(compose_resolved("serve_check.py", work))
     for entry, script in (("scripts/export.py", "export"), ("scripts/push_to_hub.py", "push")):
         with pytest.raises(ConfigError, match=f"checkpoint={head} .*{train}"):
-            experiment_defaults(compose_entry(entry, [*work, "format=vllm" if script == "export" else "repo_id=a/b"]),
+            hub_experiment(compose_entry(entry, [*work, "format=vllm" if script == "export" else "repo_id=a/b"]),
                                 script)
     (tmp_path / "run" / "stage2" / "final").mkdir(parents=True)
     (tmp_path / "run" / "stage2" / "final" / "config.json").write_text("{}")
