@@ -9,6 +9,7 @@ speedup, exactness), ``report.md``, ``report.png`` and ``samples.jsonl``. Exampl
     python eval.py target=llava15_7b draft=lucylyn/MSD-LLaVA1.5-7B bench=jsonl \\
         bench.path=mmspec.jsonl bench.image_root=images/
     python eval.py ... decoding.sampling.temperature=0.7   # lossless sampling (no exactness check)
+    python eval.py experiment=smollm2_llava bench=jsonl     # the head its recipe ends with, on its prompts
 """
 
 import sys

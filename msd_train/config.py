@@ -97,6 +97,49 @@ if not OmegaConf.has_resolver("recipe_stage"):
     OmegaConf.register_new_resolver("recipe_stage", _recipe_stage)
 
 
+def recipe_export(exports, fmt: str) -> str:
+    """Where ``scripts/export.py experiment=NAME format=FMT`` writes: the experiment's
+    ``recipe.exports``/FMT."""
+    return f"{exports}/{fmt}"
+
+
+def _recipe_export(fmt, *, _root_):
+    exports = OmegaConf.select(_root_, "recipe.exports", default=None)
+    return None if exports is None else recipe_export(exports, fmt)
+
+
+# ${recipe_export:FMT}: the experiment's export in format FMT (null without an experiment)
+if not OmegaConf.has_resolver("recipe_export"):
+    OmegaConf.register_new_resolver("recipe_export", _recipe_export)
+
+
+def compose_experiment(name: str, overrides=()):
+    """``conf/experiment/NAME.yaml`` as ``train.py experiment=NAME`` composes it (with
+    ``overrides``, e.g. ``recipe.work=DIR``), for the commands whose own config cannot hold
+    an experiment (the hub scripts: their ``target`` is a plain key). Read what it needs
+    with ``OmegaConf.select`` (``recipe.head``, ``recipe.target``, ``run_dir``): the
+    ``${hydra:...}`` values are not resolvable here. An unknown name is a ConfigError
+    listing those that exist."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from msd_train.errors import ConfigError
+
+    known = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+    if name not in known:
+        raise ConfigError(f"experiment={name}: no such experiment (conf/experiment/); choose one of {', '.join(known)}")
+    # Hydra composes once per process: the running command's composition is set aside and restored
+    gh = GlobalHydra.instance()
+    running = gh.hydra if gh.is_initialized() else None
+    gh.clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            return compose(config_name="config", overrides=[f"experiment={name}", *overrides])
+    finally:
+        if running is not None:
+            GlobalHydra.instance().initialize(running)
+
+
 def strip_launcher_args(argv: list[str] | None = None) -> None:
     """Turn launcher arguments into something Hydra accepts (in place).
 

@@ -80,51 +80,168 @@ def experiments() -> list[str]:
     return sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "experiment").glob("*.yaml"))
 
 
-def _recipe_command(cfg, script: str, stage: int | None = None) -> str:
+def _recipe_command(cfg, script: str, *args: str) -> str:
     """The command that runs ``script`` for this launch's experiment (``conf/experiment/NAME.yaml``),
-    with the work folder when it is not the experiment's own."""
+    with the work folder when it is not the experiment's own, then ``args``."""
     name, work = _get(cfg, "recipe.name"), _get(cfg, "recipe.work")
     parts = [script, f"experiment={name}"]
     if work not in (_MISSING, None) and str(work) != f"work/{name}":
         parts.append(f"recipe.work={work}")
-    if stage is not None:
-        parts.append(f"stage={stage}")
-    return " ".join(parts)
+    return " ".join([*parts, *args])
 
 
 def check_experiment(cfg) -> None:
-    """An experiment (``experiment=NAME``) launched as its recipe says: on its own target, and each
-    step after the one it needs (the feature store before training from it, stage N-1 before stage N),
-    refused before anything is read or written, naming the command that comes first."""
+    """An experiment (``experiment=NAME``) launched on its own target, by every command that takes
+    one; refused before anything is read or written."""
     name = _get(cfg, "recipe.name")
     if name in (_MISSING, None):
         return
     want, chosen = _get(cfg, "recipe.target"), _get(cfg, "recipe.target_chosen")
     if want not in (_MISSING, None) and chosen not in (_MISSING, None) and want != chosen:
         raise ConfigError(f"experiment={name} is the recipe for target={want}, but this launch says target={chosen}; "
-                          f"drop target= (to train {want}), or pick the experiment of another target "
+                          f"drop target= (to use {want}), or pick the experiment of another target "
                           f"({', '.join(experiments())}), or point the target elsewhere with target.name_or_path=DIR")
-    stage = _get(cfg, "stage.id")
-    if stage is _MISSING:  # a command with no stage (the feature store): its data is checked by the caller
+
+
+def check_stage_order(cfg) -> None:
+    """A stage of an experiment launched after the one it starts from (stage N-1 before stage N),
+    refused before anything is read or written, naming the command that comes first."""
+    name = _get(cfg, "recipe.name")
+    if name in (_MISSING, None):
         return
-    if _get(cfg, "features.mode") == "offline":
-        store = user_path(str(_get(cfg, "features.path")))
-        if not (store / "manifest.json").is_file():
-            raise ConfigError(f"experiment={name} trains from a feature store, and {store} (features.path) holds none "
-                              f"yet; make it first: `{_recipe_command(cfg, 'python scripts/generate_features.py')}` "
-                              f"(or train without one: features=online)")
+    stage = _get(cfg, "stage.id")
     init, run_dir = _get(cfg, "stage.init_from"), _get(cfg, "run_dir")
     if isinstance(stage, int) and stage > 1 and init not in (_MISSING, None) and run_dir not in (_MISSING, None):
         earlier = user_path(str(run_dir)) / f"stage{stage - 1}" / "final"
         if user_path(str(init)) == earlier and not (earlier / "config.json").is_file():
+            first = _recipe_command(cfg, "deepspeed train.py", f"stage={stage - 1}")
             raise ConfigError(f"stage {stage} of experiment={name} starts from stage {stage - 1}'s head ({earlier}), "
-                              f"which does not exist yet; run `{_recipe_command(cfg, 'deepspeed train.py', stage - 1)}` "
-                              f"first (a stopped one resumes when launched again)")
+                              f"which does not exist yet; run `{first}` first (a stopped one resumes when launched again)")
 
 
-def check_train(cfg) -> None:
-    """``train.py``'s config (a plain dict or DictConfig)."""
+#: the settings of a training launch that the feature store command takes too (its target, data and store)
+_STORE_KEYS = ("target", "data", "features", "experiment", "recipe")
+
+
+def _store_command(cfg, store: Path, overrides) -> str:
+    """The ``scripts/generate_features.py`` command that makes the store this launch reads: the
+    experiment's, with this launch's target, data and ``features.*`` overrides."""
+    import shlex
+
+    script = "python scripts/generate_features.py"
+    experiment = _get(cfg, "recipe.name") not in (_MISSING, None)
+    keep = []
+    for o in overrides or ():
+        key = o.split("=", 1)[0].lstrip("+~")
+        if key.split(".")[0] not in _STORE_KEYS or key in ("features", "features.mode", "features.verify"):
+            continue
+        if experiment and (key in ("experiment", "recipe.work") or key.startswith("recipe.stages")):
+            continue  # _recipe_command names them; the stages are training's
+        keep.append(shlex.quote(o))
+    if experiment:
+        return _recipe_command(cfg, script, *keep)
+    if not any(o.lstrip("'+~").startswith("features.path=") for o in keep):
+        keep.insert(0, shlex.quote(f"features.path={store}"))
+    return " ".join([script, *keep])
+
+
+def check_store(cfg, overrides=None) -> None:
+    """``features.mode=offline``: the feature store (``features.path``) exists and its generation
+    finished, before anything is read or written; else the command that makes (or finishes) it.
+    ``overrides``: the launch's command-line overrides, whose target and data the command repeats."""
+    import json
+
+    if _get(cfg, "features.mode") != "offline":
+        return
+    path = _get(cfg, "features.path")
+    if path in (_MISSING, None, "", "???"):
+        raise ConfigError("features.mode=offline trains from a feature store, and features.path is not set; give the "
+                          "store's folder (features.path=DIR, made by `python scripts/generate_features.py "
+                          "features.path=DIR` with the same target and data), or train without one: features=online")
+    store = user_path(str(path))
+    command = _store_command(cfg, store, overrides)
+    manifest = store / "manifest.json"
+    if not manifest.is_file():
+        raise ConfigError(f"features.path={path}: no feature store there yet (no {manifest.name}); make it first: "
+                          f"`{command}` (or train without one: features=online)")
+    try:
+        record = json.loads(manifest.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"features.path={path}: its {manifest.name} cannot be read ({e}); run `{command}` again: it "
+                          f"keeps the finished shards and rewrites {manifest.name}") from None
+    if not isinstance(record, dict) or not record.get("complete"):
+        shards = len(record.get("shards") or []) if isinstance(record, dict) else 0
+        raise ConfigError(f"features.path={path}: the feature store is not finished ({shards} shards written); "
+                          f"relaunch `{command}` to finish it (it keeps what is written)")
+
+
+def _missing_head(cfg, key: str) -> str | None:
+    """``key``'s value when it names a head the launch's experiment trains (``RUN_DIR/stageN/final``)
+    and that head is not written yet: the message naming the stage's command; else None."""
+    name, head, run_dir = _get(cfg, "recipe.name"), _get(cfg, key), _get(cfg, "run_dir")
+    if any(v in (_MISSING, None) for v in (name, head, run_dir)):
+        return None
+    path = user_path(str(head))
+    stage = re.fullmatch(r"stage(\d+)", path.parent.name)
+    if (path / "config.json").is_file() or path.name != "final" or stage is None:
+        return None
+    if path.parent.parent.resolve() != user_path(str(run_dir)).resolve():
+        return None
+    return (f"{key}={head} is the head stage {stage[1]} of experiment={name} exports, and it does not exist yet; "
+            f"train it first: `{_recipe_command(cfg, 'deepspeed train.py', f'stage={stage[1]}')}` (a stopped one "
+            f"resumes when launched again)")
+
+
+def check_recipe_head(cfg, key: str) -> None:
+    """A step after training (eval.py's ``draft=``, export.py's ``checkpoint=``...) reads the head its
+    experiment's training writes: refused before anything loads while that head does not exist,
+    naming the training command."""
+    message = _missing_head(cfg, key)
+    if message:
+        raise ConfigError(message)
+
+
+def hub_experiment(cfg, script: str) -> dict | None:
+    """``experiment=NAME`` of a hub script (export.py, push_to_hub.py): its ``checkpoint=`` and
+    ``out=`` filled from the experiment (``hub.cli.experiment_defaults``), and refused while the
+    head its recipe ends with is not trained yet, naming the command. Returns the experiment's
+    ``recipe`` block (its ``target``...), or None without one."""
+    from msd_train.hub.cli import experiment_defaults
+
+    found = experiment_defaults(cfg, script)
+    if found is None:
+        return None
+    check_recipe_head(found, "checkpoint")
+    return found["recipe"]
+
+
+def check_recipe_export(cfg, key: str, fmt: str, head_key: str | None = None) -> None:
+    """``key`` names the experiment's export in format ``fmt`` (``recipe.exports``/FMT, what
+    ``scripts/export.py experiment=NAME format=FMT`` writes): refused while it does not exist, naming
+    the training command when the head it is made from (``head_key``) is missing too, else the export."""
+    from msd_train.config import recipe_export
+
+    name, value, exports = _get(cfg, "recipe.name"), _get(cfg, key), _get(cfg, "recipe.exports")
+    if any(v in (_MISSING, None) for v in (name, value, exports)):
+        return
+    path = user_path(str(value))
+    if (path / "config.json").is_file() or path.resolve() != user_path(recipe_export(exports, fmt)).resolve():
+        return
+    first = _missing_head(cfg, head_key) if head_key else None
+    if first:
+        raise ConfigError(f"{key}={value} is experiment={name}'s format={fmt} export, made from its trained "
+                          f"head; {first}")
+    raise ConfigError(f"{key}={value} is experiment={name}'s format={fmt} export, which does not exist yet; make it "
+                      f"first: `{_recipe_command(cfg, 'python scripts/export.py', f'format={fmt}')}`")
+
+
+def check_train(cfg, overrides=None) -> None:
+    """``train.py``'s config (a plain dict or DictConfig); ``overrides``: the launch's command-line
+    overrides (Hydra's), which a refusal's fix repeats."""
+    # a recipe's steps in order: its target, the feature store, then the stage before this one
     check_experiment(cfg)
+    check_store(cfg, overrides)
+    check_stage_order(cfg)
     for key in ("train.max_steps", "train.micro_batch_size", "train.grad_accum", "train.max_bad_steps",
                 "eval.every", "eval.rollout", "eval.batch_size", "checkpoint.every", "data.max_length",
                 "data.num_proc"):
@@ -230,7 +347,11 @@ EXACT_ATTENTION = ("auto", "sdpa", "eager")
 def check_eval(cfg, method: str) -> None:
     """``eval.py``'s config: numbers, the target's attention, the decoding settings (a tree's
     top_k against the target's vocabulary, read from its config.json), the head, the output
-    folder (writable, checked now rather than after all the decoding)."""
+    folder (writable, checked now rather than after all the decoding); with an experiment, its target
+    and its head trained first."""
+    check_experiment(cfg)
+    if method != "ar":
+        check_recipe_head(cfg, "draft")
     attn = _get(cfg, "target.attn_implementation")
     if attn is not _MISSING and attn is not None and attn not in EXACT_ATTENTION:
         raise ConfigError(
@@ -425,6 +546,17 @@ def check_head(draft, draft_vocab=None, method: str | None = None, ensemble: str
             raise ConfigError(f"decoding.draft_vocab={draft_vocab}: draft={draft} is an {kind} head, which drafts over "
                               f"the {config.get('draft_vocab_size')}-token vocabulary it was trained with "
                               f"(draft.draft_vocab_size at training); decoding.draft_vocab is for msd heads: drop it")
+
+
+def check_serve(cfg) -> None:
+    """``scripts/serve_check.py``'s heads, before vLLM is asked for: ``draft=`` given; with an
+    experiment, its target, and its head trained and exported first (naming the command)."""
+    check_experiment(cfg)
+    check_recipe_export(cfg, "draft", "vllm", head_key="original")
+    check_recipe_head(cfg, "original")
+    if _get(cfg, "draft") in (_MISSING, None, "", "???"):
+        raise ConfigError("draft is not set; give draft=DIR, a head exported with `python scripts/export.py "
+                          "checkpoint=HEAD format=vllm out=DIR`, or experiment=NAME (its recipe's export)")
 
 
 def check_out_dir(out: str | Path) -> None:

@@ -5,6 +5,7 @@
     python scripts/export.py checkpoint=heads/tiny format=reference target=tiny out=heads/tiny-reference
     python scripts/export.py checkpoint=runs/tiny/stage2/final format=eagle3 out=heads/tiny-eagle3  (msd3 heads)
     python scripts/export.py checkpoint=runs/tiny/stage2/final format=vllm out=heads/tiny-vllm  (docs/serving.md)
+    python scripts/export.py experiment=smollm2_llava format=vllm   # its head, into work/smollm2_llava/export/vllm
 
 format=reference writes config.json + model.safetensors (weights=bin: pytorch_model.bin)
 with embed_tokens.weight taken from embed_from=, target=, or the folder the head was
@@ -22,7 +23,7 @@ from msd_train.config import CONF_DIR
 from msd_train.hub.cli import require_arguments, target_info, user_error_kinds
 from msd_train.outputs import output_dir, relocate
 from msd_train.paths import user_path
-from msd_train.validate import user_errors
+from msd_train.validate import hub_experiment, user_errors
 
 #: the keys of conf/hub/export.yaml that are options of some format's export
 OPTIONS = ("target", "dtype", "embed_from", "weights", "vocab_size")
@@ -32,6 +33,7 @@ OPTIONS = ("target", "dtype", "embed_from", "weights", "vocab_size")
 def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with user_errors(*user_error_kinds()):  # a user's mistake: one paragraph, exit 1 (MSD_DEBUG=1: the traceback)
+        recipe = hub_experiment(cfg, "export")  # experiment=NAME: its head, its exports folder, its target
         require_arguments(cfg, "export")
         from msd_train import hub  # fills the format registry
 
@@ -40,7 +42,8 @@ def main(cfg: DictConfig) -> None:
         # weights=auto are the defaults): fmt.export refuses those rather than ignore them
         options = {k: cfg[k] for k in OPTIONS if k in fmt.options or cfg[k] not in (None, "auto")}
         if "target" in fmt.options:
-            options["target"] = target_info(cfg.target)
+            target = cfg.target if cfg.target is not None or recipe is None else recipe["target"]
+            options["target"] = target_info(target)
         out = user_path(cfg.out)
         # written beside out= and renamed into place; a folder this command did not make is refused
         # (overwrite=true replaces it), a run or the checkpoint itself never

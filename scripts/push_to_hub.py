@@ -3,6 +3,7 @@
 
     python scripts/push_to_hub.py checkpoint=runs/tiny/stage2/final repo_id=me/msd-tiny dry_run=true
     python scripts/push_to_hub.py checkpoint=runs/tiny/stage2/final repo_id=me/msd-tiny private=true
+    python scripts/push_to_hub.py experiment=smollm2_llava repo_id=me/msd-smollm2-llava dry_run=true
 
 Creates the repository if missing and uploads the export folder (weights, config.json,
 training.json, local paths masked), report.json and README.md. The card carries the training commands, the
@@ -18,13 +19,14 @@ from omegaconf import DictConfig
 
 from msd_train.config import CONF_DIR
 from msd_train.hub.cli import require_arguments, user_error_kinds
-from msd_train.validate import user_errors
+from msd_train.validate import hub_experiment, user_errors
 
 
 @hydra.main(config_path=str(CONF_DIR / "hub"), config_name="push", version_base=None)
 def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with user_errors(*user_error_kinds()):  # a refused head or id, no token, no network: one paragraph, exit 1
+        hub_experiment(cfg, "push")  # experiment=NAME: the head its recipe ends with
         require_arguments(cfg, "push")
         from msd_train.hub import push_head
 

@@ -1,6 +1,7 @@
 """Answer training conversations with the target itself (what EAGLE-3 trains on).
 
     python scripts/regenerate_data.py out=DIR inputs='[{path: sharegpt.json}]' target=smollm2_llava
+    python scripts/regenerate_data.py out=DIR inputs='[{path: sharegpt.json}]' experiment=llava15_7b   # its target
     torchrun --nproc_per_node 8 scripts/regenerate_data.py out=DIR ...
     python scripts/regenerate_data.py out=DIR ... limit=200 max_new_tokens=256 temperature=0.7
     .venv-vllm/bin/python scripts/regenerate_data.py engine=vllm out=DIR ...   # batched in vLLM
@@ -36,7 +37,7 @@ def main(cfg: DictConfig) -> None:
     from msd_train.paths import user_path
     from msd_train.serving.regenerate import VLLMEngine, vllm_version
     from msd_train.targets import load_target
-    from msd_train.validate import ConfigError, _number, check_target, user_errors
+    from msd_train.validate import ConfigError, _number, check_experiment, check_target, user_errors
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     settings = OmegaConf.to_container(cfg, resolve=True)
@@ -45,6 +46,7 @@ def main(cfg: DictConfig) -> None:
     with user_errors(RegenerateError, EngineError, FileNotFoundError, kept=kept):
         if OmegaConf.is_missing(cfg, "out"):
             raise ConfigError("out is not set; give out=DIR, the folder for the regenerated conversations")
+        check_experiment(settings)  # experiment=NAME: on its own target
         for key in ("max_new_tokens", "max_prompt_tokens"):
             _number(settings, key, int, lo=1)
         for key in ("limit", "max_turns"):

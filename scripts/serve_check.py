@@ -3,6 +3,7 @@
 
     python scripts/serve_check.py draft=heads/tiny-vllm original=runs/tiny/stage2/final k=5   # tiny target, bench=tiny
     python scripts/serve_check.py draft=heads/tiny-vllm modes=[ar,plugin]
+    python scripts/serve_check.py experiment=smollm2_llava bench=jsonl k=2   # its recipe's vLLM export and head
 
 Run with the vLLM environment's python (``scripts/vllm_env.sh``). Decodes every benchmark
 turn with this project's plain and chain-k decoders (the prompts every engine is given),
@@ -24,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from msd_train.config import CONF_DIR
 from msd_train.paths import user_path
-from msd_train.validate import ConfigError, user_errors
+from msd_train.validate import ConfigError, check_serve, user_errors
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="serve_check", version_base=None)
@@ -32,6 +33,7 @@ def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     plain = OmegaConf.to_container(cfg, resolve=True)
     with user_errors(FileNotFoundError):
+        check_serve(plain)  # draft= given; experiment=NAME: its head trained and exported first
         try:
             import vllm  # noqa: F401
         except ImportError as e:

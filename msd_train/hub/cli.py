@@ -33,6 +33,28 @@ def require_arguments(cfg: DictConfig, script: str) -> None:
                           f"(see conf/hub/{script}.yaml)")
 
 
+def experiment_defaults(cfg: DictConfig, script: str) -> dict | None:
+    """``experiment=NAME`` (``conf/experiment/NAME.yaml``, composed as train.py does, with the
+    ``recipe.work=`` given): ``checkpoint=`` when left out is the head its recipe ends with
+    (``recipe.head``), and export.py's ``out=`` its ``recipe.exports``/FORMAT. Returns what the
+    checks read (``validate.hub_experiment``): the experiment's ``recipe`` block (resolved: name,
+    target, work, head, exports), its ``run_dir`` and the ``checkpoint``; None without one."""
+    name = cfg.get("experiment")
+    if not name:
+        return None
+    from msd_train.config import compose_experiment, recipe_export
+
+    work = OmegaConf.select(cfg, "recipe.work")
+    quoted = str(work).replace("'", "\\'")
+    composed = compose_experiment(str(name), [f"recipe.work='{quoted}'"] if work else [])
+    recipe = {k: OmegaConf.select(composed, f"recipe.{k}") for k in ("name", "target", "work", "head", "exports")}
+    if OmegaConf.is_missing(cfg, "checkpoint"):
+        cfg.checkpoint = recipe["head"]
+    if script == "export" and OmegaConf.is_missing(cfg, "out"):
+        cfg.out = recipe_export(recipe["exports"], cfg.format)
+    return {"recipe": recipe, "run_dir": OmegaConf.select(composed, "run_dir"), "checkpoint": cfg.checkpoint}
+
+
 def target_info(value: str | None):
     """`target=` of the hub scripts as the ``TargetInfo`` the hub functions take (None without one)."""
     from msd_train.hub import TargetInfo

@@ -112,7 +112,9 @@ def compose_resolved(entry, overrides):
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, open_dict
 
-    conf_dir, name = {**ENTRY_POINTS, "generate_features.py": (CONF_DIR, "generate_features")}[entry]
+    more = {"generate_features.py": "generate_features", "serve_check.py": "serve_check",
+            "regenerate_data.py": "regenerate"}
+    conf_dir, name = {**ENTRY_POINTS, **{k: (CONF_DIR, v) for k, v in more.items()}}[entry]
     argv = [entry, *overrides]
     strip_launcher_args(argv)
     with initialize_config_dir(config_dir=str(conf_dir), version_base=None):
@@ -182,10 +184,100 @@ def test_head_eagle3_is_msd3_without_decoupling():
 
 
 def test_an_unknown_experiment_is_refused_listing_those_that_exist():
-    with pytest.raises(ConfigCompositionException) as err:
-        compose_entry("train.py", ["experiment=smolm2_llava"])
-    assert "smollm2_llava" in str(err.value) and "qwen25vl_7b" in str(err.value)
-    assert "recipe_base" not in str(err.value)
+    from msd_train.validate import ConfigError, hub_experiment
+
+    for entry in ("train.py", "eval.py"):
+        with pytest.raises(ConfigCompositionException) as err:
+            compose_entry(entry, ["experiment=smolm2_llava"])
+        assert "smollm2_llava" in str(err.value) and "qwen25vl_7b" in str(err.value)
+        assert "recipe_base" not in str(err.value)
+    with pytest.raises(ConfigError, match="experiment=smolm2_llava: no such experiment.*of .*qwen25vl_7b.*smollm2_llava"):
+        hub_experiment(compose_entry("scripts/export.py", ["experiment=smolm2_llava", "format=vllm"]), "export")
+
+
+def test_the_steps_after_training_take_the_experiment(tmp_path):
+    """eval.py, serve_check.py and regenerate_data.py compose the experiment (its target, the head its
+    recipe ends with, its prompts); export.py and push_to_hub.py fill their checkpoint= and out= from it."""
+    from msd_train.validate import hub_experiment
+
+    work = ["experiment=smollm2_llava", f"recipe.work={tmp_path}"]
+    smollm2 = compose_resolved("train.py", ["target=smollm2_llava"])["target"]["name_or_path"]
+    cfg = compose_resolved("eval.py", [*work, "bench=jsonl"])
+    assert cfg["target"]["name_or_path"] == smollm2
+    assert cfg["draft"] == f"{tmp_path}/run/stage2/final" == cfg["recipe"]["head"]
+    assert cfg["bench"]["path"] == f"{tmp_path}/splits/bench_text.jsonl"
+    assert compose_resolved("eval.py", [*work, "draft=other/head"])["draft"] == "other/head"
+    gpu = compose_resolved("eval.py", ["experiment=llava15_7b", "bench=mmspec"])  # no data= group in eval.py
+    assert gpu["draft"] == "work/llava15_7b/run/stage2/final" and gpu["bench"]["path"] == "work/llava15_7b/mmspec"
+    serve = compose_resolved("serve_check.py", work)
+    assert (serve["draft"], serve["original"]) == (f"{tmp_path}/export/vllm", f"{tmp_path}/run/stage2/final")
+    assert compose_resolved("serve_check.py", [])["draft"] is None
+    assert compose_resolved("regenerate_data.py", [*work, "out=x"])["target"]["name_or_path"] == smollm2
+    (tmp_path / "run" / "stage2" / "final").mkdir(parents=True)
+    (tmp_path / "run" / "stage2" / "final" / "config.json").write_text("{}")
+    export = compose_entry("scripts/export.py", [*work, "format=vllm"])
+    assert hub_experiment(export, "export")["target"] == "smollm2_llava"
+    assert (export.checkpoint, export.out) == (f"{tmp_path}/run/stage2/final", f"{tmp_path}/export/vllm")
+    push = compose_entry("scripts/push_to_hub.py", [*work, "repo_id=me/x"])
+    hub_experiment(push, "push")
+    assert push.checkpoint == f"{tmp_path}/run/stage2/final"
+
+
+def test_a_step_after_training_before_its_head_names_the_command_that_makes_it(tmp_path):
+    """Evaluating, exporting, pushing or serving an experiment's head before its training (or its
+    export) wrote it, or on another target: refused before anything loads, with the command to run first."""
+    from msd_train.validate import ConfigError, check_eval, check_experiment, check_serve, hub_experiment
+
+    work = ["experiment=smollm2_llava", f"recipe.work={tmp_path}"]
+    train = re.escape(f"`deepspeed train.py experiment=smollm2_llava recipe.work={tmp_path} stage=2`")
+    head = re.escape(f"{tmp_path}/run/stage2/final")
+    with pytest.raises(ConfigError, match=f"draft={head} is the head stage 2 .*{train}"):
+        check_eval(compose_resolved("eval.py", work), "tree")
+    with pytest.raises(ConfigError, match=train):
+        check_serve(compose_resolved("serve_check.py", work))
+    for entry, script in (("scripts/export.py", "export"), ("scripts/push_to_hub.py", "push")):
+        with pytest.raises(ConfigError, match=f"checkpoint={head} .*{train}"):
+            hub_experiment(compose_entry(entry, [*work, "format=vllm" if script == "export" else "repo_id=a/b"]),
+                                script)
+    (tmp_path / "run" / "stage2" / "final").mkdir(parents=True)
+    (tmp_path / "run" / "stage2" / "final" / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=re.escape(
+            f"`python scripts/export.py experiment=smollm2_llava recipe.work={tmp_path} format=vllm`")):
+        check_serve(compose_resolved("serve_check.py", work))
+    for entry, extra in (("eval.py", []), ("regenerate_data.py", ["out=x"])):
+        with pytest.raises(ConfigError, match="recipe for target=smollm2_llava, but this launch says target=tiny"):
+            check_experiment(compose_resolved(entry, [*work, "target=tiny", *extra]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing written
+
+
+def test_training_from_a_store_not_made_or_not_finished_names_the_command_that_makes_it(tmp_path):
+    """Any launch with features=offline, not only an experiment's: refused before anything is read or
+    written while features.path holds no finished store, naming the generate_features command with
+    this launch's target, data and store settings."""
+    from msd_train.validate import ConfigError, check_store, check_train
+
+    store = tmp_path / "store"
+    overrides = ["stage='2'", "features=offline", f"features.path={store}", "target=tiny",
+                 "data.text=[{path: a.json}]", "features.layers=[1,2]", "train.max_steps=3"]
+    cfg = compose_resolved("train.py", overrides)
+    command = ("`python scripts/generate_features.py " + f"features.path={store} target=tiny "
+               "'data.text=[{path: a.json}]' 'features.layers=[1,2]'`")  # quoted for the shell
+    with pytest.raises(ConfigError, match=f"features.path={re.escape(str(store))}: no feature store there yet .*"
+                                          f"{re.escape(command)}"):
+        check_train(cfg, overrides)
+    store.mkdir()
+    (store / "manifest.json").write_text('{"complete": false, "shards": [{}, {}]}')
+    with pytest.raises(ConfigError, match=f"not finished \\(2 shards written\\); relaunch {re.escape(command)}"):
+        check_train(cfg, overrides)
+    (store / "manifest.json").write_text('{"complete": true, "shards": [{}, {}]}')
+    check_store(cfg, overrides)
+    with pytest.raises(ConfigError, match="features.path is not set"):
+        check_train(compose_resolved("train.py", ["features=offline"]))
+    work = tmp_path / "work"
+    recipe = ["experiment=smollm2_llava", f"recipe.work={work}", "stage='1'", "data.max_length=256"]
+    with pytest.raises(ConfigError, match=re.escape(  # an experiment's, with the launch's data overrides
+            f"`python scripts/generate_features.py experiment=smollm2_llava recipe.work={work} data.max_length=256`")):
+        check_train(compose_resolved("train.py", recipe), recipe)
 
 
 def test_a_recipe_step_out_of_order_names_the_command_that_comes_first(tmp_path):
@@ -198,7 +290,7 @@ def test_a_recipe_step_out_of_order_names_the_command_that_comes_first(tmp_path)
             f"`python scripts/generate_features.py experiment=smollm2_llava recipe.work={tmp_path}`")):
         check_train(compose_resolved("train.py", [*work, "stage=1"]))
     (tmp_path / "store").mkdir()
-    (tmp_path / "store" / "manifest.json").write_text("{}")
+    (tmp_path / "store" / "manifest.json").write_text('{"complete": true}')
     with pytest.raises(ConfigError, match=re.escape(
             f"`deepspeed train.py experiment=smollm2_llava recipe.work={tmp_path} stage=1`")):
         check_train(compose_resolved("train.py", [*work, "stage=2"]))

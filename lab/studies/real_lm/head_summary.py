@@ -3,7 +3,8 @@ only: the decoder on each CPU kind (``results/any_cpu/summary.json``, ``lab/benc
 epochs it has trained and held-out simulated tau against them (the lineage's metrics under
 ``results/scale/runs/``), and the on-policy comparison (``results/on_policy/results.json``,
 ``lab/studies/on_policy.py``), and the head served by vLLM where ``results/served/`` holds its
-reports (``scale_serve.sh``). Run after ``scale_summary`` (which rewrites the file from a WORK folder).
+reports (made with ``lab/studies/real_lm/scale_serve.sh`` at commit a35df55). Run after ``scale_summary``
+(which rewrites the file from a WORK folder).
 
     python -m lab.studies.real_lm.head_summary [--head msd-stage2]
 
@@ -115,7 +116,7 @@ def plot_tau_vs_epochs(table: list[dict], out: Path) -> None:
 
 
 def served(head: str) -> dict:
-    """The committed head served by vLLM (``results/served/NAME-rN/report.json``, ``scale_serve.sh``
+    """The committed head served by vLLM (``results/served/NAME-rN/report.json``, serve_check.py's
     reports copied there; NAME is the head's name, with ``-float32`` for vLLM in fp32)."""
     from lab.studies.real_lm.scale_summary import served_summary
 

@@ -1,15 +1,16 @@
 """The scale data's regenerated conversations, committed compressed (data/smollm2-llava-regen/).
 
     python -m lab.studies.real_lm.scale_data pack [WORK]      # WORK/regen_*/rank-*.jsonl -> data/smollm2-llava-regen/*.jsonl.xz
-    python -m lab.studies.real_lm.scale_data unpack [WORK]    # the reverse: regen_scale.sh then resumes from them
+    python -m lab.studies.real_lm.scale_data unpack [WORK]    # the reverse: the regeneration then resumes from them
 
-lab/studies/real_lm/regen_scale.sh answers thousands of conversations in the background over
-hours; a session that ends kills it. Packing keeps what is done in the repository: each
+The regeneration (data/README.md, "The scale data": three scripts/regenerate_data.py runs into
+WORK/regen_img, regen_img_describe and regen_text) answers thousands of conversations in the
+background over hours; a session that ends kills it. Packing keeps what is done in the repository: each
 record without its ``original`` messages (ShareGPT's answers are recovered from the prefix
 file by ``source`` and ``index``; easy-VQA's placeholders are not needed), image paths made
 relative to the easy-VQA folder that ``lab/targets/make_smollm2_llava.py`` unpacks. Unpacking
 writes the records back as the rank file of the regeneration folder, with the image paths
-of this machine, so relaunching ``regen_scale.sh`` answers only what is missing (records
+of this machine, so relaunching the same regenerate_data.py commands answers only what is missing (records
 are matched by their content key, not by position).
 """
 

@@ -43,7 +43,7 @@ def answered(name: str, before: int | None = None) -> tuple[list[dict], int]:
     path = REGEN / name
     if not path.is_file():
         raise SystemExit(f"{path} is missing: it is committed with the repository (git checkout it), or "
-                         f"made by lab/studies/real_lm/regen_scale.sh then scale_data.py pack")
+                         f"made by the regeneration of data/README.md (\"The scale data\") then scale_data.py pack")
     with lzma.open(path, "rt", encoding="utf-8") as fh:
         recs = sorted((json.loads(line) for line in fh), key=lambda r: r["n"])
     if before is not None:

@@ -3,9 +3,11 @@ benchmarks/real_lm/summary.json, from the run and eval folders of the scale scri
 
     python -m lab.studies.real_lm.scale_summary WORK [--out benchmarks/real_lm/results/scale]
 
-WORK holds runs/RUN/stageN/metrics.jsonl (scale_train.sh), eval/HEAD/SETTING-rN/report.json and
-eval/HEAD/generate-{sdpa,eager}.json (scale_eval.sh), serve/HEAD-rN/report.json (serve_check.py) and
-splits/splits.json. Missing pieces are left out of the tables, and said.
+WORK holds runs/RUN/stageN/metrics.jsonl (train.py with run_dir=WORK/runs/RUN), eval/HEAD/SETTING-rN/report.json
+(eval.py out=), eval/HEAD/generate-{sdpa,eager}.json (``python -m lab.studies.real_lm.generate_speed --out``),
+serve/HEAD-rN/report.json (serve_check.py out=) and splits/splits.json: the layout of the drivers the committed
+results were made with (``git show 35130f7:lab/studies/real_lm/scale_train.sh``, ``git show
+a35df55:lab/studies/real_lm/scale_eval.sh``). Missing pieces are left out of the tables, and said.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def last_eval(metrics: Path) -> dict:
 
 
 def text_conversations(run_dir: Path) -> int | None:
-    """A sweep run's data.max_train, from its name (scale_train.sh sweep-N); None: all."""
+    """A sweep run's data.max_train, from its name (scale_train.sh's sweep-N at commit 35130f7); None: all."""
     m = re.fullmatch(r"sweep-(\d+)", run_dir.name)
     return int(m.group(1)) if m else None
 

@@ -1,6 +1,7 @@
 """The field's training settings against the project's defaults at equal data: msd stage 1 from
-scratch on the same text conversations from the store (``scale_train.sh settings-field-N`` and
-``settings-today-N``), held-out validation every 1,024 conversations. Reads the committed metrics
+scratch on the same text conversations from the store (``settings-field-N`` and ``settings-today-N``
+of ``lab/studies/real_lm/scale_train.sh`` at commit 35130f7: ``git show 35130f7:lab/studies/real_lm/scale_train.sh``),
+held-out validation every 1,024 conversations. Reads the committed metrics
 (``results/scale/runs/RUN/stage1/metrics.jsonl.gz``), prints the table and writes
 ``results/scale/settings.json``.
 
