@@ -339,10 +339,15 @@ def test_train_py_runs_with_tilde_paths(tmp_path):
     elsewhere, run_dir and the data files under ``~`` train and export there (no ./~ folder)."""
     for name, src, n in (("text.json", "sharegpt_train.json", 12), ("held.json", "sharegpt_heldout.json", 4)):
         (tmp_path / name).write_text(json.dumps(json.loads((ROOT / "data/tiny" / src).read_text())[:n]))
+    from msd_train.training.build_locks import extensions_root
+
+    # torch keeps its built extensions under ~/.cache: named where they are, so that DeepSpeed's
+    # communication op is not compiled again under the new HOME (20 s of the test, and not its subject)
+    env = {**ENV, "HOME": str(tmp_path), "TORCH_EXTENSIONS_DIR": str(extensions_root())}
     out, _ = run("train.py", "run_dir='~/run'", "data.text.0.path='~/text.json'", "data.heldout_text.0.path='~/held.json'",
                  "stage.splits=[text,heldout_text]", "train.max_steps=1", "eval.every=1000", "train.micro_batch_size=2",
                  "data.max_heldout=4", "logging.wandb.mode=disabled", "logging.progress=false",
-                 env={**ENV, "HOME": str(tmp_path)}, timeout=900, cwd=tmp_path)
+                 env=env, timeout=900, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (tmp_path / "run" / "stage1" / "final" / "model.safetensors").is_file()
     assert not (tmp_path / "~").exists()

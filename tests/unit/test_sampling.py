@@ -3,7 +3,7 @@
 The target here is a one-layer causal LM over 8 tokens written out in a few lines, with
 the interface of ``msd_train.targets.Target`` that the decoder uses (a transformers
 ``DynamicCache``, 4-D additive tree masks, explicit positions). It is small enough that
-20,000 draws through the real decode loop take seconds, and that the exact distribution
+thousands of draws through the real decode loop take seconds, and that the exact distribution
 of every 3-token continuation can be enumerated. The "good" head reads the same weights
 as the target (high acceptance, not exact: it misses the first token and sees shifted
 positions); the "bad" head is another random model, sharpened so it disagrees confidently.
@@ -39,7 +39,18 @@ from msd_train.decoding import (
 )
 from msd_train.targets import Encoded
 
-DRAWS = 20_000
+DRAWS = 20_000  # the acceptance rule alone (microseconds a draw)
+
+# Draws of the real decode loop (milliseconds a draw; the bad head, at ~3 cycles a draw, half).
+# The chi-square test's threshold p = 1e-3 is its false-alarm rate: a correct decoder fails one
+# run in a thousand, whatever the draws. With 6,000 draws it detects, with 95% power, an output
+# distribution q whose chi-square divergence sum((q - p)^2 / p) from the target's p is 0.009 to
+# 0.013 by case (0.024 for the bad head's 3,000): about 2 points of probability moved between
+# two 10% continuations. The rejection-rule bugs it guards are 10 to 30 times that: a residual
+# that keeps the rejected token (tree) or is p instead of max(p - q, 0) (chain, block) measured
+# 0.15 to 0.31, failing at p < 1e-77 with 3,000 draws. 20,000 draws detected 0.0027 to 0.005,
+# at 3.3 times the time (200 s of the suite's 21 minutes).
+DECODE_DRAWS = 6_000
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -68,7 +79,7 @@ def test_decode_loop_is_lossless(method, head, sampling):
     and chain (proposals sampled from the head) paths of the loop, for a head that is
     mostly accepted and one that is mostly not; and a dflash head's block (all proposals
     drawn at once, each from its own block position's distribution: ``decoding/block.py``)."""
-    draws = DRAWS if head != "bad" else DRAWS // 2  # the bad head needs ~3 cycles a draw: keep the file fast
+    draws = DECODE_DRAWS if head != "bad" else DECODE_DRAWS // 2
     target = TinyTarget(seed=0)
     # "pruned": the good head drafting from a draft vocabulary without 3 of the 8 ids (never proposed,
     # still emitted by the target at their probability)
