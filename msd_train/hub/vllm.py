@@ -390,7 +390,9 @@ def import_vllm(folder: str | Path) -> DraftHead:
     layer = config.get("transformer_layer_config", config)
     state = {**load_file(str(folder / "model.safetensors")), **read_extras(folder)}
     if (folder / MASK_EMBEDDING).is_file():
-        state["mask_embedding"] = torch.load(folder / MASK_EMBEDDING, weights_only=True)["embedding"]
+        from msd_train.trust import torch_load
+
+        state["mask_embedding"] = torch_load(folder / MASK_EMBEDDING, fix="export the head again")["embedding"]
     rope = dict(layer.get("rope_scaling") or {})
     rope.setdefault("rope_theta", layer.get("rope_theta"))
     rope.setdefault("rope_type", "default")
