@@ -39,18 +39,27 @@ def main(cfg: DictConfig) -> None:
         except ImportError as e:
             raise ConfigError(f"vLLM is not importable here ({e}); build its environment with "
                               "`bash scripts/vllm_env.sh` and run this script with .venv-vllm/bin/python") from None
+        from msd_train.hub.vllm import vllm_layout
         from msd_train.serving import check
         from msd_train.serving.target import vllm_target
 
         draft = user_path(plain["draft"])
         config = json.loads((draft / "config.json").read_text()) if (draft / "config.json").is_file() else {}
         block = config.get("msd") or {}
-        if block.get("architecture") not in ("msd", "msd3"):
+        layout = vllm_layout(block) if block else None
+        if layout is None:
             raise ConfigError(f"draft={draft}: not a head exported with format=vllm (config.json has no \"msd\" "
                               f"block); export it: python scripts/export.py checkpoint=HEAD format=vllm out={draft}")
         bad = [m for m in plain["modes"] if m not in check.MODES]
         if bad:
             raise ConfigError(f"modes={plain['modes']}: {bad} are not runs; use any of {list(check.MODES)}")
+        fixed = layout.speculative_tokens(block)
+        if fixed is not None and int(plain["k"]) != fixed:
+            raise ConfigError(f"k={plain['k']}: a {block['architecture']} export drafts its whole block in vLLM "
+                              f"(block_size {block['block_size']}): give k={fixed}")
+        if not layout.stock_mode and "stock" in plain["modes"]:
+            logging.info("modes: stock left out: %s", layout.stock)
+            plain["modes"] = [m for m in plain["modes"] if m != "stock"]
         out = user_path(plain["out"]) if plain.get("out") else draft.parent / f"serve-check-{draft.name}-{plain['bench']['name']}"
         from msd_train.evaluation.bench import generation_length
 
@@ -70,7 +79,7 @@ def main(cfg: DictConfig) -> None:
         spec = {"target": str(target), "k": k, "max_new_tokens": n_new, "dtype": plain["dtype"],
                 "max_model_len": int(plain["max_model_len"]), "turns": prompts["turns"],
                 "max_images": max([len(t["images"]) for t in prompts["turns"]] + [1]),
-                "method": "eagle" if block["architecture"] == "msd" else "eagle3"}
+                "method": layout.method}
         runs = {}
         for mode in plain["modes"]:
             logging.info("vLLM: %s", mode)

@@ -107,7 +107,8 @@ class DFlashDraftConfig(MSDDraftConfig):
 
     stage_overridable = ("decouple_visual", "draft_positions", "num_anchors", "loss_decay_gamma")
     layout_extras = ("decouple_visual", "draft_positions", "block_size", "feature_layers", "target_num_layers",
-                     "num_anchors", "loss_decay_gamma", "layer_family", "mrope_section", "target_name_or_path",
+                     "num_anchors", "loss_decay_gamma", "train_vocab", "layer_family", "mrope_section",
+                     "target_name_or_path",
                      "target_vocab_size", "target_hidden_size", "target_adapter", "target_model_type")
 
     num_hidden_layers: int = 5

@@ -313,17 +313,17 @@ def _serving_section(config: MSDDraftConfig, repo_id: str, target_id: str | None
             "# (any other folder comes back as it is)",
             f"target = vllm_target({json.dumps(load_arg)}, \"vllm-target\")",
         ]
+    k = layout.speculative_tokens(config) or 5
     lines += [
         f"llm = LLM(model={model}, speculative_config={{\"model\": \"head-vllm\", \"method\": \"{layout.method}\", "
-        "\"num_speculative_tokens\": 5})",
+        f"\"num_speculative_tokens\": {k}}})",
         "print(llm.generate([\"Say hello.\"], SamplingParams(max_tokens=32))[0].outputs[0].text)",
         "```",
         "",
         "Run it in vLLM's environment with msd-train installed (msd-train's `bash scripts/vllm_env.sh` builds one; "
         f"`python scripts/export.py checkpoint={repo_id} format=vllm out=head-vllm` writes the same folder). There "
-        f"msd-train's plugin serves the head as trained ({layout.plugin_keeps}); stock vLLM, without msd-train, "
-        "serves the same folder in a compatible mode that drafts from the image placeholder's embedding. Outputs are "
-        "the target's either way. See msd-train's docs/serving.md.",
+        f"msd-train's plugin serves the head as trained ({layout.plugin_keeps}); {layout.stock}. See "
+        "msd-train's docs/serving.md.",
         "",
     ]
     return lines

@@ -58,7 +58,8 @@ class HeadFormat:
         """Refuse a head this format cannot hold, naming the formats that can."""
         if not self.holds(head.architecture):
             others = [f.name for f in FORMATS.values() if f.holds(head.architecture)]
-            raise ValueError(f"format={self.name} holds {' and '.join(self.heads)} heads; {where} is an "
+            held = " and ".join(filter(None, (", ".join(self.heads[:-1]), self.heads[-1])))
+            raise ValueError(f"format={self.name} holds {held} heads; {where} is an "
                              f"{head.architecture} head (use {' or '.join(f'format={n}' for n in others)})")
 
 

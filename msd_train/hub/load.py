@@ -40,7 +40,9 @@ def load_head(path_or_repo_id: str | Path, target: TargetProtocol | None = None,
         raise IncompleteHeadError(f"{path_or_repo_id}: a head in the {fmt.name} format is written for another engine; "
                                   f"this project does not load it back (load the folder it was exported from)")
     model = fmt.load(folder, target=target, source=str(path_or_repo_id))
-    model.token_counts = load_counts(folder)  # None without a counts file (decoding.draft_vocab needs it)
+    counts = load_counts(folder)  # None without a counts file (decoding.draft_vocab needs it)
+    if counts is not None or getattr(model, "token_counts", None) is None:  # a format may keep them elsewhere
+        model.token_counts = counts
     if target is not None:
         check_fits(model, target, str(path_or_repo_id))
         model = cast_head(model, device=target.device, dtype=target.dtype)

@@ -18,6 +18,28 @@
                       ``norm.weight``, ``lm_head.weight``, ``d2t``/``t2d`` when the draft
                       vocabulary is smaller than the target's
 
+``dflash`` head -> vLLM's DFlash layout (``speculative_config={"method": "dflash",
+"num_speculative_tokens": block_size - 1}``), under an architecture only this project's
+plugin registers:
+    config.json       a LlamaConfig of the head's layers with ``architectures:
+                      ["DFlashMSDDraftModel"]``, ``block_size``, ``target_hidden_size`` and
+                      ``dflash_config``: ``target_layer_ids`` (DFlash names a layer by its
+                      output, this project by its input: j here is j-1 there; -1, the
+                      target's input embeddings, is added for ``decouple_visual``, whose
+                      context reads them at image positions), ``mask_token_id`` (the
+                      target's vocabulary size: no target token, so a block's root is never
+                      taken for a mask); plus the ``"msd"`` block
+    model.safetensors ``fc.weight``, ``hidden_norm.weight``, ``layers.N.*``, ``norm.weight``
+                      under DFlash's names; no embedding, no lm_head (the target's)
+    mask_embedding.pt the learned mask embedding, as vLLM's DFlash loader reads a
+                      separately trained one (``{"mask_token_id", "embedding"}``)
+    msd/extras.safetensors ``visual_norm.weight`` (the decoupled visual path)
+    msd/token_counts.safetensors the head's token counts, when it has them (its draft
+                      vocabulary, ``train_vocab``, is their most frequent ids)
+Stock vLLM has no class for it: its DFlash draft (``qwen3_dflash.py``) is Qwen3's, with
+per-head q/k norms that this head's Llama-family layers lack, so it would draft otherwise
+than the head was trained; the plugin's ``MSDDFlashForCausalLM`` serves it.
+
 What the stock vLLM classes cannot express is kept where stock vLLM does not look and
 this project's plugin (``msd_train.serving.vllm_plugin``) does:
     - the ``"msd"`` block of config.json: decoupling, visual offset, draft positions, the
@@ -34,7 +56,9 @@ draft differently from the head evaluated: draft-side visual compression (vLLM's
 keeps every visual token in its cache), ``visual_offset="paper"`` (vLLM hands slot t the
 embedding of token t+1), ``draft_positions="1d"`` on an M-RoPE head (vLLM passes the
 draft the target's M-RoPE positions), Qwen2 layers in an msd3 head (the plugin's EAGLE-3
-class has no q/k/v bias). What it keeps: decoupling, the fc bias, a first-layer input
+class has no q/k/v bias), and for a dflash head M-RoPE (vLLM's parallel drafting refuses an M-RoPE
+draft and passes a 1-D one the target's temporal row), q/k/v biases and an activation other
+than SiLU (vLLM's DFlash layer has neither). What it keeps: decoupling, the fc bias, a first-layer input
 norm, Qwen2 biases of an msd head (the plugin), the fused target layers
 (``eagle_aux_hidden_state_layer_ids``: vLLM captures the input of each named layer, as
 ``feature_layers`` means) and the draft vocabulary (``d2t``) (stock vLLM).
@@ -62,7 +86,12 @@ from msd_train.targets.protocol import TargetProtocol
 log = logging.getLogger(__name__)
 
 EXTRAS = "msd/extras.safetensors"
+COUNTS = "msd/token_counts.safetensors"
 EAGLE_ARCHITECTURE = "LlamaForCausalLM"
+#: the architecture name of a dflash export: registered by this project's plugin only
+DFLASH_ARCHITECTURE = "DFlashMSDDraftModel"
+#: the file vLLM's DFlash loader reads a separately trained mask embedding from
+MASK_EMBEDDING = "mask_embedding.pt"
 #: speculative tokens written into a speculators config (vLLM's default k for the head;
 #: ``num_speculative_tokens`` at serving time overrides it)
 DEFAULT_SPECULATIVE_TOKENS = 5
@@ -114,6 +143,25 @@ def _msd3_refusals(get) -> list[str]:
         return [f"layer_family={get('layer_family')} in an msd3 head: the plugin's EAGLE-3 layer has no q/k/v bias; "
                 f"{_KEEP} (format=eagle3 writes it for SGLang, which skips the biases too)"]
     return []
+
+
+def _dflash_refusals(get) -> list[str]:
+    out = []
+    if get("mrope_section") and get("draft_positions") != "1d":
+        out.append(f"mrope_section={get('mrope_section')} in a dflash head: vLLM 0.32's parallel drafting refuses an "
+                   f"M-RoPE draft (llm_base_proposer.py, _raise_if_mrope) and passes a 1-D one the target's temporal "
+                   f"row, not the M-RoPE ids; {_KEEP}")
+    if layer_family(get("layer_family") or "llama").qkv_bias:
+        out.append(f"layer_family={get('layer_family')} in a dflash head: vLLM's DFlash layer (qwen3_dflash.py) has "
+                   f"q/k/v biases only with an o_proj bias, and the plugin's has none; {_KEEP}")
+    n = get("target_num_layers")
+    if n is not None and list(get("feature_layers") or []) == [n]:
+        out.append(f"feature_layers=[{n}] (the target's last, post-norm output, an msd head's feature): vLLM's DFlash "
+                   f"proposer reads the target's captured layer inputs (gpu_model_runner.py: aux hidden states, "
+                   f"before the final norm), never the normed output; {_KEEP}")
+    if (get("hidden_act") or "silu") != "silu":
+        out.append(f"hidden_act={get('hidden_act')}: vLLM's DFlash MLP runs SiLU only; {_KEEP}")
+    return out
 
 
 def _layer_config(c, num_layers: int, vocab_size: int, dtype: torch.dtype) -> dict:
@@ -217,6 +265,60 @@ def _split_msd3(head: MSD3DraftModel) -> tuple[dict, dict, list[str]]:
     return stock, extras, lost
 
 
+def captured_layers(block: dict) -> list[int]:
+    """The target layers whose inputs vLLM captures for a dflash export (``block``: its
+    ``"msd"`` block), in the order vLLM concatenates them (layer order, each once): the
+    fused ``feature_layers``, and layer 0 (the target's input embeddings: projector outputs
+    at image positions) for ``decouple_visual``."""
+    return sorted(set(block["feature_layers"]) | ({0} if block.get("decouple_visual") else set()))
+
+
+def _dflash_config(head, dtype: torch.dtype, verifier: str | None) -> dict:
+    c = head.config
+    out = _layer_config(c, c.num_hidden_layers, c.target_vocab_size, dtype)
+    out["architectures"] = [DFLASH_ARCHITECTURE]
+    out["block_size"] = c.block_size
+    out["target_hidden_size"] = c.target_hidden_size or c.hidden_size
+    block = {k: getattr(c, k) for k in ("feature_layers", "decouple_visual")}
+    out["dflash_config"] = {"target_layer_ids": [j - 1 for j in captured_layers(block)],
+                            "mask_token_id": c.target_vocab_size, "use_aux_hidden_state": True}
+    return out
+
+
+def _split_dflash(head) -> tuple[dict, dict, list[str]]:
+    stock, extras = {}, {}
+    for name, t in head.state_dict().items():
+        if "rotary_emb" in name or name == "mask_embedding":  # the mask embedding: MASK_EMBEDDING
+            continue
+        t = t.detach().cpu().contiguous()
+        (extras if name == "visual_norm.weight" else stock)[name] = t
+    lost = [f"the whole head: stock vLLM registers no {DFLASH_ARCHITECTURE} (its DFlash draft is Qwen3's, with "
+            f"per-head q/k norms this head's {head.config.layer_family} layers lack) and refuses the folder; this "
+            "project's plugin serves it"]
+    return stock, extras, lost
+
+
+def _write_dflash(head, tmp: Path, dtype: torch.dtype | None) -> None:
+    """The files beside the weights: the mask embedding (vLLM's own file) and the token counts."""
+    mask = head.mask_embedding.detach().cpu().clone()
+    torch.save({"mask_token_id": head.config.target_vocab_size, "embedding": mask if dtype is None else mask.to(dtype)},
+               tmp / MASK_EMBEDDING)
+    counts = getattr(head, "token_counts", None)
+    if counts is not None:
+        (tmp / COUNTS).parent.mkdir(parents=True, exist_ok=True)
+        save_file({"counts": counts.to(torch.long).contiguous()}, str(tmp / COUNTS), metadata={"format": "pt"})
+
+
+def _dflash_vocabulary(head) -> None:
+    """A head trained over a draft vocabulary drafts over its token counts' most frequent
+    ids (``decoding.build.use_draft_vocabulary``): the export carries the counts or stops."""
+    size = head.config.train_vocab
+    if size is not None and size < head.config.target_vocab_size and getattr(head, "token_counts", None) is None:
+        raise ValueError(f"draft.train_vocab={size}: the head drafts over the {size} most frequent tokens of its "
+                         f"token counts (token_counts.safetensors in its folder), and this head has none; write them "
+                         f"with python scripts/count_tokens.py draft=HEAD_DIR data=... and export again")
+
+
 def export_vllm(head, out: str | Path, dtype: torch.dtype | str | None = None, verifier: str | None = None) -> dict:
     """Write ``head`` (msd or msd3; or the head in a folder / Hub id ``load_head`` opens) in
     the layout vLLM serves, optionally cast to ``dtype``; returns a summary whose
@@ -234,6 +336,8 @@ def export_vllm(head, out: str | Path, dtype: torch.dtype | str | None = None, v
         raise ValueError(f"format=vllm cannot serve this {head.architecture} head as it was trained: "
                          + "; ".join(refused))
     layout = _LAYOUTS[head.architecture]
+    if layout.check is not None:
+        layout.check(head)
     stock, extras, lost = layout.split(head)
     if dtype is not None:
         stock = {k: v.to(dtype) if v.is_floating_point() else v for k, v in stock.items()}
@@ -252,6 +356,8 @@ def export_vllm(head, out: str | Path, dtype: torch.dtype | str | None = None, v
             (tmp / EXTRAS).parent.mkdir(parents=True, exist_ok=True)
             save_file(extras, str(tmp / EXTRAS), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if layout.write is not None:
+            layout.write(head, tmp, dtype)
 
     atomic_dir(out, write)
     for x in lost:
@@ -261,7 +367,7 @@ def export_vllm(head, out: str | Path, dtype: torch.dtype | str | None = None, v
 
 def is_vllm_export(config: dict) -> bool:
     return (config.get("msd") or {}).get("architecture") in _LAYOUTS and (
-        "speculators_config" in config or config.get("architectures") == [EAGLE_ARCHITECTURE])
+        "speculators_config" in config or config.get("architectures") in ([EAGLE_ARCHITECTURE], [DFLASH_ARCHITECTURE]))
 
 
 def read_extras(folder: Path) -> dict[str, torch.Tensor]:
@@ -269,8 +375,9 @@ def read_extras(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path)) if path.is_file() else {}
 
 
-def import_vllm(folder: str | Path) -> MSDDraftModel | MSD3DraftModel:
-    """The msd or msd3 head of a folder written by ``export_vllm``, tensors bit for bit."""
+def import_vllm(folder: str | Path) -> DraftHead:
+    """The msd, msd3 or dflash head of a folder written by ``export_vllm``, tensors bit for
+    bit (a dflash head's token counts too)."""
     folder = Path(folder)
     path = folder / "config.json"
     if not path.is_file() or not (folder / "model.safetensors").is_file():
@@ -279,9 +386,13 @@ def import_vllm(folder: str | Path) -> MSDDraftModel | MSD3DraftModel:
     msd = config.get("msd") or {}
     if not is_vllm_export(config):
         raise IncompleteHeadError(f"{path}: not a head exported with format=vllm (no \"msd\" block naming "
-                                  f"architecture msd or msd3)")
+                                  f"architecture {', '.join(_LAYOUTS)})")
     layer = config.get("transformer_layer_config", config)
     state = {**load_file(str(folder / "model.safetensors")), **read_extras(folder)}
+    if (folder / MASK_EMBEDDING).is_file():
+        from msd_train.trust import torch_load
+
+        state["mask_embedding"] = torch_load(folder / MASK_EMBEDDING, fix="export the head again")["embedding"]
     rope = dict(layer.get("rope_scaling") or {})
     rope.setdefault("rope_theta", layer.get("rope_theta"))
     rope.setdefault("rope_type", "default")
@@ -297,6 +408,8 @@ def import_vllm(folder: str | Path) -> MSDDraftModel | MSD3DraftModel:
     if missing or unexpected:
         raise IncompleteHeadError(f"{folder}: the weights do not fit the head its config describes "
                                   f"(missing {missing[:6]}, unexpected {unexpected[:6]})")
+    if (folder / COUNTS).is_file():
+        head.token_counts = load_file(str(folder / COUNTS))["counts"]
     return head.eval()
 
 
@@ -314,11 +427,20 @@ def _build_msd3(config: dict, layer: dict, fields: dict, state: dict) -> tuple[M
     return head, state
 
 
+def _build_dflash(config: dict, layer: dict, fields: dict, state: dict) -> tuple[DraftHead, dict]:
+    cls = head_class("dflash")
+    fields.update(num_hidden_layers=layer["num_hidden_layers"], target_vocab_size=layer["vocab_size"])
+    return cls(cls.config_class(**fields)), state
+
+
 @dataclass(frozen=True)
 class VllmLayout:
     """How the layout holds one head architecture: vLLM's ``method``, what the plugin serves
     beyond stock vLLM (for the model card), and the head's own refusals, split of its tensors
-    into stock and extras, config.json and load-back."""
+    into stock and extras, config.json and load-back. ``stock``: what stock vLLM does with the
+    folder (the card says it); ``stock_mode``: whether it serves it at all (a "compatible"
+    mode the serving check runs). ``speculative_tokens(config)``: the k vLLM must be given
+    (None: any). ``check``/``write``: the head's own export checks and extra files."""
 
     method: str
     plugin_keeps: str
@@ -326,6 +448,19 @@ class VllmLayout:
     split: Callable
     config: Callable
     build: Callable
+    stock: str = ("stock vLLM, without msd-train, serves the same folder in a compatible mode that drafts from the "
+                  "image placeholder's embedding. Outputs are the target's either way")
+    stock_mode: bool = True
+    speculative_tokens: Callable = lambda config: None
+    check: Callable | None = None
+    write: Callable | None = None
+
+
+def _block_tokens(config) -> int:
+    """A dflash head's k in vLLM: its whole block after the root. vLLM's block is the root and
+    k masks, attending to each other both ways, so only k = block_size - 1 is the block the
+    head was trained on (this project's decoder runs the whole block for any k)."""
+    return int(config["block_size"] if isinstance(config, dict) else config.block_size) - 1
 
 
 _LAYOUTS = {
@@ -333,6 +468,14 @@ _LAYOUTS = {
                       _split_msd, _eagle_config, _build_msd),
     "msd3": VllmLayout("eagle3", "the target's visual embeddings at image positions", _msd3_refusals, _split_msd3,
                        _speculators_config, _build_msd3),
+    "dflash": VllmLayout(
+        "dflash", "its Llama-family layers, its learned mask embedding and, where the head has them, the target's "
+                  "visual embeddings at image positions of its context and its draft vocabulary", _dflash_refusals,
+        _split_dflash, _dflash_config, _build_dflash,
+        stock=f"stock vLLM, without msd-train, refuses the folder ({DFLASH_ARCHITECTURE} is the plugin's class: "
+              "vLLM's own DFlash draft has Qwen3's q/k norms, which this head's layers lack). Outputs are the "
+              "target's",
+        stock_mode=False, speculative_tokens=_block_tokens, check=_dflash_vocabulary, write=_write_dflash),
 }
 
 
@@ -348,5 +491,6 @@ def load_vllm(folder, target: TargetProtocol | None = None, source=None) -> Draf
 
 FORMAT = HeadFormat(
     name="vllm", heads=tuple(_LAYOUTS), write=export_vllm, detect=is_vllm_export, load=load_vllm, options=("dtype",),
-    describe='vLLM\'s EAGLE (msd heads) or speculators EAGLE-3 (msd3 heads) layout with an "msd" block',
+    describe='vLLM\'s EAGLE (msd heads), speculators EAGLE-3 (msd3 heads) or DFlash (dflash heads) layout with an '
+             '"msd" block',
 )

@@ -1,6 +1,7 @@
 """The serving check: one head, one benchmark, this project's chain decoder beside vLLM.
 
-    project   plain and chain-k decoding of every benchmark turn (``evaluation.runner``):
+    project   plain and chain-k decoding (block: a head that drafts a block, dflash) of every
+              benchmark turn (``evaluation.runner``):
               the prompts (token ids + images) every engine below is given, the plain
               outputs, and the chain's tau, with the head as it was before export when
               the check is given it (what eval.py measures), else the re-imported export
@@ -8,7 +9,7 @@
     plugin    vLLM with the head (this project's plugin loaded): outputs, tokens/s and
               vLLM's own counters (``LLM.get_metrics()``)
     stock     vLLM with the same folder and no plugin (``VLLM_PLUGINS`` names none of
-              ours): "compatible" mode
+              ours): "compatible" mode (msd and msd3 exports; stock vLLM refuses a dflash one)
 
 Each vLLM run is its own process (``python -m msd_train.serving.check vllm ...``): a
 plugin, once loaded, stays registered in a process, and a process per engine frees each
@@ -74,14 +75,16 @@ def project_prompts(target_cfg: dict, bench_cfg: dict, draft: str, k: int, max_n
     decoder. ``head``: the head as it was before export (a folder or Hub id ``load_head``
     opens; what eval.py measures), whose chain figures the plugin's counters are compared
     with; None: the head re-imported from the exported folder ``draft``
-    (``msd_train.hub.vllm.import_vllm``). The compatible mode is always the export's."""
+    (``msd_train.hub.vllm.import_vllm``). The compatible mode is always the export's, and
+    only for exports stock vLLM serves (``VllmLayout.stock_mode``). A head that drafts a block
+    (``decoding_methods`` ("block",): dflash) decodes with ``decoding=block``, else chain."""
     import torch
 
     from msd_train.decoding import DecodeConfig
     from msd_train.evaluation.bench import load_bench
     from msd_train.evaluation.runner import answer_turns
     from msd_train.hub.load import load_head
-    from msd_train.hub.vllm import import_vllm
+    from msd_train.hub.vllm import import_vllm, vllm_layout
     from msd_train.targets import load_target
 
     target = load_target(target_cfg["name_or_path"], target_cfg.get("dtype", "auto"), torch.device("cpu"),
@@ -95,8 +98,11 @@ def project_prompts(target_cfg: dict, bench_cfg: dict, draft: str, k: int, max_n
         spec_head = original.to(target.dtype)
     else:
         spec_head = import_vllm(draft).to(target.dtype)
-    compatible = compatible_head(exported.to(target.dtype), target)
-    chain = DecodeConfig(method="chain", k=k, max_new_tokens=max_new_tokens)
+    layout = vllm_layout(exported.config)
+    compatible = compatible_head(exported.to(target.dtype), target) if layout.stock_mode else None
+    methods = getattr(spec_head, "decoding_methods", ("tree", "chain"))
+    method = "chain" if "chain" in methods else methods[0]
+    chain = DecodeConfig(method=method, k=k, max_new_tokens=max_new_tokens)
     ar = dataclasses.replace(chain, method="ar")
     turns, t_chain, t_ar = [], 0.0, 0.0
     for item in load_bench(bench_cfg):
@@ -106,7 +112,8 @@ def project_prompts(target_cfg: dict, bench_cfg: dict, draft: str, k: int, max_n
         t1 = time.perf_counter()
         spec = answer_turns(target, spec_head, item, chain, images)
         t_ar, t_chain = t_ar + t1 - t0, t_chain + time.perf_counter() - t1
-        compat = answer_turns(target, compatible, item, chain, images)
+        compat = ([(None, None)] * len(plain) if compatible is None
+                  else answer_turns(target, compatible, item, chain, images))
         for n, ((prompt, a), (_, s), (_, c)) in enumerate(zip(plain, spec, compat)):
             n_images = prompt.num_images
             turns.append({"id": f"{item.id}/{n}", "category": item.category,
@@ -114,16 +121,18 @@ def project_prompts(target_cfg: dict, bench_cfg: dict, draft: str, k: int, max_n
                           "images": [str(p) for p in item.images[:n_images]],
                           "ar_tokens": a.tokens, "chain_tokens": s.tokens,
                           "accepted": [x.accepted for x in s.cycles],
-                          "compatible_accepted": [x.accepted for x in c.cycles]})
+                          "compatible_accepted": None if c is None else [x.accepted for x in c.cycles]})
     return {"turns": turns, "image_token_id": target.image_token_id,
             "project": {**_chain_figures([t["accepted"] for t in turns], k),
+                        "decoding": method,
                         "head": "original" if head is not None else "re-imported export",
                         "export_differs": differs,
                         "chain_equals_ar": sum(t["ar_tokens"] == t["chain_tokens"] for t in turns),
                         "new_tokens": sum(len(t["ar_tokens"]) for t in turns),
                         "tokens_per_s": sum(len(t["chain_tokens"]) for t in turns) / max(t_chain, 1e-9),
                         "ar_tokens_per_s": sum(len(t["ar_tokens"]) for t in turns) / max(t_ar, 1e-9)},
-            "project_compatible": _chain_figures([t["compatible_accepted"] for t in turns], k)}
+            "project_compatible": None if compatible is None else
+            _chain_figures([t["compatible_accepted"] for t in turns], k)}
 
 
 def compatible_head(head, target):
@@ -299,10 +308,10 @@ def _by_category(turns: list[dict], per_turn: list[dict]) -> dict:
         drafts = sum(per_turn[i]["num_drafts"] for i in idx)
         acc = sum(per_turn[i]["num_accepted_tokens"] for i in idx)
         proj = [a for i in idx for a in turns[i]["accepted"]]
-        comp = [a for i in idx for a in turns[i]["compatible_accepted"]]
+        comp = [a for i in idx for a in turns[i]["compatible_accepted"] or []]
         out[cat] = {"turns": len(idx), "vllm_tau": 1 + acc / max(drafts, 1),
                     "project_tau": sum(a + 1 for a in proj) / max(len(proj), 1),
-                    "project_compatible_tau": sum(a + 1 for a in comp) / max(len(comp), 1)}
+                    "project_compatible_tau": sum(a + 1 for a in comp) / len(comp) if comp else None}
     return out
 
 
@@ -312,12 +321,15 @@ def summary_lines(report: dict, k: int) -> list[str]:
     settings = report.get("settings") or {}
     length = (f", bench={settings['bench']}: up to {settings['max_new_tokens']} new tokens a turn"
               if "max_new_tokens" in settings else "")
-    lines = [f"{n} turns, chain k={k}, greedy{length}",
-             f"project chain ({p.get('head', 're-imported export')})   tau {p['tau']:.3f}  per-position "
+    method = p.get("decoding", "chain")
+    lines = [f"{n} turns, {method} k={k}, greedy{length}",
+             f"project {method} ({p.get('head', 're-imported export')})   tau {p['tau']:.3f}  per-position "
              f"{_fmt(p['per_position'])}  outputs = project plain {p['chain_equals_ar']}/{n}",
-             *[f"  the export differs from the original head: {d}" for d in p.get("export_differs") or []],
-             f"project chain, compatible mode (no fc bias, placeholder embeddings)   tau "
-             f"{report['project_compatible']['tau']:.3f}  per-position {_fmt(report['project_compatible']['per_position'])}"]
+             *[f"  the export differs from the original head: {d}" for d in p.get("export_differs") or []]]
+    if report.get("project_compatible") is not None:
+        lines.append(f"project chain, compatible mode (no fc bias, placeholder embeddings)   tau "
+                     f"{report['project_compatible']['tau']:.3f}  per-position "
+                     f"{_fmt(report['project_compatible']['per_position'])}")
     for mode, r in report["vllm"].items():
         line = f"vLLM {mode:<10} {r['tokens_per_s']:.1f} tok/s  outputs = project plain {r['outputs_equal_project_ar']}/{n}"
         if mode != "ar":

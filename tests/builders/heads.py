@@ -58,6 +58,38 @@ def train_head(target, prompts: list[Encoded], steps: int = 120) -> MSDDraftMode
     return fit_head(head, target, batch, steps)
 
 
+def train_dflash_head(target, prompts: list[Encoded], steps: int = 60, new_tokens: int = 48, **fields):
+    """A dflash head (``fields``: its config's, e.g. block_size) fitted by its own objective to
+    the target's greedy continuations of ``prompts`` (anchors inside the answers: as many as an
+    answer has tokens, not the recipe's 512, which a pass computes whether valid or not)."""
+    from types import SimpleNamespace
+
+    from msd_train.draft import DFlashDraftConfig, DFlashDraftModel
+    from msd_train.draft.loss import loss_index
+    from msd_train.training.objective import objective_for
+
+    torch.manual_seed(0)
+    fields.setdefault("num_anchors", new_tokens)
+    head = DFlashDraftModel(DFlashDraftConfig.from_target_config(target.config, target.name, **fields))
+    objective, batch = objective_for(head), []
+    for enc in prompts:
+        out = generate(target, None, enc, DecodeConfig(method="ar", max_new_tokens=new_tokens, eos_token_ids=()))
+        ids = torch.cat([enc.input_ids, torch.tensor(out.tokens)])[None]
+        with torch.no_grad():
+            feats = target.features(ids, None, enc.pixel, layers=head.feature_layers)
+        mask = torch.zeros(1, ids.shape[1] - 1, dtype=torch.bool)
+        mask[:, len(enc.input_ids) - 2:] = True  # the answer's tokens (draft position t predicts token t+2)
+        batch.append((feats, loss_index(mask), float(mask.sum())))
+    train = SimpleNamespace(noise="none", noise_scale=0.0)
+    opt = torch.optim.Adam(head.parameters(), lr=3e-3)
+    for _ in range(steps):
+        loss = sum(objective.training_loss(target, f, index, n, train)[0] for f, index, n in batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return head.eval().requires_grad_(False)
+
+
 def run(target, head, prompt, workspace=None, **config):
     config.setdefault("max_new_tokens", 40)
     return generate(target, head, prompt, DecodeConfig(**config), workspace=workspace)

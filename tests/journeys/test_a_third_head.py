@@ -171,7 +171,7 @@ def test_a_head_registered_in_a_test_trains_decodes_exports_and_gets_a_card(sum_
     summary = formats.get("msd").export(final, tmp_path / "exported", dtype="bf16")
     back = MSDDraftModel.from_pretrained(tmp_path / "exported")
     assert type(back) is SumHead and summary["dtype"] == "torch.bfloat16"
-    with pytest.raises(ValueError, match="holds msd and msd3 heads; the head is an sum head"):
+    with pytest.raises(ValueError, match="holds msd, msd3 and dflash heads; the head is an sum head"):
         export_vllm(head, tmp_path / "vllm")
 
     # the card describes the head by its own class, not as an msd head

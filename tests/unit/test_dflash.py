@@ -255,12 +255,15 @@ def test_nothing_outside_its_own_files_registers_or_branches_on_it():
     """What adding the head touched in the product: its module (config, head class,
     ``register_head``), its objective (``register_objective``), its conf file and the package's
     import. The decoder picks the block drafter by the head's declared ``decoding_methods``,
-    never by its name: no other product file imports its classes or compares with "dflash"."""
+    never by its name: no other product file imports its classes or compares with "dflash", but
+    for the vLLM layout, which holds each head architecture its own way (``hub/vllm.py``, as it
+    holds msd and msd3; "dflash" is also vLLM's method) and the plugin's class for it."""
     code = {str(p.relative_to(ROOT)): p.read_text() for p in (ROOT / "msd_train").rglob("*.py")}
     imports = sorted(f for f, text in code.items() if "DFlashDraft" in text or "draft.dflash" in text)
     assert imports == ["msd_train/draft/__init__.py", "msd_train/draft/dflash.py"], imports
     literal = sorted(f for f, text in code.items() if "\"dflash\"" in text or "'dflash'" in text)
-    assert literal == ["msd_train/draft/dflash.py", "msd_train/training/objective.py"], literal
+    assert literal == ["msd_train/draft/dflash.py", "msd_train/hub/vllm.py", "msd_train/serving/vllm_models.py",
+                       "msd_train/training/objective.py"], literal
     conf = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "conf").rglob("*.yaml")
                   if "architecture: dflash" in p.read_text())
     assert conf == ["conf/head/dflash.yaml"]

@@ -199,3 +199,107 @@ def test_the_model_card_says_how_to_serve_the_head_in_vllm():
     pooled = model_card(MSDDraftConfig.from_target_config(target, "x", visual_compression="pool"), "me/head", [])
     serve = pooled[pooled.index("## Serve with vLLM"):pooled.index("## Head")]
     assert "```" not in serve and "visual_compression=pool" in serve and "own decoder" in serve
+
+
+# ----- dflash: vLLM's DFlash layout under the plugin's architecture -------------------------
+
+def _dflash_head(**overrides):
+    from msd_train.draft import DFlashDraftConfig, DFlashDraftModel
+
+    torch.manual_seed(0)
+    fields = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  target_vocab_size=100, target_hidden_size=64, target_num_layers=8, num_hidden_layers=2,
+                  block_size=4, rope_theta=10000.0)
+    head = DFlashDraftModel(DFlashDraftConfig(**{**fields, **overrides}))
+    with torch.no_grad():  # norms start at one: a norm the round trip drops must show
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.normal_()
+    return head.eval()
+
+
+@pytest.mark.parametrize("decouple", [True, False])
+def test_dflash_export_is_vllms_dflash_layout_under_the_plugins_architecture(tmp_path, decouple):
+    """What vLLM 0.32 reads (qwen3_dflash.py, v1/spec_decode/dflash.py, gpu_model_runner.py):
+    ``dflash_config.target_layer_ids`` in DFlash's naming (a layer's output: this project's
+    input of layer j is j-1 there; -1 the input embeddings, for the visual path), the mask
+    token id, the learned mask embedding in ``mask_embedding.pt``, DFlash's weight names with
+    no embedding or lm_head; the architecture is one only this project's plugin registers."""
+    from msd_train.hub.vllm import DFLASH_ARCHITECTURE, MASK_EMBEDDING
+
+    head = _dflash_head(feature_layers=[6, 2], decouple_visual=decouple)
+    summary = export_vllm(head, tmp_path / "h")
+    config = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert summary["method"] == "dflash" and config["architectures"] == [DFLASH_ARCHITECTURE] == ["DFlashMSDDraftModel"]
+    assert config["model_type"] == "llama" and config["num_hidden_layers"] == 2 and config["block_size"] == 4
+    assert config["dflash_config"] == {"target_layer_ids": [-1, 1, 5] if decouple else [1, 5], "mask_token_id": 100,
+                                       "use_aux_hidden_state": True}
+    assert config["msd"]["architecture"] == "dflash" and config["msd"]["feature_layers"] == [6, 2]
+    per_layer = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                 "post_attention_layernorm.weight", "input_layernorm.weight"}
+    assert _keys(tmp_path / "h" / "model.safetensors") == (
+        {"fc.weight", "hidden_norm.weight", "norm.weight"} | {f"layers.{i}.{n}" for i in (0, 1) for n in per_layer})
+    assert sorted(p.name for p in (tmp_path / "h").glob("*.safetensors")) == ["model.safetensors"]
+    assert _keys(tmp_path / "h" / EXTRAS) == {"visual_norm.weight"}
+    mask = torch.load(tmp_path / "h" / MASK_EMBEDDING, weights_only=True)
+    assert mask["mask_token_id"] == 100 and torch.equal(mask["embedding"], head.mask_embedding.detach())
+    assert "stock vLLM registers no DFlashMSDDraftModel" in summary["stock_vllm_loses"][0]
+
+
+def test_dflash_export_loads_back_with_equal_blocks_and_its_token_counts(tmp_path):
+    head = _dflash_head(train_vocab=30)
+    head.token_counts = torch.arange(100)
+    export_vllm(head, tmp_path / "h", dtype="bf16")
+    from msd_train.hub.load import load_head
+
+    back = import_vllm(tmp_path / "h")
+    assert type(back) is type(head) and back.config.train_vocab == 30 and torch.equal(back.token_counts, head.token_counts)
+    assert torch.equal(load_head(str(tmp_path / "h")).token_counts, head.token_counts)  # as eval.py loads it
+    assert (back.config.block_size, back.feature_layers, back.config.decouple_visual) == (4, head.feature_layers, True)
+    for k, v in head.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v.to(torch.bfloat16) if v.is_floating_point() else v), k
+    head = head.to(torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    feats, embeds = torch.randn(1, 6, 128, generator=g), torch.randn(1, 6, 64, generator=g)
+    visual = torch.tensor([[False, True, True, False, False, False]])
+    roots, pos = torch.randn(1, 6, 64, generator=g), torch.arange(6)[None]
+    with torch.no_grad():
+        a, b = (h(roots.bfloat16(), h.context(feats.bfloat16(), embeds.bfloat16(), visual), pos, pos)
+                for h in (head, back))
+        assert torch.equal(a.last_hidden_state, b.last_hidden_state)
+
+
+@pytest.mark.parametrize(("overrides", "setting"), [
+    ({"mrope_section": [2, 3, 3], "draft_positions": "mrope"}, r"mrope_section=\[2, 3, 3\] in a dflash head: vLLM "
+                                                               r"0.32's parallel drafting refuses an M-RoPE draft"),
+    ({"mrope_section": [2, 3, 3], "draft_positions": "1d"}, "draft_positions=1d: vLLM feeds the draft the target's "
+                                                            "M-RoPE positions"),
+    ({"feature_layers": [8]}, r"feature_layers=\[8\] \(the target's last, post-norm output"),
+    ({"layer_family": "qwen2"}, "layer_family=qwen2 in a dflash head"),
+])
+def test_dflash_export_refuses_what_vllm_would_draft_otherwise(tmp_path, overrides, setting):
+    with pytest.raises(ValueError, match=f"format=vllm cannot serve this dflash head as it was trained: .*{setting}"
+                                         ".*format=msd keeps it"):
+        export_vllm(_dflash_head(**overrides), tmp_path / "h")
+    assert not (tmp_path / "h").exists()
+
+
+def test_dflash_export_of_a_draft_vocabulary_needs_the_heads_token_counts(tmp_path):
+    with pytest.raises(ValueError, match=r"draft.train_vocab=30: .* this head has none; write them with python "
+                                         r"scripts/count_tokens.py"):
+        export_vllm(_dflash_head(train_vocab=30), tmp_path / "h")
+    assert not (tmp_path / "h").exists()
+
+
+def test_the_dflash_model_card_serves_the_whole_block_through_the_plugin():
+    from transformers import AutoConfig
+
+    from msd_train.draft import DFlashDraftConfig
+    from msd_train.hub.card import model_card
+
+    target = AutoConfig.from_pretrained(str(Path(__file__).resolve().parents[2] / "data" / "tiny-llava"))
+    card = model_card(DFlashDraftConfig.from_target_config(target, "llava-hf/llava-1.5-7b-hf", block_size=6), "me/d", [])
+    serve = card[card.index("## Serve with vLLM"):card.index("## Head")]
+    assert '"method": "dflash", "num_speculative_tokens": 5}' in serve
+    assert "stock vLLM, without msd-train, refuses the folder" in serve and "compatible mode" not in serve
