@@ -1,4 +1,4 @@
-"""Issue 19, the run's lifecycle: a logger never stands between a signal and its checkpoint,
+"""The run's lifecycle: a logger never stands between a signal and its checkpoint,
 locks heal, a stale torch-extensions build lock is named, a full disk is recognised by its
 free space, and only a complete export counts as a finished stage."""
 

@@ -1,4 +1,4 @@
-"""Issue 19, items 3-6: every setting checked up front, every entry point speaks in messages,
+"""Every setting checked up front, every entry point speaks in messages,
 no non-finite head is used, paths as users write them.
 
 The checks run in-process (``check_*``, the readers); each entry point is also run once as a
@@ -335,7 +335,7 @@ def test_check_data_reads_tilde_paths(tmp_path):
 
 @pytest.mark.slow
 def test_train_py_runs_with_tilde_paths(tmp_path):
-    """The issue's case: ``~`` passed the up-front check and failed in the reader. With HOME
+    """``~`` once passed the up-front check and failed in the reader. With HOME
     elsewhere, run_dir and the data files under ``~`` train and export there (no ./~ folder)."""
     for name, src, n in (("text.json", "sharegpt_train.json", 12), ("held.json", "sharegpt_heldout.json", 4)):
         (tmp_path / name).write_text(json.dumps(json.loads((ROOT / "data/tiny" / src).read_text())[:n]))

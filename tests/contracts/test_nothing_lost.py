@@ -1,4 +1,4 @@
-"""Issue 30, "nothing lost, third round": each case of the hostile-user pass, as a user meets it.
+"""Nothing lost: each case of the hostile-user pass, as a user meets it.
 
 Most cases run in-process (the scripts' ``main`` with the command line a user types; the
 checks before anything loads); a few go through a subprocess to see what a user sees: one
@@ -52,7 +52,7 @@ def listing(folder: Path) -> dict:
 
 
 def test_export_into_its_own_stage_folder_is_refused_and_deletes_nothing(tmp_path, monkeypatch, capsys):
-    """The issue's worst case: `export checkpoint=RUN/stage2/final out=RUN/stage2` removed the stage."""
+    """The worst case: `export checkpoint=RUN/stage2/final out=RUN/stage2` removed the stage."""
     stage = a_run(tmp_path)
     before = listing(stage)
     refused_in_process(capsys, lambda: script_main("scripts/export.py", [
@@ -214,7 +214,7 @@ def test_resume_refuses_a_changed_learning_rate_naming_it(tmp_path):
 
 
 def test_resume_refuses_a_training_data_file_edited_in_place_naming_it(tmp_path):
-    """Issue 39: a resume after the data file was edited in place (same path) went on without a word."""
+    """A resume after the data file was edited in place (same path) went on without a word."""
     from msd_train.training import resume
 
     data = tmp_path / "text.json"

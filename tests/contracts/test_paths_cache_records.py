@@ -1,4 +1,4 @@
-"""Issue 49, part B: paths that stay inside their roots, a cache that notices content, records
+"""Paths that stay inside their roots, a cache that notices content, records
 of what happened, one clear message in place of a traceback, the promised locks.
 
 Library-level checks run in-process; an entry point is run as a user runs it (a subprocess)

@@ -1,4 +1,4 @@
-"""Issue 15, "nothing lost, ever": each numbered case of the hostile-user pass, as a user sees it.
+"""Nothing lost, ever: each case of the hostile-user pass, as a user sees it.
 
 Library-level checks run in-process in well under a second each; launches go through the
 real entry point (`python train.py`, and `deepspeed` / `torchrun` for the signal cases,
@@ -178,7 +178,7 @@ def test_target_identity_and_world_size_differences_are_named(llava_target):
 
 
 def test_another_world_size_continues_where_it_can_and_names_what_cannot_carry_over(tmp_path):
-    """Issue 41: a checkpoint of 2 processes continues on 1 or 4 with its global batch; what
+    """A checkpoint of 2 processes continues on 1 or 4 with its global batch; what
     cannot carry over (no portable state, ZeRO-3, a global batch that does not split) is named."""
     ck = fake_checkpoint(tmp_path, 2)
     state = {"world_size": 2, "global_batch": 8}

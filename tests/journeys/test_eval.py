@@ -48,7 +48,7 @@ def test_eval_py_end_to_end(target_dir, head_dir, tmp_path):
 
 @pytest.mark.slow
 def test_eval_py_with_an_ensemble(target_dir, head_dir, tmp_path):
-    """The issue's command: tree drafting with TABED over M, T, P and C (captions from the
+    """Tree drafting with TABED over M, T, P and C (captions from the
     tiny bench's captions file); the report has tau per variant and for the ensemble."""
     out = tmp_path / "eval"
     cmd = [sys.executable, str(ROOT / "eval.py"), f"draft={head_dir}", f"out={out}", f"target.name_or_path={target_dir}",

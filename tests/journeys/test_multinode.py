@@ -1,4 +1,4 @@
-"""Issue 41: two "nodes" of two ranks each on one machine (torchrun, gloo), a shared run_dir and
+"""Two "nodes" of two ranks each on one machine (torchrun, gloo), a shared run_dir and
 node-local caches and temporary folders: stage 1 (stopped by one node, resumed), stage 2, eval.py."""
 
 import json

@@ -247,7 +247,7 @@ def test_two_ranks_equal_one_rank_with_double_accumulation(mini_run, tmp_path):
 
 @pytest.mark.slow
 def test_resume_on_another_number_of_processes_continues_the_run(mini_run, tmp_path):
-    """Issue 41: a run checkpointed by 2 processes continues on 1 (and ZeRO-1 instead of 2), then on
+    """A run checkpointed by 2 processes continues on 1 (and ZeRO-1 instead of 2), then on
     4, with its global batch of 4 (grad_accum 2 -> 4 -> 1): the same steps, learning rates and samples as a run that was never
     interrupted, and the same losses and head up to float-summation order (measured: losses equal to
     the last digit, head within 4e-9)."""

@@ -205,7 +205,7 @@ def test_eagle3_export_of_a_qwen_head_says_what_sglang_does_differently(tmp_path
 
 
 def test_every_format_keeps_or_refuses_visual_compression(tmp_path):
-    """Issue 33: a compressing head exports to msd and eagle3 with the setting kept (eagle3
+    """A compressing head exports to msd and eagle3 with the setting kept (eagle3
     in its "msd" block, with a warning that SGLang drafts over whole images); reference and
     vllm refuse it, naming the setting and format=msd."""
     head3 = msd3_head(visual_compression="pool", visual_compression_tokens=8)
