@@ -111,6 +111,11 @@ class Objective(ABC):
         """For each step j < k of the chain anchored at draft position a: (B, L-1) bool,
         True where the head's top-1 token equals the target's (token a+2+j), by anchor."""
 
+    def rollout_hits_in(self, target: TargetProtocol, features, k: int, mask: torch.Tensor) -> list[torch.Tensor]:
+        """``rollout_hits`` where only the chains anchored in ``mask`` (B, L-1) count: a head
+        whose chains cost by anchor may leave the others False. By default, every anchor's."""
+        return self.rollout_hits(target, features, k)
+
 
 @register_objective
 class MSDObjective(Objective):
@@ -516,13 +521,21 @@ class DFlashObjective(Objective):
     def rollout_hits(self, target: TargetProtocol, features, k: int) -> list[torch.Tensor]:
         """The block is the chain: step j at anchor a is block position j+1, which proposes
         token a+2+j; steps at or past the block's end never hit."""
+        T = features.hidden_states.shape[1] - 1
+        return self.rollout_hits_in(target, features, k, torch.ones(1, T, dtype=torch.bool))
+
+    def rollout_hits_in(self, target: TargetProtocol, features, k: int, mask: torch.Tensor) -> list[torch.Tensor]:
+        """``rollout_hits`` with blocks run only at the anchors some row has in ``mask`` (a
+        block per anchor is the cost; the held-out split's prompts hold most positions)."""
         head = self.head
         inputs, _ = head.read_pass(features, target)
         top = lm_head_argmax(target.lm_head, features.hidden_states[:, 1:])  # top[:, t]: token t+2
         B, T = top.shape
         S = head.config.block_size
         hits = [torch.zeros(B, T, dtype=torch.bool, device=top.device) for _ in range(k)]
-        for part in self._chunks(T, top.device):
+        columns = mask.to(top.device).bool().any(0).nonzero().flatten()
+        for chunk in self._chunks(columns.numel(), top.device):
+            part = columns[chunk]
             out = self._blocks(inputs, part[None].expand(B, -1))
             drafted = lm_head_argmax(target.lm_head, out[:, :, 1:])  # (B, n, S-1)
             for j in range(min(k, S - 1)):

@@ -29,9 +29,9 @@ from msd_train.training.objective import Objective
 def rollout_stats(objective: Objective, target: TargetProtocol, feats: Features, loss_mask: torch.Tensor,
                   k: int) -> dict[str, torch.Tensor]:
     """Counts for one batch: per step j, valid chains, correct-so-far chains, correct at j.
-    The head's objective (``objective.rollout_hits``) says which steps of which chains hit."""
-    hits = objective.rollout_hits(target, feats, k)
-    mask = draft_loss_mask(loss_mask.to(hits[0].device)).bool()
+    The head's objective (``objective.rollout_hits_in``) says which steps of which chains hit."""
+    mask = draft_loss_mask(loss_mask.to(feats.hidden_states.device)).bool()
+    hits = objective.rollout_hits_in(target, feats, k, mask)
     B, T = mask.shape
     valid = torch.zeros(k, device=mask.device)
     alive_prev = torch.zeros(k, device=mask.device)

@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from msd_train.decoding import BlockDrafter, DecodeConfig, generate, prefill
 from msd_train.draft import HEADS, DFlashDraftConfig, DFlashDraftModel, MSDDraftModel
 from msd_train.draft.dflash import dflash_layers
-from msd_train.draft.loss import loss_index
+from msd_train.draft.loss import draft_loss_mask, loss_index
 from msd_train.errors import ConfigError
 from msd_train.training.objective import OBJECTIVES, objective_for
 
@@ -161,6 +161,33 @@ def test_held_out_loss_runs_blocks_at_loss_positions_only_and_sums_the_same(fitt
         del head.forward
     torch.testing.assert_close(got, whole.detach(), rtol=1e-5, atol=1e-6)
     assert sum(blocks) == int(mask.sum())
+
+
+def test_held_out_rollout_runs_blocks_at_loss_positions_only_and_counts_the_same(fitted):
+    """Simulated tau's chains, as validation counts them (``rollout_stats``): blocks only at the
+    anchors in the loss mask, the same counts as blocks at every position."""
+    from msd_train.training.validation import rollout_stats
+
+    target, head, prompts = fitted
+    objective = objective_for(head)
+    enc = prompts["image"]
+    out = generate(target, None, enc, DecodeConfig(method="ar", max_new_tokens=40, eos_token_ids=()))
+    ids = torch.cat([enc.input_ids, torch.tensor(out.tokens)])[None]  # the answer the head was fitted to
+    feats = target.features(ids, None, enc.pixel, layers=head.feature_layers)
+    L = ids.shape[1]
+    loss_mask = torch.zeros(1, L, dtype=torch.long)
+    loss_mask[:, len(enc.input_ids):] = 1
+    every = objective.rollout_hits(target, feats, 3)
+    blocks = []
+    real = head.forward
+    head.forward = lambda *a, **kw: blocks.append(kw["input_embeds"].shape[1]) or real(*a, **kw)
+    try:
+        stats = rollout_stats(objective, target, feats, loss_mask, 3)
+    finally:
+        del head.forward
+    mask = draft_loss_mask(loss_mask).bool()
+    assert sum(blocks) == int(mask.sum()) < L - 1
+    assert stats["valid"][0] == mask.sum() and stats["correct_any"][0] == (every[0] & mask).sum() > 0
 
 
 def test_block_decoding_equals_plain_greedy_decoding(fitted):
