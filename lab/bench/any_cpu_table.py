@@ -4,7 +4,8 @@ plain decoding (and its range), tau, tokens/s, exactness, what ``target.dtype=au
     python -m lab.bench.any_cpu_table OUT [--copy DEST]
 
 ``--copy DEST`` also copies each run's report.json and each kind's forward.json into DEST
-(what the repository keeps) and writes DEST/summary.json.
+(what the repository keeps) and writes DEST/summary.json, with OUT written ``OUT`` and the
+folder ``--work`` names (the benchmark's) written ``WORK``: no path of this machine.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--copy", type=Path)
+    ap.add_argument("--work", type=Path, help="the work folder the benchmark file is in (written WORK in the copies)")
     a = ap.parse_args()
     if not a.out.is_dir():
         ap.error(f"{a.out}: no such folder (lab/bench/any_cpu.sh writes it)")
@@ -58,14 +60,18 @@ def main() -> None:
                   f"({s['speedup_range'][0]:.2f}-{s['speedup_range'][1]:.2f}, {s['runs']} runs) | "
                   f"{s['tokens_per_s']:.1f} ({s['plain_tokens_per_s']:.1f}) | {'yes' if s['outputs_equal'] else 'no'} |")
     if a.copy:
+        def portable(text: str) -> str:
+            text = text.replace(str(a.out.resolve()), "OUT").replace(str(a.out), "OUT")
+            return text.replace(str(a.work.resolve()), "WORK").replace(str(a.work), "WORK") if a.work else text
+
         for report in a.out.glob("*/*-r*/report.json"):
             dest = a.copy / report.parent.parent.name / report.parent.name / "report.json"
             dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(report, dest)
+            dest.write_text(portable(report.read_text()))
         for forward in a.out.glob("*/forward.json"):
             (a.copy / forward.parent.name).mkdir(parents=True, exist_ok=True)
             shutil.copyfile(forward, a.copy / forward.parent.name / "forward.json")
-        (a.copy / "summary.json").write_text(json.dumps(kinds, indent=1) + "\n")
+        (a.copy / "summary.json").write_text(portable(json.dumps(kinds, indent=1)) + "\n")
 
 
 if __name__ == "__main__":
