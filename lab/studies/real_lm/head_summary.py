@@ -1,14 +1,15 @@
 """The committed msd-stage2 head's entry of benchmarks/real_lm/summary.json, from committed results
-only: the decoder on each CPU kind (``results/any_cpu/summary.json``, ``lab/bench/any_cpu.sh``), and
-the epochs it has trained with held-out simulated tau against them (its runs' compacted metrics,
-``results/rebuild/stage{1,2}/metrics.jsonl.gz``).
+only: the decoder on each CPU kind (``results/any_cpu/summary.json``, ``lab/bench/any_cpu.sh``), the
+epochs it has trained and held-out simulated tau against them (the lineage's metrics under
+``results/scale/runs/``), and the on-policy comparison (``results/on_policy/results.json``,
+``lab/studies/on_policy.py``), and the head served by vLLM where ``results/served/`` holds its
+reports (``scale_serve.sh``). Run after ``scale_summary`` (which rewrites the file from a WORK folder).
 
-    python -m lab.studies.real_lm.head_summary [--head msd-stage2] [--head-step STEP]
+    python -m lab.studies.real_lm.head_summary [--head msd-stage2]
 
-The lineage: FOLDER:CONVERSATIONS_PER_STEP:TEXT:IMAGES, oldest first, FOLDER a run's stage under
-``benchmarks/real_lm/results/`` holding its ``metrics.jsonl.gz``; TEXT and IMAGES are the sizes of
-the splits that stage read (its launch log's "stage N data: ..." line), so that epochs are passes
-over what each stage could draw from.
+The lineage: RUN/STAGE:CONVERSATIONS_PER_STEP:TEXT:IMAGES, oldest first; TEXT and IMAGES are the
+sizes of the splits that stage read (its launch log's "stage N data: ..." line), so that epochs
+are passes over what each stage could draw from.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
 import statistics
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 RESULTS = ROOT / "benchmarks" / "real_lm" / "results"
-LINEAGE = ["rebuild/stage1:16:12234:0", "rebuild/stage2:16:12234:7482"]  # experiment=smollm2_llava, from scratch
+LINEAGE = ["msd/stage1:4:10032:0", "msd/stage2:4:10032:3666", "msd-cont/stage2:16:12234:7482",
+           "msd-epochs/stage2:16:12234:7482"]
 CPU_NAMES = {"native": "AMD EPYC, AVX-512 BF16 (2 cores)",
              "avx2": "the same CPU limited to AVX2 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 "
                      "MKL_ENABLE_INSTRUCTIONS=AVX2): no native bf16"}
@@ -29,7 +32,7 @@ OVERRIDES = {"chain1": ["decoding=chain", "decoding.k=1"], "tree_small": ["decod
 
 
 def rows(run: str) -> list[dict]:
-    with gzip.open(RESULTS / run / "metrics.jsonl.gz", "rt") as fh:
+    with gzip.open(RESULTS / "scale" / "runs" / run / "metrics.jsonl.gz", "rt") as fh:
         return [json.loads(line) for line in fh if line.strip()]
 
 
@@ -90,7 +93,7 @@ def by_cpu() -> tuple[dict, dict]:
 
 
 def plot_tau_vs_epochs(table: list[dict], out: Path) -> None:
-    """Held-out simulated tau against epochs of text seen."""
+    """Held-out simulated tau against epochs of text seen, beside results/scale/tau_vs_data.png."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -111,11 +114,29 @@ def plot_tau_vs_epochs(table: list[dict], out: Path) -> None:
     fig.savefig(out, dpi=120)
 
 
+def served(head: str) -> dict:
+    """The committed head served by vLLM (``results/served/NAME-rN/report.json``, ``scale_serve.sh``
+    reports copied there; NAME is the head's name, with ``-float32`` for vLLM in fp32)."""
+    from lab.studies.real_lm.scale_summary import served_summary
+
+    reports: dict[str, list[dict]] = {}
+    for rep in sorted((RESULTS / "served").glob(f"{head}*-r*/report.json")):
+        name = re.sub(r"-r\d+$", "", rep.parent.name)
+        if name in (head, f"{head}-float32"):
+            reports.setdefault(name, []).append(json.loads(rep.read_text()))
+    return served_summary(reports, [])
+
+
+def on_policy() -> dict | None:
+    path = RESULTS / "on_policy" / "results.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head", default="msd-stage2")
     ap.add_argument("--lineage", nargs="+", default=LINEAGE)
-    ap.add_argument("--table-from", default="rebuild/stage1", help="the first run validated on today's held-out splits")
+    ap.add_argument("--table-from", default="msd-cont/stage2", help="the first run validated on today's held-out splits")
     ap.add_argument("--head-step", type=int, help="the committed head's step in the lineage's last run (default: its end)")
     a = ap.parse_args()
     path = ROOT / "benchmarks" / "real_lm" / "summary.json"
@@ -123,7 +144,7 @@ def main() -> None:
     cpus, best = by_cpu()
     native = CPU_NAMES["native"]
     table, epochs = tau_vs_epochs(a.lineage, a.table_from, a.head_step)
-    plot_tau_vs_epochs(table, RESULTS / a.lineage[-1].split(":")[0].split("/")[0] / "tau_vs_epochs.png")
+    plot_tau_vs_epochs(table, RESULTS / "scale" / "tau_vs_epochs.png")
     summary["heads"][a.head] = {
         "setting": OVERRIDES[best[native]],
         "setting_by_cpu": {cpu: OVERRIDES[name] for cpu, name in best.items()},
@@ -133,13 +154,20 @@ def main() -> None:
         "epochs": epochs,
         "lineage_step": {"run": a.lineage[-1].split(":")[0], "step": a.head_step},
         "tau_vs_epochs": table,
+        "on_policy": on_policy(),
+        "served": served(a.head),
     }
-    if "served" in summary:  # scale_summary's vLLM figures were taken of earlier heads
-        summary["served_note"] = (f"'served' and 'vllm_served_speedup' are of the heads scale_summary saw, before "
-                                  f"{a.head} was rebuilt from scratch (heads.{a.head}.lineage)")
-    summary["heads"][a.head]["lineage"] = a.lineage
+    own = summary["heads"][a.head]["served"].get(a.head)
+    if own:  # the committed head served (bf16, as a user would): the headline
+        summary["vllm_served_speedup"] = own["speedup"]
+    if "served" in summary:  # scale_summary's vLLM figures were taken of the heads before this entry's training
+        summary["served_note"] = (f"'served' holds the heads scale_summary saw; {a.head} has trained on since "
+                                  f"(heads.{a.head}.tau_vs_epochs): " + (
+                                      f"heads.{a.head}.served is the committed head served, and "
+                                      f"'vllm_served_speedup' its bf16 median" if own else
+                                      "unserved since; 'vllm_served_speedup' is an earlier msd-stage2's"))
     path.write_text(json.dumps(summary, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in summary["heads"][a.head].items() if k != "by_cpu"}, indent=1))
+    print(json.dumps({k: v for k, v in summary["heads"][a.head].items() if k not in ("by_cpu", "on_policy")}, indent=1))
 
 
 if __name__ == "__main__":

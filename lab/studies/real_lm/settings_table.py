@@ -1,7 +1,6 @@
 """The field's training settings against the project's defaults at equal data: msd stage 1 from
-scratch on the same text conversations from the store (``settings-field-N`` and ``settings-today-N``
-of ``lab/studies/real_lm/scale_train.sh`` at commit 35130f7: ``git show 35130f7:lab/studies/real_lm/scale_train.sh``),
-held-out validation every 1,024 conversations. Reads the committed metrics
+scratch on the same text conversations from the store (``scale_train.sh settings-field-N`` and
+``settings-today-N``), held-out validation every 1,024 conversations. Reads the committed metrics
 (``results/scale/runs/RUN/stage1/metrics.jsonl.gz``), prints the table and writes
 ``results/scale/settings.json``.
 
@@ -24,7 +23,7 @@ ARMS = {  # arm -> (conversations per optimizer step, what it sets)
 def table(n: int) -> dict:
     out = {}
     for arm, (per_step, what) in ARMS.items():
-        vals = [r for r in rows(f"scale/runs/settings-{arm}-{n}/stage1") if "val/text/sim_tau" in r]
+        vals = [r for r in rows(f"settings-{arm}-{n}/stage1") if "val/text/sim_tau" in r]
         out[arm] = {"settings": what, "conversations_per_step": per_step,
                     "validations": [{"conversations": r["step"] * per_step, "step": r["step"],
                                      "sim_tau": round(r["val/text/sim_tau"], 4), "top1": round(r["val/text/top1"], 4)}
