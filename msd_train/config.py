@@ -124,8 +124,9 @@ def compose_experiment(name: str, overrides=()):
     from hydra.core.global_hydra import GlobalHydra
 
     from msd_train.errors import ConfigError
+    from msd_train.validate import experiments
 
-    known = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+    known = experiments()
     if name not in known:
         raise ConfigError(f"experiment={name}: no such experiment (conf/experiment/); choose one of {', '.join(known)}")
     # Hydra composes once per process: the running command's composition is set aside and restored

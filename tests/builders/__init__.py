@@ -19,6 +19,11 @@ from lab.targets.random import random_target
 from msd_train.targets import wrap_target
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout
+TINY_TARGET = ROOT / "data" / "tiny-llava"  # the embedded default
+# the embedded default's held-out image questions, three of each category, one turn (the vLLM tests' benchmark)
+TINY_IMAGE_BENCH = {"name": "tiny-images", "kind": "conversations", "group_by": "category", "max_samples": 3,
+                    "max_turns": 1, "sources": [{"path": str(ROOT / "data/tiny/llava_heldout.json"),
+                                                 "image_root": str(ROOT / "data/tiny/images")}]}
 
 
 def random_image(seed: int, size: int = 32) -> Image.Image:

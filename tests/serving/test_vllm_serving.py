@@ -8,7 +8,6 @@ Needs vLLM: it runs in the environment scripts/vllm_env.sh builds and skips else
 """
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -16,16 +15,14 @@ pytest.importorskip("vllm", reason="vLLM is not installed here; build its enviro
                                    "and run this file with that environment's python")
 
 import torch  # noqa: E402
+from builders import TINY_IMAGE_BENCH as BENCH
+from builders import TINY_TARGET as TARGET
 from builders.heads import train_head
 
 from msd_train.hub.vllm import export_vllm  # noqa: E402
 from msd_train.serving import check  # noqa: E402
 from msd_train.serving.target import vllm_target  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-TARGET = ROOT / "data" / "tiny-llava"
-BENCH = {"name": "tiny-images", "kind": "conversations", "group_by": "category", "max_samples": 3, "max_turns": 1,
-         "sources": [{"path": str(ROOT / "data/tiny/llava_heldout.json"), "image_root": str(ROOT / "data/tiny/images")}]}
 K, NEW = 4, 24
 
 

@@ -4,18 +4,16 @@ exact, bad settings are refused naming the fix, and the head exports and loads b
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from builders import ROOT
-from builders.heads import conversations
+from builders.heads import conversations, train_dflash_head
 from transformers import DynamicCache
 
 from msd_train.decoding import BlockDrafter, DecodeConfig, generate, prefill
 from msd_train.draft import HEADS, DFlashDraftConfig, DFlashDraftModel, MSDDraftModel
 from msd_train.draft.dflash import dflash_layers
-from msd_train.draft.loss import draft_loss_mask, loss_index
+from msd_train.draft.loss import draft_loss_mask
 from msd_train.errors import ConfigError
 from msd_train.training.objective import OBJECTIVES, objective_for
 
@@ -87,25 +85,9 @@ def fitted(llava_target):
     random target's greedy continuations of the test prompts."""
     target = llava_target
     prompts = conversations(target)
-    torch.manual_seed(0)
-    head = DFlashDraftModel(DFlashDraftConfig.from_target_config(target.config, target.name, block_size=4,
-                                                                 num_hidden_layers=1))
-    objective, batch = objective_for(head), []
-    for enc in prompts.values():
-        out = generate(target, None, enc, DecodeConfig(method="ar", max_new_tokens=40, eos_token_ids=()))
-        ids = torch.cat([enc.input_ids, torch.tensor(out.tokens)])[None]
-        feats = target.features(ids, None, enc.pixel, layers=head.feature_layers)
-        mask = torch.zeros(1, ids.shape[1] - 1, dtype=torch.bool)
-        mask[:, len(enc.input_ids) - 2:] = True  # the answer's tokens (draft position t predicts token t+2)
-        batch.append((feats, loss_index(mask), float(mask.sum())))
-    train = SimpleNamespace(noise="none", noise_scale=0.0)
-    opt = torch.optim.Adam(head.parameters(), lr=3e-3)
-    for _ in range(20):
-        loss = sum(objective.training_loss(target, f, index, n, train)[0] for f, index, n in batch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return target, head.eval().requires_grad_(False), prompts
+    head = train_dflash_head(target, list(prompts.values()), steps=20, new_tokens=40, block_size=4,
+                             num_hidden_layers=1, num_anchors=DFlashDraftConfig.num_anchors)  # every answer position
+    return target, head, prompts
 
 
 def test_a_head_reading_the_last_output_decodes_exactly(llava_target):
