@@ -10,7 +10,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from msd_train.errors import user_errors
-from msd_train.paths import creatable_dir, user_path
+from msd_train.paths import creatable_dir, experiments, user_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO_ROOT / "conf"
@@ -124,7 +124,6 @@ def compose_experiment(name: str, overrides=()):
     from hydra.core.global_hydra import GlobalHydra
 
     from msd_train.errors import ConfigError
-    from msd_train.validate import experiments
 
     known = experiments()
     if name not in known:

@@ -50,3 +50,8 @@ def portable_name(name_or_path: str, root: str | os.PathLike | None = None) -> s
         return p.relative_to(Path(root).resolve()).as_posix()
     except ValueError:
         return p.name
+
+
+def experiments() -> list[str]:
+    """The names ``experiment=`` takes: conf/experiment/NAME.yaml of this checkout."""
+    return sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "experiment").glob("*.yaml"))

@@ -37,7 +37,7 @@ from msd_train.checks import (  # noqa: F401  (the primitives, and the decoder's
     onednn_max_isa,
 )
 from msd_train.errors import ConfigError, debug, user_errors  # noqa: F401  (re-exported: callers import them from here)
-from msd_train.paths import user_path
+from msd_train.paths import experiments, user_path
 
 
 def _sources(cfg, group: str, need_images: bool) -> None:
@@ -73,11 +73,6 @@ def _wandb(cfg, key: str) -> None:
         pass
     raise ConfigError(f"{key}.mode=online but no wandb API key is set (WANDB_API_KEY, or `wandb login`); "
                       f"log in, or use {key}.mode=offline (sync later with `wandb sync`) or disabled")
-
-
-def experiments() -> list[str]:
-    """The names ``experiment=`` takes: conf/experiment/NAME.yaml."""
-    return sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "experiment").glob("*.yaml"))
 
 
 def _recipe_command(cfg, script: str, *args: str) -> str:
