@@ -26,15 +26,18 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 def main(cfg: DictConfig) -> None:
     import logging
 
-    from msd_train.evaluation import run_eval
-    from msd_train.hub.folders import IncompleteHeadError
-    from msd_train.validate import user_errors
+    from msd_train.validate import check_eval, user_errors
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     plain = OmegaConf.to_container(cfg, resolve=True)
     command = " ".join(["python eval.py", *sys.argv[1:]])
     # A user's mistake (a bad path, value or image) is one message and exit 1; MSD_DEBUG=1 shows the traceback.
     # Ctrl-C keeps what was measured (report.json marked "interrupted") and exits 130.
+    with user_errors(FileNotFoundError):  # the settings first, before torch and the decoder load: in a second
+        check_eval(plain, (plain.get("decoding") or {}).get("method", "tree"))
+    from msd_train.evaluation import run_eval
+    from msd_train.hub.folders import IncompleteHeadError
+
     with user_errors(FileNotFoundError, IncompleteHeadError):
         try:
             report = run_eval(plain, command=command)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import netrc
 import os
 import re
+import sys
+import tempfile
 from pathlib import Path
 
 from msd_train.checks import (  # noqa: F401  (the primitives, and the decoder's bounds, re-exported)
@@ -230,6 +232,29 @@ def check_recipe_export(cfg, key: str, fmt: str, head_key: str | None = None) ->
                       f"first: `{_recipe_command(cfg, 'python scripts/export.py', f'format={fmt}')}`")
 
 
+# A DataLoader worker hands each batch to the trainer through a Unix socket that multiprocessing
+# makes at TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX (torch's file-descriptor sharing, Linux's
+# default). Linux caps a socket's path at 107 bytes; past it the worker's feeder thread fails and
+# the trainer waits for its batch for ever.
+_SOCKET_PATH_MAX = 107
+_SOCKET_SUFFIX = len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+
+
+def check_worker_tmpdir(workers, tmpdir: str | None = None) -> None:
+    """``train.loader_workers`` > 0 needs a temporary folder whose sockets Linux can name."""
+    if not sys.platform.startswith("linux") or workers in (_MISSING, None) or int(workers) == 0:
+        return
+    tmpdir = tmpdir or tempfile.gettempdir()
+    n = len(os.fsencode(tmpdir))
+    if n + _SOCKET_SUFFIX > _SOCKET_PATH_MAX:
+        raise ConfigError(
+            f"the temporary folder {tmpdir} (TMPDIR) is {n} bytes long: train.loader_workers={workers} hand "
+            f"batches to the trainer through sockets made under it, and Linux caps a socket's path at "
+            f"{_SOCKET_PATH_MAX} bytes (the workers would fail and the launch wait for ever); point TMPDIR at a "
+            f"folder of at most {_SOCKET_PATH_MAX - _SOCKET_SUFFIX} bytes (e.g. /tmp or a short node-local path), "
+            f"or set train.loader_workers=0")
+
+
 def check_train(cfg, overrides=None) -> None:
     """``train.py``'s config (a plain dict or DictConfig); ``overrides``: the launch's command-line
     overrides (Hydra's), which a refusal's fix repeats."""
@@ -245,6 +270,7 @@ def check_train(cfg, overrides=None) -> None:
         _number(cfg, key, int, lo=0)
     for key in ("train.prefetch", "logging.log_every", "features.samples_per_shard"):
         _number(cfg, key, int, lo=1)
+    check_worker_tmpdir(_get(cfg, "train.loader_workers"))
     # 0 would silently mean "all" to the readers' limit
     _number(cfg, "data.max_heldout", int, lo=1, hint=" (held-out conversations per modality for validation)")
     _number(cfg, "data.max_train", int, lo=1, allow_none=True,

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -286,6 +287,23 @@ def test_train_config_mistakes_are_named(tmp_path, monkeypatch, key, value, phra
     node[last] = value
     with pytest.raises(ConfigError, match=phrase.replace("(", r"\(").replace(")", r"\)")):
         check_train(cfg)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's 107-byte socket paths")
+def test_a_temporary_folder_too_long_for_the_loader_workers_sockets_is_named_before_training(tmp_path, monkeypatch):
+    """Past 75 bytes, TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX is longer than Linux lets a socket be
+    named: the loader workers would fail to hand over their batches and the launch hang."""
+    cfg = base_train_cfg(tmp_path)
+    cfg["train"]["loader_workers"] = 2
+    monkeypatch.setattr(tempfile, "tempdir", "/" + "t" * 75)  # 76 bytes
+    with pytest.raises(ConfigError, match=r"is 76 bytes long: train.loader_workers=2 .* at most 75 bytes .*"
+                                          r"or set train.loader_workers=0"):
+        check_train(cfg)
+    monkeypatch.setattr(tempfile, "tempdir", "/" + "t" * 74)  # 75 bytes: the longest that works
+    check_train(cfg)
+    monkeypatch.setattr(tempfile, "tempdir", "/" + "t" * 75)
+    cfg["train"]["loader_workers"] = 0  # batches collated in the trainer: no sockets
+    check_train(cfg)
 
 
 def test_train_py_prints_one_paragraph_without_traceback(tmp_path):

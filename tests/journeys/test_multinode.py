@@ -3,10 +3,13 @@ node-local caches and temporary folders: stage 1 (stopped by one node, resumed),
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 from builders.runs import ENV, steps, wait_for_steps
@@ -17,6 +20,16 @@ from msd_train.training import checkpoint as ckpt
 ROOT = ENV["PYTHONPATH"]
 FAST = ["logging.wandb.mode=disabled", "logging.progress=false", "data.max_heldout=4", "eval.every=1000",
         "train.micro_batch_size=1", "train.grad_accum=1", "checkpoint.every=2"]
+
+
+@pytest.fixture
+def tmp_path():
+    """A short folder in place of pytest's: the nodes' TMPDIRs live in it, and the loader workers'
+    sockets need a TMPDIR of at most 75 bytes (``msd_train.validate.check_worker_tmpdir``), which
+    pytest's folders can pass (under pytest-xdist, or a long user name)."""
+    d = Path(tempfile.mkdtemp(prefix="msd-nodes-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def launch(tmp_path, args, nodes=2, per_node=2, cache=lambda k: f"node{k}/cache"):
@@ -138,8 +151,6 @@ def loopback_hosts(tmp_path):
     port, a key made here, nothing outside loopback), each giving its sessions a node-local
     HF_DATASETS_CACHE (so the default data.cache_dir) and TMPDIR. Needs the Debian packages
     openssh-server and pdsh (``apt-get install -y openssh-server pdsh``) and root."""
-    import shutil
-
     if not (shutil.which("pdsh") and os.path.exists("/usr/sbin/sshd") and os.geteuid() == 0):
         pytest.skip("deepspeed --hostfile needs pdsh and sshd (apt-get install -y openssh-server pdsh) and root")
     d, port = tmp_path / "ssh", free_port()
