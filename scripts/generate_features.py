@@ -24,6 +24,12 @@ def main(cfg: DictConfig) -> None:
     import logging
     import os
 
+    from omegaconf import OmegaConf
+
+    from msd_train.validate import check_generate, user_errors
+
+    with user_errors():  # before torch and the target load: a bad value or path is one message, exit 1
+        check_generate(OmegaConf.to_container(cfg, resolve=True))
     from msd_train import runtime
     from msd_train.data.dataset import UnusableImage
     from msd_train.features.generate import generate
@@ -34,12 +40,7 @@ def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     for noisy in ("datasets", "httpx", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from omegaconf import OmegaConf
-
-    from msd_train.validate import check_generate, user_errors
-
-    with user_errors():  # before the target loads: a bad value or path is one message, exit 1
-        check_generate(OmegaConf.to_container(cfg, resolve=True))
+    with user_errors():
         # one launch per store (the other ranks of a refused launch are stopped by its launcher)
         lock = FolderLock(user_path(cfg.features.path), "features.path") if int(os.environ.get("RANK", 0)) == 0 else None
         if lock is not None:
