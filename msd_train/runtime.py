@@ -36,6 +36,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -437,6 +438,12 @@ class Group:
             if barrier:
                 self.barrier()
             self.dist.destroy_process_group()
+            # DeepSpeed keeps a clone of the world group it made for an engine; it died with the
+            # group, and the next engine in this process (stage 1 then stage 2 from a notebook,
+            # training after generate_features in one script) would broadcast over it. Forget it.
+            groups = sys.modules.get("deepspeed.utils.groups")
+            if getattr(groups, "_WORLD_GROUP", None) is not None:
+                groups._WORLD_GROUP = None
 
 
 # ----------------------------------------------------------------------------- atomic writes

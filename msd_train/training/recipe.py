@@ -629,11 +629,4 @@ class TrainRecipe:
         self.wandb = wandb_run.call(self.wandb, "finishing its run", lambda run: run.finish(),
                                     self.stage_dir / "metrics.jsonl")
         self._batches = self._batches_at = None  # ends the DataLoader's workers
-        self.group.destroy(barrier)
-        # DeepSpeed keeps a clone of the world group it made for the engine; once the group is
-        # destroyed that clone is dead, and a second run in the same process (stage 1 then
-        # stage 2 from a notebook or a test) would fail broadcasting over it. Forget it.
-        from deepspeed.utils import groups
-
-        if getattr(groups, "_WORLD_GROUP", None) is not None:
-            groups._WORLD_GROUP = None
+        self.group.destroy(barrier)  # and DeepSpeed's clone of it (runtime.Group.destroy)

@@ -205,13 +205,29 @@ def test_another_world_size_continues_where_it_can_and_names_what_cannot_carry_o
     assert "ZeRO stage 2 and this launch has 2 with stage 1" in msg and "deepspeed=zero2" in msg
 
 
+def test_an_engine_after_the_group_was_left_trains_in_the_same_process(in_process):
+    """Leaving the process group (a run's cleanup, generate_features' end) also forgets the clone of
+    it DeepSpeed keeps: the next engine in the process would broadcast over that dead clone."""
+    import deepspeed
+
+    from msd_train import runtime
+
+    for _ in range(2):
+        group = runtime.setup_group(torch.device("cpu"), deepspeed=True, timeout_minutes=1)
+        try:
+            m = torch.nn.Linear(3, 2)
+            deepspeed.initialize(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), config={
+                "train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9})
+        finally:
+            group.destroy()
+
+
 @pytest.mark.parametrize("stage,bf16", [(0, False), (1, False), (2, False), (0, True), (2, True)])
 def test_portable_state_continues_the_optimizer_exactly(in_process, tmp_path, stage, bf16):
     """portable.pt into a fresh engine (how another world size resumes), without ZeRO and with
     ZeRO-1/2: the next step equals the step the original engine takes (moments, Adam's step count,
     the schedule's position, frozen weights and buffers all carried over)."""
     import deepspeed
-    from deepspeed.utils import groups
 
     from msd_train import runtime
     from msd_train.training.recipe import lr_lambda
@@ -251,8 +267,7 @@ def test_portable_state_continues_the_optimizer_exactly(in_process, tmp_path, st
             torch.testing.assert_close(pb, pa, rtol=0, atol=0, msg=n)
         assert b.get_lr() == a.get_lr()
     finally:
-        group.destroy()
-        groups._WORLD_GROUP = None
+        group.destroy()  # and DeepSpeed's clone of the world group
 
 
 # ----------------------------------------------------------------------------- 9, 13: config checks
