@@ -6,7 +6,7 @@
 # OUT: where they go instead of benchmarks/real_lm/results/scale.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-W=${1:-/work/scale}
+W=${1:?usage: lab/studies/real_lm/scale_collect.sh WORK [RUN...]}
 out=${OUT:-benchmarks/real_lm/results/scale}
 # a run's metrics, each stage's compacted (lab/studies/real_lm/compact_metrics.py: what head_summary reads)
 collect_run() {

@@ -99,6 +99,6 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", choices=("pack", "unpack"), help="pack: WORK -> data/smollm2-llava-regen; unpack: back")
-    parser.add_argument("work", nargs="?", type=Path, default=Path("/work/scale"), help="the scale work folder")
+    parser.add_argument("work", type=Path, help="the scale work folder")
     args = parser.parse_args()
     {"pack": pack, "unpack": unpack}[args.mode](args.work)

@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--heldout", type=int, default=150)
     ap.add_argument("--bench-from", type=int, default=15000)
     ap.add_argument("--bench-n", type=int, default=16)
-    ap.add_argument("--images", default="/work/scale/img", help="make_image_data.py's folder (its held-out questions)")
+    ap.add_argument("--images", required=True, help="make_image_data.py's folder (its held-out questions)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
