@@ -1,7 +1,7 @@
 """The scale data's regenerated conversations, committed compressed (data/smollm2-llava-regen/).
 
-    python -m lab.studies.real_lm.scale_data pack [WORK]      # WORK/regen_*/rank-*.jsonl -> data/smollm2-llava-regen/*.jsonl.xz
-    python -m lab.studies.real_lm.scale_data unpack [WORK]    # the reverse: the regeneration then resumes from them
+    python -m lab.studies.real_lm.scale_data pack WORK        # WORK/regen_*/rank-*.jsonl -> data/smollm2-llava-regen/*.jsonl.xz
+    python -m lab.studies.real_lm.scale_data unpack WORK      # the reverse: the regeneration then resumes from them
 
 The regeneration (data/README.md, "The scale data": three scripts/regenerate_data.py runs into
 WORK/regen_img, regen_img_describe and regen_text) answers thousands of conversations in the
