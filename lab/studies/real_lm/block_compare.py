@@ -4,12 +4,16 @@ shortened schedule, two seeds each; stage 1 (text only: decoupling does not ente
 head and seed, stage 2 from it twice, with MSD's visual decoupling on and off. Every launch
 is a product command and resumes where it stopped; a finished stage is not run again.
 
-    python -m lab.studies.real_lm.block_compare WORK OUT [--s1 400] [--s2 300] [--heads dflash msd msd3]
+    python -m lab.studies.real_lm.block_compare WORK OUT [--s1 400] [--s2 300] [--heads dflash msd msd3] [--decode]
+    python -m lab.studies.real_lm.block_compare WORK OUT --table        # the summary as a Markdown table
 
 WORK is the experiment's work folder (its store and splits: docs/recipes.md), OUT the runs
 and ``summary.json``: each arm's held-out validation at the end of each stage and its
 training time. The dflash arms read the target's last output (``draft.feature_layers=[30]``),
-what the msd store holds. Decoder tau and speed of the heads: ``lab/bench/any_cpu.sh``.
+what the msd store holds. ``--decode``: each stage-2 head decodes the held-out bench prompts
+(``WORK/splits/bench_text.jsonl`` and ``bench_images.jsonl``, 8 each, 64 new tokens, 2 threads)
+beside plain decoding, in its CPU setting (``DECODING``); ``eval.py``'s report per arm and bench
+under ``OUT/decode/``, its tau, speedup, exactness and acceptance per position in the summary.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 HEADS = {"msd": [], "msd3": ["head=msd3"], "dflash": ["head=dflash", "draft.feature_layers=[30]"]}
+#: each head in the setting it decodes fastest in on a CPU (docs/decoding.md)
+DECODING = {"msd": ["decoding=tree_small"], "msd3": ["decoding=tree_small"], "dflash": ["decoding=block"]}
+BENCHES = {"text": "bench_text.jsonl", "images": "bench_images.jsonl"}
 
 
 def launch(args: list[str], log: Path) -> float:
@@ -43,6 +50,55 @@ def last_validation(stage_dir: Path) -> dict:
     return {k: v for k, v in val[-1].items() if k == "step" or k.startswith("val/")} if val else {}
 
 
+def decode(work: Path, out: Path, arm: str, head: str, head_dir: Path) -> dict:
+    """The arm's head on each bench beside plain decoding (a finished report is not run again)."""
+    results = {}
+    for bench, name in BENCHES.items():
+        dest = out / "decode" / f"{arm}-{bench}"
+        if not (dest / "report.json").is_file():
+            cmd = [sys.executable, "eval.py", "target=smollm2_llava", f"draft={head_dir}", *DECODING[head], "bench=jsonl",
+                   f"bench.path={work / 'splits' / name}", "bench.max_samples=8", "decoding.max_new_tokens=64",
+                   "threads=2", "progress=false", f"out={dest}"]
+            log = out / "decode" / f"{arm}-{bench}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with log.open("w") as fh:
+                if subprocess.call(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT):
+                    raise SystemExit(f"block_compare: {' '.join(cmd)} failed; see {log}")
+        o = json.loads((dest / "report.json").read_text())["overall"]
+        results[bench] = {k: o[k] for k in ("tau", "speedup", "outputs_match_ar", "accept_at_pos")}
+    return results
+
+
+def _cell(v, fmt="{:.3f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def table(summary: dict) -> str:
+    """The stage-2 arms: held-out simulated tau and first-position agreement (text, images), the
+    training seconds of both stages, decoded tau and speedup per bench and whether outputs equal
+    plain decoding."""
+    rows = ["| head | seed | visual path | sim tau text | sim tau images | agree@1 text | agree@1 images | "
+            "train s | tau text | speedup text | tau images | speedup images | outputs = plain |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for _, e in sorted(summary.items()):
+        if "decouple_visual" not in e:  # a stage-1 entry: its seconds count in its stage-2 arms
+            continue
+        v = e.get("stage2", {})
+        s1 = summary.get(f"{e['head']}-s{e['seed']}", {}).get("stage1_seconds")
+        seconds = None if s1 is None or "stage2_seconds" not in e else s1 + e["stage2_seconds"]
+        d = e.get("decode", {})
+        exact = [d[b]["outputs_match_ar"] for b in BENCHES if b in d]
+        rows.append("| " + " | ".join([
+            e["head"], str(e["seed"]), "decoupled" if e["decouple_visual"] else "shared",
+            _cell(v.get("val/text/sim_tau")), _cell(v.get("val/mm/sim_tau")),
+            _cell(v.get("val/text/agree_cond_1")), _cell(v.get("val/mm/agree_cond_1")),
+            _cell(seconds, "{:.0f}"),
+            _cell(d.get("text", {}).get("tau")), _cell(d.get("text", {}).get("speedup"), "{:.2f}x"),
+            _cell(d.get("images", {}).get("tau")), _cell(d.get("images", {}).get("speedup"), "{:.2f}x"),
+            ("yes" if all(exact) else "no") if exact else "-"]) + " |")
+    return "\n".join(rows) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("work", type=Path, help="the experiment's work folder (store, splits)")
@@ -51,7 +107,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--s2", type=int, default=300, help="stage-2 steps (image share ramped 0 -> 0.5 over half)")
     p.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    p.add_argument("--decode", action="store_true", help="decode the bench prompts with each stage-2 head")
+    p.add_argument("--table", action="store_true", help="print OUT/summary.json as a Markdown table and stop")
     a = p.parse_args(argv)
+    if a.table:
+        if not (a.out / "summary.json").is_file():
+            raise SystemExit(f"block_compare: no {a.out / 'summary.json'} yet; run the comparison first")
+        print(table(json.loads((a.out / "summary.json").read_text())), end="")
+        return
     if not (a.work / "store" / "manifest.json").is_file():
         raise SystemExit(f"block_compare: no feature store in {a.work / 'store'}; make it first "
                          f"(python scripts/generate_features.py experiment=smollm2_llava recipe.work={a.work})")
@@ -81,6 +144,8 @@ def main(argv: list[str] | None = None) -> None:
                         a.out / f"{name}.log")
                 entry["stage2"] = last_validation(two / "stage2")
                 entry["head_dir"] = os.path.relpath(two / "stage2" / "final", a.out)
+                if a.decode:
+                    entry["decode"] = decode(a.work, a.out, name, head, two / "stage2" / "final")
                 summary_path.write_text(json.dumps(summary, indent=1) + "\n")
     summary_path.write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({k: {s: v.get(s, {}).get("val/sim_tau") for s in ("stage1", "stage2")} for k, v in summary.items()},
