@@ -1,6 +1,7 @@
 """The block-drafting comparison's table (lab/studies/real_lm/block_compare.py) from its summary."""
 
 import pytest
+
 from lab.studies.real_lm.block_compare import main, table
 
 
