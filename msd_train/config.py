@@ -10,9 +10,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from msd_train.errors import user_errors
-from msd_train.paths import creatable_dir, experiments, user_path
+from msd_train.paths import REPO_ROOT, creatable_dir, experiments, user_path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO_ROOT / "conf"
 
 # ${msd_root:} is the project checkout, so the embedded default's paths work from any cwd.

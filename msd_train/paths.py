@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+REPO_ROOT = Path(__file__).resolve().parent.parent  # the project checkout
+
 
 def user_path(value: str | os.PathLike) -> Path:
     """A file setting as the user wrote it: ``~`` and ``~user`` expanded, relative paths
@@ -41,7 +43,7 @@ def portable_name(name_or_path: str, root: str | os.PathLike | None = None) -> s
     to it (``data/smollm2-llava``); any other local folder by its name alone (what
     ``hub.load.check_fits`` compares)."""
     if root is None:
-        root = Path(__file__).resolve().parent.parent
+        root = REPO_ROOT
     p = Path(name_or_path).expanduser()
     if not p.is_absolute() and not p.exists():
         return str(name_or_path)  # a Hub id (or a relative path, already portable)
@@ -54,4 +56,4 @@ def portable_name(name_or_path: str, root: str | os.PathLike | None = None) -> s
 
 def experiments() -> list[str]:
     """The names ``experiment=`` takes: conf/experiment/NAME.yaml of this checkout."""
-    return sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "experiment").glob("*.yaml"))
+    return sorted(p.stem for p in (REPO_ROOT / "conf" / "experiment").glob("*.yaml"))

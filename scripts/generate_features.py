@@ -40,7 +40,7 @@ def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     for noisy in ("datasets", "httpx", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    with user_errors():
+    with user_errors():  # taken here, just before the `try` that releases it (not before the imports)
         # one launch per store (the other ranks of a refused launch are stopped by its launcher)
         lock = FolderLock(user_path(cfg.features.path), "features.path") if int(os.environ.get("RANK", 0)) == 0 else None
         if lock is not None:
