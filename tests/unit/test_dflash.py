@@ -81,11 +81,11 @@ def test_settings_the_target_cannot_hold_are_refused(overrides, match):
 
 @pytest.fixture(scope="module")
 def fitted(llava_target):
-    """A dflash head (block 4, one layer) fitted for a few steps by its own objective to the
+    """A dflash head (block 4, one layer) fitted for 60 steps by its own objective to the
     random target's greedy continuations of the test prompts."""
     target = llava_target
     prompts = conversations(target)
-    head = train_dflash_head(target, list(prompts.values()), steps=20, new_tokens=40, block_size=4,
+    head = train_dflash_head(target, list(prompts.values()), steps=60, new_tokens=40, block_size=4,
                              num_hidden_layers=1, num_anchors=DFlashDraftConfig.num_anchors)  # every answer position
     return target, head, prompts
 
