@@ -24,6 +24,11 @@ class ConfigError(ValueError):
     """A mistake in the command line or config; the message names the key and the fix."""
 
 
+class PushError(RuntimeError):
+    """The Hub did not take an upload (no network, offline mode, refused token or repo);
+    the message says why, with the token scrubbed, and what to do."""
+
+
 def debug() -> bool:
     return os.environ.get("MSD_DEBUG", "").lower() not in ("", "0", "false", "no")
 

@@ -3,9 +3,25 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent  # the project checkout
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
+
+
+def is_repo_id(name) -> bool:
+    """Whether ``name`` is spelt like a Hub repository id (OWNER/NAME), the Hub's own rules
+    (here, not in msd_train.hub: the up-front checks tell a Hub id from a path without the hub stack)."""
+    name = str(name)
+    return bool(_REPO_ID.match(name)) and ".." not in name and "--" not in name and not name.endswith((".git", "."))
+
+
+def check_repo_id(repo_id, setting: str = "repo_id") -> None:
+    """Refuse (ValueError naming ``setting`` and the rule) a ``repo_id`` the Hub would not take."""
+    if not is_repo_id(repo_id):
+        raise ValueError(f"{setting}={str(repo_id)!r} is not a Hub repository id: use USER/NAME (or ORG/NAME) of "
+                         "letters, digits, '-', '_' and '.', e.g. repo_id=me/msd-llava15-7b")
 
 
 def user_path(value: str | os.PathLike) -> Path:

@@ -39,7 +39,7 @@ from msd_train.checks import (  # noqa: F401  (the primitives, and the decoder's
     onednn_max_isa,
 )
 from msd_train.errors import ConfigError, debug, user_errors  # noqa: F401  (re-exported: callers import them from here)
-from msd_train.paths import experiments, user_path
+from msd_train.paths import experiments, is_repo_id, user_path
 
 
 def _sources(cfg, group: str, need_images: bool) -> None:
@@ -200,10 +200,10 @@ def check_recipe_head(cfg, key: str) -> None:
 
 def hub_experiment(cfg, script: str) -> dict | None:
     """``experiment=NAME`` of a hub script (export.py, push_to_hub.py): its ``checkpoint=`` and
-    ``out=`` filled from the experiment (``hub.cli.experiment_defaults``), and refused while the
+    ``out=`` filled from the experiment (``hub_cli.experiment_defaults``), and refused while the
     head its recipe ends with is not trained yet, naming the command. Returns the experiment's
     ``recipe`` block (its ``target``...), or None without one."""
-    from msd_train.hub.cli import experiment_defaults
+    from msd_train.hub_cli import experiment_defaults
 
     found = experiment_defaults(cfg, script)
     if found is None:
@@ -415,8 +415,6 @@ BUILDERS = {"smollm2-llava": "python -m lab.targets.make_smollm2_llava (data/REA
 
 
 def _looks_like_path(name: str) -> bool:
-    from msd_train.hub.folders import is_repo_id
-
     return name.startswith((".", "/", "~")) or not is_repo_id(name)
 
 

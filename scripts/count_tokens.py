@@ -52,7 +52,7 @@ def count(cfg: DictConfig) -> int:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="count_tokens", version_base=None)
 def main(cfg: DictConfig) -> None:
-    from msd_train.hub.cli import user_error_kinds
+    from msd_train.hub_cli import user_error_kinds
     from msd_train.validate import user_errors
 
     with user_errors(*user_error_kinds()):  # a missing or wrong head folder: one paragraph, exit 1

@@ -16,7 +16,7 @@ import hydra
 from omegaconf import DictConfig
 
 from msd_train.config import CONF_DIR
-from msd_train.hub.cli import require_arguments, target_info, user_error_kinds
+from msd_train.hub_cli import require_arguments, target_info, user_error_kinds
 from msd_train.outputs import output_dir
 from msd_train.paths import user_path
 from msd_train.validate import user_errors

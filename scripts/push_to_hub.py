@@ -18,7 +18,8 @@ import hydra
 from omegaconf import DictConfig
 
 from msd_train.config import CONF_DIR
-from msd_train.hub.cli import require_arguments, user_error_kinds
+from msd_train.hub_cli import require_arguments, user_error_kinds
+from msd_train.paths import check_repo_id
 from msd_train.validate import hub_experiment, user_errors
 
 
@@ -28,6 +29,7 @@ def main(cfg: DictConfig) -> None:
     with user_errors(*user_error_kinds()):  # a refused head or id, no token, no network: one paragraph, exit 1
         hub_experiment(cfg, "push")  # experiment=NAME: the head its recipe ends with
         require_arguments(cfg, "push")
+        check_repo_id(cfg.repo_id)  # before the hub stack loads
         from msd_train.hub import push_head
 
         push_head(cfg.checkpoint, cfg.repo_id, private=cfg.private, dry_run=cfg.dry_run, report=cfg.report,

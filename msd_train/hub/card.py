@@ -20,7 +20,7 @@ from pathlib import Path
 from msd_train.draft import MSDDraftConfig
 from msd_train.draft.head import HEADS, DraftHead, head_class_of_config
 from msd_train.formatting import fmt
-from msd_train.hub.folders import is_repo_id
+from msd_train.paths import is_repo_id
 from msd_train.targets import head_family
 from msd_train.targets.lora import adapter_identity
 

@@ -4,11 +4,11 @@ loading an export folder strictly (a missing tensor is an error, never a random 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from msd_train.draft import MSDDraftModel, NonFiniteWeightsError
 from msd_train.hub import formats
+from msd_train.paths import is_repo_id
 from msd_train.targets import ADAPTERS
 
 #: model_type of the released heads' config.json -> draft layer family (from the target adapters)
@@ -17,14 +17,6 @@ REFERENCE_MODEL_TYPES = {c.reference_model_type: c.draft_layer_family for c in A
 REFERENCE_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 #: what a head repository needs; anything else in it (images, logs) is not downloaded
 HEAD_FILE_PATTERNS = ["*.json", "*.safetensors", "*.bin", "README.md"]
-
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
-
-
-def is_repo_id(name) -> bool:
-    """Whether ``name`` is spelt like a Hub repository id (OWNER/NAME), the Hub's own rules."""
-    name = str(name)
-    return bool(_REPO_ID.match(name)) and ".." not in name and "--" not in name and not name.endswith((".git", "."))
 
 
 class IncompleteHeadError(ValueError):

@@ -22,18 +22,14 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from msd_train.errors import PushError
 from msd_train.hub.card import find_report, model_card, public, read_training
-from msd_train.hub.folders import IncompleteHeadError, export_weight_files, is_repo_id, load_export
+from msd_train.hub.folders import IncompleteHeadError, export_weight_files, load_export
 from msd_train.hub.reference import IMPORT_RECORD
 from msd_train.outputs import output_dir
-from msd_train.paths import user_path
+from msd_train.paths import check_repo_id, user_path
 
 log = logging.getLogger(__name__)
-
-class PushError(RuntimeError):
-    """The Hub did not take the upload (no network, offline mode, refused token or repo);
-    the message says why, with the token scrubbed, and what to do."""
-
 
 #: Files of an export folder that are published besides the weights (local paths masked).
 SIDE_FILES = ("config.json", "training.json", IMPORT_RECORD)
@@ -212,9 +208,7 @@ def _push_fix(err: Exception) -> str:
 
 def check_push(repo_id: str, dry_run: bool, token: str | None = None) -> None:
     """A valid ``repo_id`` (also in dry runs: the card names it) and, for a real push, a token."""
-    if not is_repo_id(repo_id):
-        raise ValueError(f"repo_id={str(repo_id)!r} is not a Hub repository id: use USER/NAME (or ORG/NAME) of "
-                         "letters, digits, '-', '_' and '.', e.g. repo_id=me/msd-llava15-7b")
+    check_repo_id(repo_id)
     if dry_run or token:
         return
     from huggingface_hub import get_token

@@ -200,6 +200,7 @@ LAYERS = [
     {"msd_train.decoding"},
     {"msd_train.data"},
     {"msd_train.features", "msd_train.hub"},
+    {"msd_train.hub_cli"},
     {"msd_train.validate"},
     {"msd_train.training", "msd_train.evaluation"},
     {"msd_train.serving"},

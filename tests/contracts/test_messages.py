@@ -11,6 +11,7 @@ import json
 import math
 import os
 import pickle
+import re
 import subprocess
 import sys
 import time
@@ -155,6 +156,23 @@ def test_cuda_graphs_on_a_cpu_target_is_refused_up_front():
     cfg = {"target": {"name_or_path": TINY, "device": "cpu"}, "decoding": {"method": "tree", "cuda_graphs": True}}
     with pytest.raises(ConfigError, match="decoding.cuda_graphs=true needs a CUDA target"):
         check_eval(cfg, "ar")
+
+
+@pytest.mark.parametrize("script, args, phrase", [
+    ("scripts/push_to_hub.py", ["checkpoint=x", "repo_id=me/bad name", "dry_run=true"], "is not a Hub repository id"),
+    ("scripts/export.py", [], "missing required argument(s): checkpoint=... out=..."),
+    ("scripts/import_reference.py", [], "missing required argument(s)"),
+])
+def test_hub_scripts_refuse_their_arguments_before_torch_loads(script, args, phrase):
+    """The hub scripts check their arguments with msd_train.hub_cli, outside the hub package
+    (which loads torch and transformers): a typo costs a fraction of a second, not five."""
+    out = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / script), *args], cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=300)
+    imported = set(re.findall(r"^import time:.*\|\s*(\S+)$", out.stderr, re.M))
+    assert "msd_train.hub_cli" in imported  # the import report is read: the check below can fail
+    assert not imported & {"torch", "transformers", "msd_train.hub"}, sorted(imported & {"torch", "transformers"})
+    out.stderr = "\n".join(x for x in out.stderr.splitlines() if not x.startswith("import time:"))
+    refused(out, phrase)
 
 
 def test_train_py_refuses_nan_before_anything_loads(tmp_path):

@@ -12,7 +12,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigAttributeError
 
 from msd_train.config import CONF_DIR, REPO_ROOT, strip_launcher_args
-from msd_train.hub.cli import resolve_target
+from msd_train.hub_cli import resolve_target
 
 
 def documented_commands():

@@ -5,6 +5,9 @@ configs sit in a folder of their own because their `target=` takes a target path
 id as well as a `conf/target/` name: with `conf/` as the config path, Hydra would read
 `target=...` as choosing from the `target/` group and refuse a path. Under `conf/hub/`
 there is no such group, so `target` is a plain key and `resolve_target` looks the name up.
+
+Outside the hub package on purpose: importing msd_train.hub loads torch and transformers
+(seconds), and the scripts check their arguments with what is here before that.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ def user_error_kinds() -> tuple[type[BaseException], ...]:
     ``MSD_DEBUG=1``: the traceback): a missing file, a refused value (an argument, a repo
     id, a head that cannot be used or does not fit: IncompleteHeadError is a ValueError)
     and a push the Hub did not take."""
-    from msd_train.hub.push import PushError  # inside: `--help` does not wait for torch
+    from msd_train.errors import PushError
 
     return FileNotFoundError, ValueError, PushError
 
