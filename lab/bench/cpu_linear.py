@@ -18,23 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def back_to(cache, length: int) -> None:
@@ -61,7 +50,7 @@ def main() -> None:
 
     from transformers import DynamicCache
 
-    from msd_train.evaluation.cpu_setting import cpu_flags, native_bf16
+    from msd_train.evaluation.cpu_setting import cpu_flags, cpu_identity, native_bf16
     from msd_train.targets import load_target
     from msd_train.targets.cpu_linear import pack_linears
 
@@ -97,7 +86,7 @@ def main() -> None:
                     times[name][q].append(time.perf_counter() - t0)
                     back_to(cache, a.prefix)
     result = {
-        "cpu": cpu_name(), "native_bf16": native_bf16()[1],
+        "cpu": cpu_identity(), "native_bf16": native_bf16()[1],
         "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("avx", "amx"))),
         "torch": torch.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "env": {k: os.environ.get(k) for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")},

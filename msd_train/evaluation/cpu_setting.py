@@ -54,6 +54,35 @@ def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
     return set()
 
 
+#: the vector extensions that decide a CPU's decoding speed here, named in reports (widest first)
+_NAMED_FLAGS = (("amx_bf16", "AMX BF16"), ("avx512_bf16", "AVX-512 BF16"), ("avx512_vp2intersect", "AVX-512 VP2INTERSECT"),
+                ("avx512f", "AVX-512"), ("avx_vnni", "AVX-VNNI"), ("avx2", "AVX2"))
+
+
+def cpu_identity(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
+    """The CPU as a result should name it: its model name, family / model / stepping (a model name
+    such as "AMD EPYC" covers several generations) and the vector extensions it has, e.g.
+    ``AMD EPYC (family 25, model 17, stepping 1; AVX-512 BF16, AVX-512, AVX2)``."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine() or "unknown CPU"
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+        if not line.strip() and fields:  # the first processor's block is enough
+            break
+    flags = set(fields.get("flags", "").split())
+    ids = [f"{name} {fields[key]}" for key, name in (("cpu family", "family"), ("model", "model"), ("stepping", "stepping"))
+           if fields.get(key)]
+    named = [name for flag, name in _NAMED_FLAGS if flag in flags]
+    detail = "; ".join(x for x in (", ".join(ids), ", ".join(named)) if x)
+    return f"{fields.get('model name', 'unknown CPU')}" + (f" ({detail})" if detail else "")
+
+
 def native_bf16(flags: set[str] | None = None, env: dict | None = None) -> tuple[bool, str]:
     """Whether bf16 products run natively here, and the evidence: the CPU's flags, PyTorch's
     kernel level (``ATEN_CPU_CAPABILITY`` can lower it) and oneDNN's (``ONEDNN_MAX_CPU_ISA``)."""

@@ -12,7 +12,6 @@ import datetime
 import functools
 import json
 import logging
-import platform
 import sys
 from pathlib import Path
 
@@ -72,8 +71,10 @@ def decoding_settings(c: DecodeConfig) -> dict:
 def describe_device(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)} (cuda)"
+    from msd_train.evaluation.cpu_setting import cpu_identity
+
     n = torch.get_num_threads()
-    return f"cpu ({platform.processor() or platform.machine()}, {n} thread{'s' if n != 1 else ''})"
+    return f"cpu ({cpu_identity()}, {n} thread{'s' if n != 1 else ''})"
 
 
 def default_out(draft: str | None, bench: str, method: str) -> Path:

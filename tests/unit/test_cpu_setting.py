@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from msd_train.evaluation.cpu_setting import choose, native_bf16
+from msd_train.evaluation.cpu_setting import choose, cpu_identity, native_bf16
 from msd_train.targets.cpu_linear import PackedLinear, onednn_available, pack_linears
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN")
@@ -23,6 +23,20 @@ def test_native_bf16_needs_the_flag_and_lets_oneDNN_limit_it():
         assert not has and "ATEN_CPU_CAPABILITY" in why
     has, why = native_bf16({"amx_bf16", "avx512_bf16"}, {"ONEDNN_MAX_CPU_ISA": "AVX2"})
     assert not has and "ONEDNN_MAX_CPU_ISA" in why
+
+
+def test_a_report_names_the_cpu_generation_and_its_vector_extensions(tmp_path):
+    """"AMD EPYC" alone covers Zen 4 and Zen 5, whose speedups differ: family, model and the
+    extensions that decide decoding speed go with it (every processor block after the first ignored)."""
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
+                    "model name\t: AMD EPYC\nstepping\t: 1\nflags\t\t: fpu avx avx2 avx512f avx512_bf16 "
+                    "avx512_vp2intersect avx_vnni\n\nprocessor\t: 1\ncpu family\t: 25\nflags\t\t: avx2\n")
+    assert cpu_identity(info) == ("AMD EPYC (family 26, model 2, stepping 1; AVX-512 BF16, AVX-512 VP2INTERSECT, "
+                                  "AVX-512, AVX-VNNI, AVX2)")
+    info.write_text("model name\t: Some CPU\nflags\t\t: sse2\n")
+    assert cpu_identity(info) == "Some CPU"
+    assert cpu_identity(tmp_path / "missing")  # not Linux: the platform's name, never an error
 
 
 def test_auto_on_a_cpu_is_fp32_on_onednn_else_by_native_bf16(monkeypatch):

@@ -1,13 +1,14 @@
 """The committed msd-stage2 head's entry of benchmarks/real_lm/summary.json, from committed results
 only: the decoder on each CPU kind (``results/any_cpu/summary.json``, ``lab/bench/any_cpu.sh``), the
-epochs it has trained and held-out simulated tau against them (the lineage's metrics under
-``results/scale/runs/``), and the on-policy comparison (``results/on_policy/results.json``,
+epochs it has trained and held-out simulated tau against them (the metrics of the run that made it,
+``results/rebuild/stage{1,2}/``), and the on-policy comparison (``results/on_policy/results.json``,
 ``lab/studies/on_policy.py``), and the head served by vLLM where ``results/served/`` holds its
 reports (``scale_serve.sh``). Run after ``scale_summary`` (which rewrites the file from a WORK folder).
 
     python -m lab.studies.real_lm.head_summary [--head msd-stage2]
 
-The lineage: RUN/STAGE:CONVERSATIONS_PER_STEP:TEXT:IMAGES, oldest first; TEXT and IMAGES are the
+The lineage: FOLDER:CONVERSATIONS_PER_STEP:TEXT:IMAGES, oldest first (FOLDER under results/, holding
+a stage's ``metrics.jsonl.gz``); TEXT and IMAGES are the
 sizes of the splits that stage read (its launch log's "stage N data: ..." line), so that epochs
 are passes over what each stage could draw from.
 """
@@ -23,8 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 RESULTS = ROOT / "benchmarks" / "real_lm" / "results"
-LINEAGE = ["msd/stage1:4:10032:0", "msd/stage2:4:10032:3666", "msd-cont/stage2:16:12234:7482",
-           "msd-epochs/stage2:16:12234:7482"]
+LINEAGE = ["rebuild/stage1:16:12234:0", "rebuild/stage2:16:12234:7482"]  # experiment=smollm2_llava, stage 1 then 2
 CPU_NAMES = {"native": "AMD EPYC, AVX-512 BF16 (2 cores)",
              "avx2": "the same CPU limited to AVX2 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 "
                      "MKL_ENABLE_INSTRUCTIONS=AVX2): no native bf16"}
@@ -32,7 +32,7 @@ OVERRIDES = {"chain1": ["decoding=chain", "decoding.k=1"], "tree_small": ["decod
 
 
 def rows(run: str) -> list[dict]:
-    with gzip.open(RESULTS / "scale" / "runs" / run / "metrics.jsonl.gz", "rt") as fh:
+    with gzip.open(RESULTS / run / "metrics.jsonl.gz", "rt") as fh:
         return [json.loads(line) for line in fh if line.strip()]
 
 
@@ -93,7 +93,7 @@ def by_cpu() -> tuple[dict, dict]:
 
 
 def plot_tau_vs_epochs(table: list[dict], out: Path) -> None:
-    """Held-out simulated tau against epochs of text seen, beside results/scale/tau_vs_data.png."""
+    """Held-out simulated tau against epochs of text seen."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -136,7 +136,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head", default="msd-stage2")
     ap.add_argument("--lineage", nargs="+", default=LINEAGE)
-    ap.add_argument("--table-from", default="msd-cont/stage2", help="the first run validated on today's held-out splits")
+    ap.add_argument("--table-from", default=LINEAGE[0].split(":")[0], help="the first run validated on today's held-out splits")
     ap.add_argument("--head-step", type=int, help="the committed head's step in the lineage's last run (default: its end)")
     a = ap.parse_args()
     path = ROOT / "benchmarks" / "real_lm" / "summary.json"
@@ -144,7 +144,7 @@ def main() -> None:
     cpus, best = by_cpu()
     native = CPU_NAMES["native"]
     table, epochs = tau_vs_epochs(a.lineage, a.table_from, a.head_step)
-    plot_tau_vs_epochs(table, RESULTS / "scale" / "tau_vs_epochs.png")
+    plot_tau_vs_epochs(table, RESULTS / "rebuild" / "tau_vs_epochs.png")
     summary["heads"][a.head] = {
         "setting": OVERRIDES[best[native]],
         "setting_by_cpu": {cpu: OVERRIDES[name] for cpu, name in best.items()},

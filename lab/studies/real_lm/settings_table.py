@@ -23,7 +23,7 @@ ARMS = {  # arm -> (conversations per optimizer step, what it sets)
 def table(n: int) -> dict:
     out = {}
     for arm, (per_step, what) in ARMS.items():
-        vals = [r for r in rows(f"settings-{arm}-{n}/stage1") if "val/text/sim_tau" in r]
+        vals = [r for r in rows(f"scale/runs/settings-{arm}-{n}/stage1") if "val/text/sim_tau" in r]
         out[arm] = {"settings": what, "conversations_per_step": per_step,
                     "validations": [{"conversations": r["step"] * per_step, "step": r["step"],
                                      "sim_tau": round(r["val/text/sim_tau"], 4), "top1": round(r["val/text/top1"], 4)}
