@@ -4,17 +4,19 @@ plain decoding (and its range), tau, tokens/s, exactness, what ``target.dtype=au
     python -m lab.bench.any_cpu_table OUT [--copy DEST]
 
 ``--copy DEST`` also copies each run's report.json and each kind's forward.json into DEST
-(what the repository keeps) and writes DEST/summary.json, with OUT written ``OUT`` and the
-folder ``--work`` names (the benchmark's) written ``WORK``: no path of this machine.
+(what the repository keeps) and writes DEST/summary.json, with OUT written ``OUT``, the folder
+``--work`` names (the benchmark's) written ``WORK`` and the checkout's files relative to it: no
+path of this machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 from pathlib import Path
+
+from msd_train.paths import REPO_ROOT
 
 
 def collect(out: Path) -> dict:
@@ -62,6 +64,7 @@ def main() -> None:
     if a.copy:
         def portable(text: str) -> str:
             text = text.replace(str(a.out.resolve()), "OUT").replace(str(a.out), "OUT")
+            text = text.replace(str(REPO_ROOT) + "/", "")  # the checkout's files: relative, as users name them
             return text.replace(str(a.work.resolve()), "WORK").replace(str(a.work), "WORK") if a.work else text
 
         for report in a.out.glob("*/*-r*/report.json"):
@@ -70,7 +73,7 @@ def main() -> None:
             dest.write_text(portable(report.read_text()))
         for forward in a.out.glob("*/forward.json"):
             (a.copy / forward.parent.name).mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(forward, a.copy / forward.parent.name / "forward.json")
+            (a.copy / forward.parent.name / "forward.json").write_text(portable(forward.read_text()))
         (a.copy / "summary.json").write_text(portable(json.dumps(kinds, indent=1)) + "\n")
 
 

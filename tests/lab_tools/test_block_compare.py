@@ -28,3 +28,19 @@ def test_one_row_per_stage2_arm_with_both_stages_seconds_and_exactness_over_both
 def test_table_without_a_summary_says_what_to_run(tmp_path):
     with pytest.raises(SystemExit, match="no .*summary.json yet; run the comparison first"):
         main([str(tmp_path), str(tmp_path / "out"), "--table"])
+
+
+def test_a_stopped_launch_still_counts_its_seconds(tmp_path, monkeypatch):
+    """A SIGTERMed train.py saves a checkpoint and exits 1; the relaunch resumes it, so the
+    stage's training seconds must include the stopped launch's, saved before the comparison stops."""
+    import lab.studies.real_lm.block_compare as bc
+
+    codes = iter([1, 0])
+    monkeypatch.setattr(bc.subprocess, "call", lambda *a, **kw: next(codes))
+    entry, saved = {}, []
+    with pytest.raises(SystemExit, match="stopped \\(1\\).*The same command resumes it"):
+        bc.launch(["stage=1"], tmp_path / "log", entry, "stage1_seconds", lambda: saved.append(dict(entry)))
+    first = entry["stage1_seconds"]
+    assert saved == [{"stage1_seconds": first}] and first >= 0
+    bc.launch(["stage=1"], tmp_path / "log", entry, "stage1_seconds", lambda: saved.append(dict(entry)))
+    assert len(saved) == 2 and entry["stage1_seconds"] >= first

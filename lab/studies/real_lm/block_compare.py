@@ -33,15 +33,19 @@ DECODING = {"msd": ["decoding=tree_small"], "msd3": ["decoding=tree_small"], "df
 BENCHES = {"text": "bench_text.jsonl", "images": "bench_images.jsonl"}
 
 
-def launch(args: list[str], log: Path) -> float:
-    """One ``train.py`` launch; its wall seconds (a resumed launch: this launch's only)."""
+def launch(args: list[str], log: Path, entry: dict, key: str, save) -> None:
+    """One ``train.py`` launch, its wall seconds added to ``entry[key]`` and saved (``save()``) also
+    when it stops early (a SIGTERM saves a checkpoint and exits 1: the relaunch resumes, and the
+    stage's seconds are the sum over its launches)."""
     t = time.perf_counter()
     with log.open("a") as fh:
         code = subprocess.call([sys.executable, "train.py", *args, "logging.progress=false"], cwd=ROOT,
                                stdout=fh, stderr=subprocess.STDOUT)
+    entry[key] = entry.get(key, 0.0) + time.perf_counter() - t
+    save()
     if code:
-        raise SystemExit(f"block_compare: train.py {' '.join(args)} failed ({code}); see {log}")
-    return time.perf_counter() - t
+        raise SystemExit(f"block_compare: train.py {' '.join(args)} stopped ({code}); see {log}. "
+                         "The same command resumes it.")
 
 
 def last_validation(stage_dir: Path) -> dict:
@@ -121,6 +125,10 @@ def main(argv: list[str] | None = None) -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     summary_path = a.out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+
+    def save() -> None:
+        summary_path.write_text(json.dumps(summary, indent=1) + "\n")
+
     base = ["experiment=smollm2_llava", f"recipe.work={a.work}",
             f"recipe.stages.1.max_steps={a.s1}", f"recipe.stages.1.every={a.s1}",
             f"recipe.stages.2.max_steps={a.s2}", f"recipe.stages.2.every={a.s2}",
@@ -130,24 +138,23 @@ def main(argv: list[str] | None = None) -> None:
             run = a.out / "runs" / f"{head}-s{seed}"
             arm = summary.setdefault(f"{head}-s{seed}", {"head": head, "seed": seed})
             if not (run / "stage1" / "final" / "config.json").is_file():
-                arm["stage1_seconds"] = arm.get("stage1_seconds", 0.0) + launch(
-                    [*base, *HEADS[head], "stage=1", f"seed={seed}", f"run_dir={run}"], a.out / f"{head}-s{seed}.log")
+                launch([*base, *HEADS[head], "stage=1", f"seed={seed}", f"run_dir={run}"], a.out / f"{head}-s{seed}.log",
+                       arm, "stage1_seconds", save)
             arm["stage1"] = last_validation(run / "stage1")
             for decouple in ("true", "false"):
                 name = f"{head}-s{seed}-{'on' if decouple == 'true' else 'off'}"
                 two = a.out / "runs" / name
                 entry = summary.setdefault(name, {"head": head, "seed": seed, "decouple_visual": decouple == "true"})
                 if not (two / "stage2" / "final" / "config.json").is_file():
-                    entry["stage2_seconds"] = entry.get("stage2_seconds", 0.0) + launch(
-                        [*base, *HEADS[head], "stage=2", f"seed={seed}", f"run_dir={two}",
-                         f"stage.init_from={run / 'stage1' / 'final'}", f"draft.decouple_visual={decouple}"],
-                        a.out / f"{name}.log")
+                    launch([*base, *HEADS[head], "stage=2", f"seed={seed}", f"run_dir={two}",
+                            f"stage.init_from={run / 'stage1' / 'final'}", f"draft.decouple_visual={decouple}"],
+                           a.out / f"{name}.log", entry, "stage2_seconds", save)
                 entry["stage2"] = last_validation(two / "stage2")
                 entry["head_dir"] = os.path.relpath(two / "stage2" / "final", a.out)
                 if a.decode:
                     entry["decode"] = decode(a.work, a.out, name, head, two / "stage2" / "final")
-                summary_path.write_text(json.dumps(summary, indent=1) + "\n")
-    summary_path.write_text(json.dumps(summary, indent=1) + "\n")
+                save()
+    save()
     print(json.dumps({k: {s: v.get(s, {}).get("val/sim_tau") for s in ("stage1", "stage2")} for k, v in summary.items()},
                      indent=1))
 

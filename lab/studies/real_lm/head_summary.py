@@ -160,12 +160,12 @@ def main() -> None:
     own = summary["heads"][a.head]["served"].get(a.head)
     if own:  # the committed head served (bf16, as a user would): the headline
         summary["vllm_served_speedup"] = own["speedup"]
-    if "served" in summary:  # scale_summary's vLLM figures were taken of the heads before this entry's training
-        summary["served_note"] = (f"'served' holds the heads scale_summary saw; {a.head} has trained on since "
-                                  f"(heads.{a.head}.tau_vs_epochs): " + (
-                                      f"heads.{a.head}.served is the committed head served, and "
-                                      f"'vllm_served_speedup' its bf16 median" if own else
-                                      "unserved since; 'vllm_served_speedup' is an earlier msd-stage2's"))
+    if "served" in summary:  # scale_summary's vLLM figures: the earlier heads of the msd3 comparison
+        summary["served_note"] = ("'served' holds the earlier heads scale_summary measured (benchmarks/real_lm/README.md, "
+                                  "msd3 section); " + (f"heads.{a.head}.served is the committed head served, and "
+                                                        f"'vllm_served_speedup' its bf16 median" if own else
+                                                        f"the committed {a.head} is not served yet: 'vllm_served_speedup' "
+                                                        f"is an earlier head's"))
     path.write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({k: v for k, v in summary["heads"][a.head].items() if k not in ("by_cpu", "on_policy")}, indent=1))
 

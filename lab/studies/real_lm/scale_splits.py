@@ -18,6 +18,8 @@ OUT_DIR gets
                        --bench-from on: none of them regenerated, so no split holds them
   bench_images.jsonl   make_image_data.py's held-out questions (--images): photographs and easy-VQA
                        *test* images
+  bench_heldout_text64.jsonl  the first user turns of text_heldout's conversations 65-128, which
+                       validation (data.max_heldout=64) never reads: a larger decoded held-out set
   splits.json          counts, answered-by, the files' digests
 Conversations the target did not answer (a prompt over the regeneration's budget) are left out.
 """
@@ -113,8 +115,11 @@ def main() -> None:
             if len(bench_text) >= a.bench_n:
                 break
     bench_images = [json.loads(line) for line in open(Path(a.images) / "bench_images.jsonl", encoding="utf-8")]
+    bench_heldout = [{"id": r["id"], "turns": [next(m["content"] for m in r["messages"] if m["role"] == "user")],
+                      "category": "sharegpt-heldout"} for r in held_text[64:128]]
     files = {"text_train.jsonl": train_text, "text_heldout.jsonl": held_text, "mm_train.jsonl": train_mm,
-             "mm_heldout.jsonl": held_mm, "bench_text.jsonl": bench_text, "bench_images.jsonl": bench_images}
+             "mm_heldout.jsonl": held_mm, "bench_text.jsonl": bench_text, "bench_images.jsonl": bench_images,
+             "bench_heldout_text64.jsonl": bench_heldout}
     summary = {"files": {name: {"rows": len(rows), "sha1": write(out / name, rows)} for name, rows in files.items()},
                "text_train_answered_by_target": n_target,
                "text_train_with_sharegpt_answers": len(train_text) - n_target,
