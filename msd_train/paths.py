@@ -1,4 +1,4 @@
-"""The one rule for paths a user writes in a config or on the command line."""
+"""The one rule for paths a user writes in a config or on the command line, and how a Hub id is told from one."""
 
 from __future__ import annotations
 
