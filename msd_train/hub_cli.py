@@ -15,6 +15,7 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 
 from msd_train.config import CONF_DIR
+from msd_train.errors import PushError
 
 
 def user_error_kinds() -> tuple[type[BaseException], ...]:
@@ -22,8 +23,6 @@ def user_error_kinds() -> tuple[type[BaseException], ...]:
     ``MSD_DEBUG=1``: the traceback): a missing file, a refused value (an argument, a repo
     id, a head that cannot be used or does not fit: IncompleteHeadError is a ValueError)
     and a push the Hub did not take."""
-    from msd_train.errors import PushError
-
     return FileNotFoundError, ValueError, PushError
 
 

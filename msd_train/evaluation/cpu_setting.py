@@ -42,16 +42,26 @@ class CPUSetting:
         return asdict(self)
 
 
-def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
-    """The CPU's feature flags (Linux; empty elsewhere)."""
+def _first_cpu(cpuinfo: str | Path = "/proc/cpuinfo") -> dict[str, str] | None:
+    """The first processor's block of ``cpuinfo`` as key -> value (None where it cannot be read)."""
     try:
         text = Path(cpuinfo).read_text()
     except OSError:
-        return set()
+        return None
+    fields: dict[str, str] = {}
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+        if not line.strip():
+            if fields:
+                break
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags (Linux; empty elsewhere)."""
+    return set((_first_cpu(cpuinfo) or {}).get("flags", "").split())
 
 
 #: the vector extensions that decide a CPU's decoding speed here, named in reports (widest first)
@@ -63,18 +73,11 @@ def cpu_identity(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
     """The CPU as a result should name it: its model name, family / model / stepping (a model name
     such as "AMD EPYC" covers several generations) and the vector extensions it has, e.g.
     ``AMD EPYC (family 25, model 17, stepping 1; AVX-512 BF16, AVX-512, AVX2)``."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
+    fields = _first_cpu(cpuinfo)
+    if fields is None:
         import platform
 
         return platform.processor() or platform.machine() or "unknown CPU"
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-        if not line.strip() and fields:  # the first processor's block is enough
-            break
     flags = set(fields.get("flags", "").split())
     ids = [f"{name} {fields[key]}" for key, name in (("cpu family", "family"), ("model", "model"), ("stepping", "stepping"))
            if fields.get(key)]
