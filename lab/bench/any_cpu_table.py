@@ -16,7 +16,7 @@ import json
 import statistics
 from pathlib import Path
 
-from msd_train.paths import REPO_ROOT
+from lab.portable import portable
 
 
 def collect(out: Path) -> dict:
@@ -62,19 +62,19 @@ def main() -> None:
                   f"({s['speedup_range'][0]:.2f}-{s['speedup_range'][1]:.2f}, {s['runs']} runs) | "
                   f"{s['tokens_per_s']:.1f} ({s['plain_tokens_per_s']:.1f}) | {'yes' if s['outputs_equal'] else 'no'} |")
     if a.copy:
-        def portable(text: str) -> str:
-            text = text.replace(str(a.out.resolve()), "OUT").replace(str(a.out), "OUT")
-            text = text.replace(str(REPO_ROOT) + "/", "")  # the checkout's files: relative, as users name them
-            return text.replace(str(a.work.resolve()), "WORK").replace(str(a.work), "WORK") if a.work else text
+        folders = {a.out: "OUT", **({a.work: "WORK"} if a.work else {})}
+
+        def copy(text: str) -> str:
+            return portable(text, folders)
 
         for report in a.out.glob("*/*-r*/report.json"):
             dest = a.copy / report.parent.parent.name / report.parent.name / "report.json"
             dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_text(portable(report.read_text()))
+            dest.write_text(copy(report.read_text()))
         for forward in a.out.glob("*/forward.json"):
             (a.copy / forward.parent.name).mkdir(parents=True, exist_ok=True)
-            (a.copy / forward.parent.name / "forward.json").write_text(portable(forward.read_text()))
-        (a.copy / "summary.json").write_text(portable(json.dumps(kinds, indent=1)) + "\n")
+            (a.copy / forward.parent.name / "forward.json").write_text(copy(forward.read_text()))
+        (a.copy / "summary.json").write_text(copy(json.dumps(kinds, indent=1)) + "\n")
 
 
 if __name__ == "__main__":

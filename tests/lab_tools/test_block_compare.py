@@ -44,3 +44,27 @@ def test_a_stopped_launch_still_counts_its_seconds(tmp_path, monkeypatch):
     assert saved == [{"stage1_seconds": first}] and first >= 0
     bc.launch(["stage=1"], tmp_path / "log", entry, "stage1_seconds", lambda: saved.append(dict(entry)))
     assert len(saved) == 2 and entry["stage1_seconds"] >= first
+
+
+def test_copy_writes_no_path_of_this_machine_and_refuses_one_it_cannot_name(tmp_path):
+    """What the repository keeps: the summary and the decode reports, WORK and OUT written so."""
+    import json
+
+    work, out, dest = tmp_path / "work", tmp_path / "work" / "blocks", tmp_path / "dest"
+    summary = _summary()
+    summary["dflash-s0-on"]["head_dir"] = "runs/dflash-s0-on/stage2/final"
+    (out / "decode" / "dflash-s0-on-text").mkdir(parents=True)
+    (out / "summary.json").write_text(json.dumps(summary))
+    report = {"command": f"python eval.py draft={out}/runs/dflash-s0-on/stage2/final bench.path={work}/splits/t.jsonl",
+              "overall": {"tau": 1.9}}
+    (out / "decode" / "dflash-s0-on-text" / "report.json").write_text(json.dumps(report))
+    main([str(work), str(out), "--copy", str(dest)])
+    copied = json.loads((dest / "decode" / "dflash-s0-on-text" / "report.json").read_text())
+    assert copied["command"] == "python eval.py draft=OUT/runs/dflash-s0-on/stage2/final bench.path=WORK/splits/t.jsonl"
+    assert json.loads((dest / "summary.json").read_text()) == summary
+
+    report["command"] += " target=/elsewhere/target"
+    (out / "decode" / "dflash-s0-on-text" / "report.json").write_text(json.dumps(report))
+    with pytest.raises(SystemExit, match="left after the rewrite: .*/elsewhere/target"):
+        main([str(work), str(out), "--copy", str(tmp_path / "dest2")])
+    assert not (tmp_path / "dest2").exists()  # nothing written

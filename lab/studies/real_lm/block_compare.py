@@ -6,6 +6,7 @@ is a product command and resumes where it stopped; a finished stage is not run a
 
     python -m lab.studies.real_lm.block_compare WORK OUT [--s1 400] [--s2 300] [--heads dflash msd msd3] [--decode]
     python -m lab.studies.real_lm.block_compare WORK OUT --table        # the summary as a Markdown table
+    python -m lab.studies.real_lm.block_compare WORK OUT --copy DEST    # what the repository keeps
 
 WORK is the experiment's work folder (its store and splits: docs/recipes.md), OUT the runs
 and ``summary.json``: each arm's held-out validation at the end of each stage and its
@@ -14,6 +15,8 @@ what the msd store holds. ``--decode``: each stage-2 head decodes the held-out b
 (``WORK/splits/bench_text.jsonl`` and ``bench_images.jsonl``, 8 each, 64 new tokens, 2 threads)
 beside plain decoding, in its CPU setting (``DECODING``); ``eval.py``'s report per arm and bench
 under ``OUT/decode/``, its tau, speedup, exactness and acceptance per position in the summary.
+``--copy DEST``: the summary and the decode reports into DEST with WORK and OUT written so and
+the checkout's files relative (refused, before writing, if a path of this machine is left).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from lab.portable import machine_paths, portable
 
 ROOT = Path(__file__).resolve().parents[3]
 HEADS = {"msd": [], "msd3": ["head=msd3"], "dflash": ["head=dflash", "draft.feature_layers=[30]"]}
@@ -103,6 +108,21 @@ def table(summary: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
+def copy(work: Path, out: Path, dest: Path) -> list[Path]:
+    """``OUT/summary.json`` and every ``OUT/decode/*/report.json`` into ``dest`` without this
+    machine's paths; nothing is written while one is left (named)."""
+    files = {Path("summary.json"): out / "summary.json",
+             **{r.relative_to(out): r for r in sorted(out.glob("decode/*/report.json"))}}
+    copies = {rel: portable(json.loads(src.read_text()), {work: "WORK", out: "OUT"}) for rel, src in files.items()}
+    left = [p for rel, c in copies.items() for p in machine_paths(c, str(rel))]
+    if left:
+        raise SystemExit(f"block_compare: paths of this machine left after the rewrite: {'; '.join(left[:5])}")
+    for rel, c in copies.items():
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        (dest / rel).write_text(json.dumps(c, indent=1) + "\n")
+    return [dest / rel for rel in copies]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("work", type=Path, help="the experiment's work folder (store, splits)")
@@ -113,11 +133,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     p.add_argument("--decode", action="store_true", help="decode the bench prompts with each stage-2 head")
     p.add_argument("--table", action="store_true", help="print OUT/summary.json as a Markdown table and stop")
+    p.add_argument("--copy", type=Path, metavar="DEST", help="copy the summary and decode reports, paths masked, and stop")
     a = p.parse_args(argv)
-    if a.table:
+    if a.table or a.copy:
         if not (a.out / "summary.json").is_file():
             raise SystemExit(f"block_compare: no {a.out / 'summary.json'} yet; run the comparison first")
-        print(table(json.loads((a.out / "summary.json").read_text())), end="")
+        if a.copy:
+            print(f"block_compare: {len(copy(a.work, a.out, a.copy))} files into {a.copy}")
+        else:
+            print(table(json.loads((a.out / "summary.json").read_text())), end="")
         return
     if not (a.work / "store" / "manifest.json").is_file():
         raise SystemExit(f"block_compare: no feature store in {a.work / 'store'}; make it first "

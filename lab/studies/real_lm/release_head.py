@@ -22,31 +22,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from lab.portable import machine_paths, portable
+
 ROOT = Path(__file__).resolve().parents[3]
 RELEASE_FILES = ("config.json", "model.safetensors", "token_counts.safetensors")
-
-
-def portable(value, work: str, checkout: str):
-    """``value`` with ``work`` written ``WORK`` and ``checkout/`` dropped, in every string."""
-    if isinstance(value, str):
-        return value.replace(checkout.rstrip("/") + "/", "").replace(work.rstrip("/"), "WORK")
-    if isinstance(value, list):
-        return [portable(v, work, checkout) for v in value]
-    if isinstance(value, dict):
-        return {k: portable(v, work, checkout) for k, v in value.items()}
-    return value
-
-
-def machine_paths(value, where: str = "") -> list[str]:
-    """Every absolute path left in the strings of ``value``, with where it sits."""
-    if isinstance(value, str):
-        words = value.replace("=", " ").replace(",", " ").split()
-        return [f"{where}: {w}" for w in words if w.startswith("/")]  # ~/... is the recipe's own default
-    if isinstance(value, list):
-        return [p for i, v in enumerate(value) for p in machine_paths(v, f"{where}[{i}]")]
-    if isinstance(value, dict):
-        return [p for k, v in value.items() for p in machine_paths(v, f"{where}.{k}" if where else k)]
-    return []
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         out = Path(tmp) / "head"
         subprocess.run([sys.executable, "scripts/export.py", f"checkpoint={a.head}", "format=msd", "dtype=bf16",
                         f"out={out}"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-        training = portable(json.loads((out / "training.json").read_text()), a.work, a.checkout)
+        training = portable(json.loads((out / "training.json").read_text()), {a.work: "WORK"}, a.checkout)
         left = machine_paths(training)
         if left:
             raise SystemExit("release_head: training.json still names paths of this machine after the rewrite "
