@@ -58,7 +58,13 @@ def _run(cfg, begun: list) -> None:
     from msd_train.training import checkpoint as ckpt
     from msd_train.training import resume, rundir
     from msd_train.training.build_locks import clear_stale_build_locks
+    from msd_train.training.objective import objective_refusal
     from msd_train.training.recipe import TrainingError, TrainRecipe, check_init_from_config
+
+    with user_errors():  # the head's kind of training, with its registry: before anything is read
+        why = objective_refusal(cfg.draft.architecture, cfg.train.get("objective", "supervised"))
+        if why:
+            raise ConfigError(why)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "datasets", "httpx"):

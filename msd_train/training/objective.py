@@ -46,11 +46,25 @@ def register_objective(cls):
     return cls
 
 
+def objective_refusal(architecture: str, kind: str) -> str | None:
+    """Why ``train.objective=kind`` cannot train an ``architecture`` head (None: it can), with the fix."""
+    if (architecture, kind) in OBJECTIVES:
+        return None
+    own = sorted(k for a, k in OBJECTIVES if a == architecture)
+    others = sorted(a for a, k in OBJECTIVES if k == kind)
+    fix = f"use train.objective={own[0] if own else 'supervised'}"
+    if kind == "on_policy":
+        fix += " (a stage-3 launch: train stages 1 and 2 only)"
+    if others:
+        fix += f", or a head with one: head={' or head='.join(others)}"
+    return f"train.objective={kind}: {architecture} heads have no {kind} objective (theirs: {', '.join(own) or 'none'}); {fix}"
+
+
 def objective_for(head, kind: str = "supervised") -> Objective:
     """The ``kind`` training objective (``train.objective``) of ``head``'s architecture."""
-    if (head.architecture, kind) not in OBJECTIVES:
-        known = sorted(f"{a}/{k}" for a, k in OBJECTIVES)
-        raise ValueError(f"no {kind} training objective for {head.architecture} heads; known: {known}")
+    why = objective_refusal(head.architecture, kind)
+    if why:
+        raise ValueError(why)
     return OBJECTIVES[head.architecture, kind](head)
 
 

@@ -282,7 +282,7 @@ class TrainRecipe:
         try:
             objective = objective_for(draft, cfg.train.get("objective", "supervised"))
         except ValueError as e:
-            raise TrainingError(f"train.objective={cfg.train.get('objective')}: {e}") from None
+            raise TrainingError(str(e)) from None
         train_vocab = overrides.get("train_vocab", getattr(draft.config, "train_vocab", None))
         if train_vocab is not None:  # the token term over the N tokens this stage's data uses most
             if not objective.supports_train_vocabulary:

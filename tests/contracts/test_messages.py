@@ -182,6 +182,15 @@ def test_train_py_refuses_nan_before_anything_loads(tmp_path):
     assert not (tmp_path / "stage1").exists()
 
 
+def test_a_kind_of_training_the_head_has_not_is_refused_before_anything_is_read(tmp_path):
+    """A stage 3 (on-policy) launched for a dflash head: it trains supervised only. Refused naming the
+    fix before the run folder, the target or the head it would start from is touched."""
+    out, _ = run("train.py", "head=dflash", "stage=3", f"stage.init_from={tmp_path / 'nowhere'}", f"run_dir={tmp_path}")
+    refused(out, "train.objective=on_policy: dflash heads have no on_policy objective",
+            "use train.objective=supervised", "head=msd or head=msd3")
+    assert not (tmp_path / "stage3").exists()
+
+
 def test_a_run_dir_under_a_file_is_one_message(tmp_path):
     # Hydra makes its output folder under run_dir before any of the run's own checks
     (tmp_path / "blocker").write_text("a file, not a folder")
