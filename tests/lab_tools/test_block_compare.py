@@ -9,13 +9,14 @@ def _summary():
     val = {"val/text/sim_tau": 1.8, "val/mm/sim_tau": 1.7, "val/text/agree_cond_1": 0.5, "val/mm/agree_cond_1": 0.45}
     decode = {"text": {"tau": 1.9, "speedup": 1.25, "outputs_match_ar": True, "accept_at_pos": [0.5]},
               "images": {"tau": 1.8, "speedup": 1.2, "outputs_match_ar": False, "accept_at_pos": [0.4]}}
-    return {"dflash-s0": {"head": "dflash", "seed": 0, "stage1_seconds": 100.0, "stage1": {}},
-            "dflash-s0-on": {"head": "dflash", "seed": 0, "decouple_visual": True, "stage2_seconds": 50.0,
+    return {"dflash-s0": {"head": "dflash", "seed": 0, "stage1_seconds": 130.0, "stage1_step_seconds": 100.0, "stage1": {}},
+            "dflash-s0-on": {"head": "dflash", "seed": 0, "decouple_visual": True, "stage2_seconds": 70.0,
+                             "stage2_step_seconds": 50.0,
                              "stage2": val, "decode": decode},
             "dflash-s0-off": {"head": "dflash", "seed": 0, "decouple_visual": False}}  # still training
 
 
-def test_one_row_per_stage2_arm_with_both_stages_seconds_and_exactness_over_both_benches():
+def test_one_row_per_stage2_arm_with_both_stages_step_seconds_and_exactness_over_both_benches():
     rows = table(_summary()).splitlines()
     assert len(rows) == 4  # header, rule, two arms; the stage-1 entry is no row
     on = next(r for r in rows if "decoupled" in r)
@@ -68,3 +69,16 @@ def test_copy_writes_no_path_of_this_machine_and_refuses_one_it_cannot_name(tmp_
     with pytest.raises(SystemExit, match="left after the rewrite: .*/elsewhere/target"):
         main([str(work), str(out), "--copy", str(tmp_path / "dest2")])
     assert not (tmp_path / "dest2").exists()  # nothing written
+
+
+def test_step_seconds_count_each_step_once_across_a_resume(tmp_path):
+    """A launch stopped after logging steps past its last checkpoint logs them again when resumed."""
+    import json
+
+    from lab.studies.real_lm.block_compare import step_seconds
+
+    rows = [{"step": 0, "val/sim_tau": 1.0}, {"step": 0, "tokens": 100.0, "tokens_per_s": 50.0},
+            {"step": 1, "tokens": 90.0, "tokens_per_s": 30.0},  # stopped here; checkpoint at step 1
+            {"step": 1, "tokens": 90.0, "tokens_per_s": 45.0}, {"step": 2, "tokens": 10.0, "tokens_per_s": 10.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert step_seconds(tmp_path) == 2.0 + 2.0 + 1.0

@@ -10,7 +10,8 @@ is a product command and resumes where it stopped; a finished stage is not run a
 
 WORK is the experiment's work folder (its store and splits: docs/recipes.md), OUT the runs
 and ``summary.json``: each arm's held-out validation at the end of each stage and its
-training time. The dflash arms read the target's last output (``draft.feature_layers=[30]``),
+training time (the launches' wall seconds, and the seconds of its optimizer steps alone: the
+equal-CPU-time measure, without start-ups and validation). The dflash arms read the target's last output (``draft.feature_layers=[30]``),
 what the msd store holds. ``--decode``: each stage-2 head decodes the held-out bench prompts
 (``WORK/splits/bench_text.jsonl`` and ``bench_images.jsonl``, 8 each, 64 new tokens, 2 threads)
 beside plain decoding, in its CPU setting (``DECODING``); ``eval.py``'s report per arm and bench
@@ -59,6 +60,17 @@ def last_validation(stage_dir: Path) -> dict:
     return {k: v for k, v in val[-1].items() if k == "step" or k.startswith("val/")} if val else {}
 
 
+def step_seconds(stage_dir: Path) -> float:
+    """The seconds the stage's optimizer steps took (tokens / tokens_per_s of each logged step; a step
+    logged again after a resume counted once): training compute without start-up and validation."""
+    steps = {}
+    for line in (stage_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line) if line.strip() else {}
+        if r.get("tokens_per_s"):
+            steps[r["step"]] = r["tokens"] / r["tokens_per_s"]
+    return sum(steps.values())
+
+
 def decode(work: Path, out: Path, arm: str, head: str, head_dir: Path) -> dict:
     """The arm's head on each bench beside plain decoding (a finished report is not run again)."""
     results = {}
@@ -84,17 +96,17 @@ def _cell(v, fmt="{:.3f}") -> str:
 
 def table(summary: dict) -> str:
     """The stage-2 arms: held-out simulated tau and first-position agreement (text, images), the
-    training seconds of both stages, decoded tau and speedup per bench and whether outputs equal
+    seconds of both stages' optimizer steps (``step_seconds``), decoded tau and speedup per bench and whether outputs equal
     plain decoding."""
     rows = ["| head | seed | visual path | sim tau text | sim tau images | agree@1 text | agree@1 images | "
-            "train s | tau text | speedup text | tau images | speedup images | outputs = plain |",
+            "step s | tau text | speedup text | tau images | speedup images | outputs = plain |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for _, e in sorted(summary.items()):
         if "decouple_visual" not in e:  # a stage-1 entry: its seconds count in its stage-2 arms
             continue
         v = e.get("stage2", {})
-        s1 = summary.get(f"{e['head']}-s{e['seed']}", {}).get("stage1_seconds")
-        seconds = None if s1 is None or "stage2_seconds" not in e else s1 + e["stage2_seconds"]
+        s1 = summary.get(f"{e['head']}-s{e['seed']}", {}).get("stage1_step_seconds")
+        seconds = None if s1 is None or "stage2_step_seconds" not in e else s1 + e["stage2_step_seconds"]
         d = e.get("decode", {})
         exact = [d[b]["outputs_match_ar"] for b in BENCHES if b in d]
         rows.append("| " + " | ".join([
@@ -165,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
                 launch([*base, *HEADS[head], "stage=1", f"seed={seed}", f"run_dir={run}"], a.out / f"{head}-s{seed}.log",
                        arm, "stage1_seconds", save)
             arm["stage1"] = last_validation(run / "stage1")
+            arm["stage1_step_seconds"] = round(step_seconds(run / "stage1"), 1)
             for decouple in ("true", "false"):
                 name = f"{head}-s{seed}-{'on' if decouple == 'true' else 'off'}"
                 two = a.out / "runs" / name
@@ -174,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
                             f"stage.init_from={run / 'stage1' / 'final'}", f"draft.decouple_visual={decouple}"],
                            a.out / f"{name}.log", entry, "stage2_seconds", save)
                 entry["stage2"] = last_validation(two / "stage2")
+                entry["stage2_step_seconds"] = round(step_seconds(two / "stage2"), 1)
                 entry["head_dir"] = os.path.relpath(two / "stage2" / "final", a.out)
                 if a.decode:
                     entry["decode"] = decode(a.work, a.out, name, head, two / "stage2" / "final")
