@@ -59,7 +59,13 @@ def test_copy_writes_no_path_of_this_machine_and_refuses_one_it_cannot_name(tmp_
     report = {"command": f"python eval.py draft={out}/runs/dflash-s0-on/stage2/final bench.path={work}/splits/t.jsonl",
               "overall": {"tau": 1.9}}
     (out / "decode" / "dflash-s0-on-text" / "report.json").write_text(json.dumps(report))
+    (out / "runs" / "dflash-s0-on" / "stage2").mkdir(parents=True)
+    (out / "runs" / "dflash-s0-on" / "stage2" / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n')
     main([str(work), str(out), "--copy", str(dest)])
+    import gzip
+
+    assert gzip.decompress((dest / "metrics" / "dflash-s0-on" / "stage2" / "metrics.jsonl.gz").read_bytes()) == \
+        b'{"step": 0, "loss": 1.0}\n'
     copied = json.loads((dest / "decode" / "dflash-s0-on-text" / "report.json").read_text())
     assert copied["command"] == "python eval.py draft=OUT/runs/dflash-s0-on/stage2/final bench.path=WORK/splits/t.jsonl"
     assert json.loads((dest / "summary.json").read_text()) == summary

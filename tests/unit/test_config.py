@@ -297,3 +297,27 @@ def test_a_recipe_step_out_of_order_names_the_command_that_comes_first(tmp_path)
     with pytest.raises(ConfigError, match="recipe for target=smollm2_llava, but this launch says target=tiny"):
         check_train(compose_resolved("train.py", [*work, "stage=1", "target=tiny"]))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]  # nothing written
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_command_composes_each_experiment(name):
+    """An experiment may pick its head (``override /head``: smollm2_llava_dflash): every command that
+    takes ``experiment=`` composes it, and the commands after training read its head's folder."""
+    work = [f"experiment={name}", "recipe.work=/w"]
+    train = compose_resolved("train.py", [*work, "stage=2"])
+    head = train["recipe"]["head"]
+    assert compose_resolved("eval.py", work)["draft"] == head
+    assert compose_resolved("serve_check.py", work)["original"] == head
+    for entry in ("generate_features.py", "scripts/check_data.py"):
+        assert compose_resolved(entry, work)["target"] == train["target"]
+    assert compose_resolved("regenerate_data.py", [*work, "out=x"])["target"] == train["target"]
+
+
+def test_the_dflash_recipe_is_smollm2_llavas_with_its_head():
+    """Same folder, store and splits as smollm2_llava (one store serves both), its own run folder."""
+    msd = compose_resolved("train.py", ["experiment=smollm2_llava", "stage=2"])
+    dflash = compose_resolved("train.py", ["experiment=smollm2_llava_dflash", "stage=2"])
+    assert dflash["draft"]["architecture"] == "dflash" and dflash["draft"]["feature_layers"] == [30]
+    assert dflash["draft"]["decouple_visual"] is True and dflash["draft"]["train_vocab"] == 8192
+    assert (dflash["recipe"]["work"], dflash["features"], dflash["data"]) == (msd["recipe"]["work"], msd["features"], msd["data"])
+    assert dflash["run_dir"] != msd["run_dir"]

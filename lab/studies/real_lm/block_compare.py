@@ -17,12 +17,14 @@ what the msd store holds. ``--decode``: each stage-2 head decodes the held-out b
 beside plain decoding, in its CPU setting (``DECODING``); ``eval.py``'s report per arm and bench
 under ``OUT/decode/``, its tau, speedup, exactness and acceptance per position in the summary.
 ``--copy DEST``: the summary and the decode reports into DEST with WORK and OUT written so and
-the checkout's files relative (refused, before writing, if a path of this machine is left).
+the checkout's files relative (refused, before writing, if a path of this machine is left), and
+each stage's ``metrics.jsonl`` gzipped (``metrics/ARM/stageN/metrics.jsonl.gz``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import subprocess
@@ -122,7 +124,7 @@ def table(summary: dict) -> str:
 
 def copy(work: Path, out: Path, dest: Path) -> list[Path]:
     """``OUT/summary.json`` and every ``OUT/decode/*/report.json`` into ``dest`` without this
-    machine's paths; nothing is written while one is left (named)."""
+    machine's paths (nothing is written while one is left: named), and every stage's metrics."""
     files = {Path("summary.json"): out / "summary.json",
              **{r.relative_to(out): r for r in sorted(out.glob("decode/*/report.json"))}}
     copies = {rel: portable(json.loads(src.read_text()), {work: "WORK", out: "OUT"}) for rel, src in files.items()}
@@ -132,7 +134,13 @@ def copy(work: Path, out: Path, dest: Path) -> list[Path]:
     for rel, c in copies.items():
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         (dest / rel).write_text(json.dumps(c, indent=1) + "\n")
-    return [dest / rel for rel in copies]
+    metrics = []
+    for m in sorted(out.glob("runs/*/stage*/metrics.jsonl")):  # numbers only: each arm's curve, gzipped
+        gz = dest / "metrics" / m.parent.parent.name / m.parent.name / "metrics.jsonl.gz"  # (runs/ is git-ignored)
+        gz.parent.mkdir(parents=True, exist_ok=True)
+        gz.write_bytes(gzip.compress(m.read_bytes(), mtime=0))
+        metrics.append(gz)
+    return [*(dest / rel for rel in copies), *metrics]
 
 
 def main(argv: list[str] | None = None) -> None:

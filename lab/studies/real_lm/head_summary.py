@@ -1,11 +1,13 @@
-"""The committed msd-stage2 head's entry of benchmarks/real_lm/summary.json, from committed results
-only: the decoder on each CPU kind (``results/any_cpu/summary.json``, ``lab/bench/any_cpu.sh``), the
+"""A committed head's entry of benchmarks/real_lm/summary.json (msd-stage2's by default; the dflash
+head's with the second command below), from committed results only: the decoder on each CPU kind (``results/any_cpu/summary.json``, ``lab/bench/any_cpu.sh``), the
 epochs it has trained and held-out simulated tau against them (the metrics of the run that made it,
 ``results/rebuild/stage{1,2}/``), and the on-policy comparison (``results/on_policy/results.json``,
 ``lab/studies/on_policy.py``), and the head served by vLLM where ``results/served/`` holds its
 reports (``scale_serve.sh``). Run after ``scale_summary`` (which rewrites the file from a WORK folder).
 
     python -m lab.studies.real_lm.head_summary [--head msd-stage2]
+    python -m lab.studies.real_lm.head_summary --head dflash-stage2 --any-cpu blocks/head --plot none \
+        --on-policy none --lineage blocks/metrics/dflash-s0/stage1:16:12234:0 blocks/metrics/dflash-s0-on/stage2:16:12234:7482
 
 The lineage: FOLDER:CONVERSATIONS_PER_STEP:TEXT:IMAGES, oldest first (FOLDER under results/, holding
 a stage's ``metrics.jsonl.gz``); TEXT and IMAGES are the
@@ -28,7 +30,8 @@ LINEAGE = ["rebuild/stage1:16:12234:0", "rebuild/stage2:16:12234:7482"]  # exper
 CPU_NAMES = {"native": "AMD EPYC, AVX-512 BF16 (2 cores)",
              "avx2": "the same CPU limited to AVX2 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 "
                      "MKL_ENABLE_INSTRUCTIONS=AVX2): no native bf16"}
-OVERRIDES = {"chain1": ["decoding=chain", "decoding.k=1"], "tree_small": ["decoding=tree_small"], "tree": ["decoding=tree"]}
+OVERRIDES = {"chain1": ["decoding=chain", "decoding.k=1"], "tree_small": ["decoding=tree_small"], "tree": ["decoding=tree"],
+             "block": ["decoding=block"]}
 
 
 def rows(run: str) -> list[dict]:
@@ -73,15 +76,16 @@ def tau_vs_epochs(lineage: list[str], table_from: str, head_step: int | None = N
     return table, {key: round(v, 3) for key, v in (head_epochs or seen).items()}
 
 
-def by_cpu() -> tuple[dict, dict]:
-    summary = json.loads((RESULTS / "any_cpu" / "summary.json").read_text())
+def by_cpu(folder: str = "any_cpu") -> tuple[dict, dict]:
+    """Each CPU kind's settings in ``results/FOLDER`` (``any_cpu_table --copy``) and the fastest."""
+    summary = json.loads((RESULTS / folder / "summary.json").read_text())
     out, best = {}, {}
     for kind, data in summary.items():
         if kind not in CPU_NAMES:
             continue
         settings = {}
         for name, s in data["settings"].items():
-            reports = sorted((RESULTS / "any_cpu" / kind).glob(f"{name}-r*/report.json"))
+            reports = sorted((RESULTS / folder / kind).glob(f"{name}-r*/report.json"))
             accept = [json.loads(p.read_text())["overall"]["accept_at_pos"] for p in reports]
             settings[name] = {"overrides": OVERRIDES.get(name, [name]), "runs": s["runs"], "tau": s["tau"],
                               "speedup_over_plain": s["speedup"], "speedup_over_plain_range": s["speedup_range"],
@@ -127,45 +131,46 @@ def served(head: str) -> dict:
     return served_summary(reports, [])
 
 
-def on_policy() -> dict | None:
-    path = RESULTS / "on_policy" / "results.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+def on_policy(rel: str) -> dict | None:
+    path = RESULTS / rel
+    return json.loads(path.read_text()) if rel != "none" and path.is_file() else None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head", default="msd-stage2")
     ap.add_argument("--lineage", nargs="+", default=LINEAGE)
-    ap.add_argument("--table-from", default=LINEAGE[0].split(":")[0], help="the first run validated on today's held-out splits")
+    ap.add_argument("--table-from", help="the first run validated on today's held-out splits (default: the lineage's first)")
+    ap.add_argument("--any-cpu", default="any_cpu", help="the head's any_cpu_table copy under results/")
+    ap.add_argument("--plot", default="rebuild/tau_vs_epochs.png", help="where under results/ tau against epochs is drawn (none: not)")
+    ap.add_argument("--on-policy", default="on_policy/results.json", help="the head's on-policy study under results/ (none)")
     ap.add_argument("--head-step", type=int, help="the committed head's step in the lineage's last run (default: its end)")
     a = ap.parse_args()
     path = ROOT / "benchmarks" / "real_lm" / "summary.json"
     summary = json.loads(path.read_text())
-    cpus, best = by_cpu()
+    cpus, best = by_cpu(a.any_cpu)
     native = CPU_NAMES["native"]
-    table, epochs = tau_vs_epochs(a.lineage, a.table_from, a.head_step)
-    plot_tau_vs_epochs(table, RESULTS / "rebuild" / "tau_vs_epochs.png")
+    table, epochs = tau_vs_epochs(a.lineage, a.table_from or a.lineage[0].split(":")[0], a.head_step)
+    if a.plot != "none":
+        plot_tau_vs_epochs(table, RESULTS / a.plot)
     summary["heads"][a.head] = {
         "setting": OVERRIDES[best[native]],
         "setting_by_cpu": {cpu: OVERRIDES[name] for cpu, name in best.items()},
-        "measured": "results/any_cpu (lab/bench/any_cpu.sh): 8 held-out ShareGPT prompts x 64 tokens, medians of 3",
+        "measured": f"results/{a.any_cpu} (lab/bench/any_cpu.sh): 8 held-out ShareGPT prompts x 64 tokens, medians of 3",
         "by_cpu": cpus,
-        "accept_at_pos": cpus[native]["chain1"]["accept_at_pos"],
+        "accept_at_pos": cpus[native].get("chain1", cpus[native][best[native]])["accept_at_pos"],
         "epochs": epochs,
         "lineage_step": {"run": a.lineage[-1].split(":")[0], "step": a.head_step},
         "tau_vs_epochs": table,
-        "on_policy": on_policy(),
+        "on_policy": on_policy(a.on_policy),
         "served": served(a.head),
     }
     own = summary["heads"][a.head]["served"].get(a.head)
-    if own:  # the committed head served (bf16, as a user would): the headline
+    if own:  # the head served (bf16, as a user would): the headline, and what 'served' holds beside it
         summary["vllm_served_speedup"] = own["speedup"]
-    if "served" in summary:  # scale_summary's vLLM figures: the earlier heads of the msd3 comparison
         summary["served_note"] = ("'served' holds the earlier heads scale_summary measured (benchmarks/real_lm/README.md, "
-                                  "msd3 section); " + (f"heads.{a.head}.served is the committed head served, and "
-                                                        f"'vllm_served_speedup' its bf16 median" if own else
-                                                        f"the committed {a.head} is not served yet: 'vllm_served_speedup' "
-                                                        f"is an earlier head's"))
+                                  f"msd3 section); heads.{a.head}.served is the committed head served, and "
+                                  "'vllm_served_speedup' its bf16 median")
     path.write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({k: v for k, v in summary["heads"][a.head].items() if k not in ("by_cpu", "on_policy")}, indent=1))
 
