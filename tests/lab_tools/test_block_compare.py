@@ -59,13 +59,17 @@ def test_copy_writes_no_path_of_this_machine_and_refuses_one_it_cannot_name(tmp_
     report = {"command": f"python eval.py draft={out}/runs/dflash-s0-on/stage2/final bench.path={work}/splits/t.jsonl",
               "overall": {"tau": 1.9}}
     (out / "decode" / "dflash-s0-on-text" / "report.json").write_text(json.dumps(report))
-    (out / "runs" / "dflash-s0-on" / "stage2").mkdir(parents=True)
-    (out / "runs" / "dflash-s0-on" / "stage2" / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n')
+    for arm, finished in (("dflash-s0-on", True), ("dflash-s0-off", False)):
+        (out / "runs" / arm / "stage2" / "final").mkdir(parents=True)
+        (out / "runs" / arm / "stage2" / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n')
+        if finished:
+            (out / "runs" / arm / "stage2" / "final" / "config.json").write_text("{}")
     main([str(work), str(out), "--copy", str(dest)])
     import gzip
 
     assert gzip.decompress((dest / "metrics" / "dflash-s0-on" / "stage2" / "metrics.jsonl.gz").read_bytes()) == \
         b'{"step": 0, "loss": 1.0}\n'
+    assert not (dest / "metrics" / "dflash-s0-off").exists()  # still training: not copied yet
     copied = json.loads((dest / "decode" / "dflash-s0-on-text" / "report.json").read_text())
     assert copied["command"] == "python eval.py draft=OUT/runs/dflash-s0-on/stage2/final bench.path=WORK/splits/t.jsonl"
     assert json.loads((dest / "summary.json").read_text()) == summary

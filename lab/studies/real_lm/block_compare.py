@@ -98,8 +98,8 @@ def _cell(v, fmt="{:.3f}") -> str:
 
 def table(summary: dict) -> str:
     """The stage-2 arms: held-out simulated tau and first-position agreement (text, images), the
-    seconds of both stages' optimizer steps (``step_seconds``), decoded tau and speedup per bench and whether outputs equal
-    plain decoding."""
+    seconds of both stages' optimizer steps (``step_seconds``), decoded tau and speedup per bench
+    and whether outputs equal plain decoding."""
     rows = ["| head | seed | visual path | sim tau text | sim tau images | agree@1 text | agree@1 images | "
             "step s | tau text | speedup text | tau images | speedup images | outputs = plain |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -124,7 +124,7 @@ def table(summary: dict) -> str:
 
 def copy(work: Path, out: Path, dest: Path) -> list[Path]:
     """``OUT/summary.json`` and every ``OUT/decode/*/report.json`` into ``dest`` without this
-    machine's paths (nothing is written while one is left: named), and every stage's metrics."""
+    machine's paths (nothing is written while one is left: named), and every finished stage's metrics."""
     files = {Path("summary.json"): out / "summary.json",
              **{r.relative_to(out): r for r in sorted(out.glob("decode/*/report.json"))}}
     copies = {rel: portable(json.loads(src.read_text()), {work: "WORK", out: "OUT"}) for rel, src in files.items()}
@@ -135,7 +135,9 @@ def copy(work: Path, out: Path, dest: Path) -> list[Path]:
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         (dest / rel).write_text(json.dumps(c, indent=1) + "\n")
     metrics = []
-    for m in sorted(out.glob("runs/*/stage*/metrics.jsonl")):  # numbers only: each arm's curve, gzipped
+    for m in sorted(out.glob("runs/*/stage*/metrics.jsonl")):  # each finished stage's curve, gzipped
+        if not (m.parent / "final" / "config.json").is_file():
+            continue  # still training: copied once it has finished
         gz = dest / "metrics" / m.parent.parent.name / m.parent.name / "metrics.jsonl.gz"  # (runs/ is git-ignored)
         gz.parent.mkdir(parents=True, exist_ok=True)
         gz.write_bytes(gzip.compress(m.read_bytes(), mtime=0))
