@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from msd_train.errors import ConfigError
+from msd_train.formatting import with_article
 
 _MISSING = object()
 
@@ -140,7 +141,7 @@ def method_refusal(architecture: str, methods: tuple[str, ...], method: str, ens
         if method == "block":
             return (f"decoding=block drafts a block in one forward, which only a block head (head=dflash) does; an "
                     f"{architecture} head drafts step by step: use decoding=tree or decoding=chain")
-        return (f"decoding.method={method}: an {architecture} head proposes a whole block in one forward and cannot "
+        return (f"decoding.method={method}: {with_article(architecture)} head proposes a whole block in one forward and cannot "
                 f"draft a {method} shape; use decoding=block (decoding.k bounds the proposals verified per cycle)")
     if method == "block" and ensemble is not None:
         return (f"decoding.ensemble={ensemble}: ensembles draft with stepped heads over input variants; an "

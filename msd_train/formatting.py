@@ -18,3 +18,9 @@ def fmt(v, digits: int = 3) -> str:
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(fmt(x, 2) for x in v) + "]"
     return str(v)
+
+
+def with_article(name: str) -> str:
+    """``name`` after "a" or "an" as it is read aloud: an msd, an eagle3, a dflash (a head
+    architecture or any lower-case name spelt or said letter by letter)."""
+    return f"{'an' if name[:1].lower() in 'aefhilmnorsx' else 'a'} {name}"

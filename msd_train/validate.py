@@ -39,6 +39,7 @@ from msd_train.checks import (  # noqa: F401  (the primitives, and the decoder's
     onednn_max_isa,
 )
 from msd_train.errors import ConfigError, debug, user_errors  # noqa: F401  (re-exported: callers import them from here)
+from msd_train.formatting import with_article
 from msd_train.paths import experiments, is_repo_id, user_path
 
 
@@ -562,7 +563,7 @@ def check_head(draft, draft_vocab=None, method: str | None = None, ensemble: str
         head = head_class_of_config(config.get("model_type", ""))
         if layout == "eagle3" or (head is not None and head.has_draft_vocabulary):
             kind = head.architecture if head is not None else "msd3"  # an EAGLE-3 folder imports as msd3
-            raise ConfigError(f"decoding.draft_vocab={draft_vocab}: draft={draft} is an {kind} head, which drafts over "
+            raise ConfigError(f"decoding.draft_vocab={draft_vocab}: draft={draft} is {with_article(kind)} head, which drafts over "
                               f"the {config.get('draft_vocab_size')}-token vocabulary it was trained with "
                               f"(draft.draft_vocab_size at training); decoding.draft_vocab is for msd heads: drop it")
 

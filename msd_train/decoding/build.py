@@ -18,6 +18,7 @@ from msd_train.decoding.drafter import Drafter, HeadDrafter
 from msd_train.decoding.ensemble import EnsembleDrafter
 from msd_train.draft.vocabulary import COUNTS_FILE, most_frequent
 from msd_train.errors import ConfigError
+from msd_train.formatting import with_article
 from msd_train.targets import TargetProtocol
 
 
@@ -63,7 +64,7 @@ def use_draft_vocabulary(draft, target: TargetProtocol, size: int | None) -> Non
         return
     if restrict is None:
         own = getattr(getattr(draft, "config", None), "draft_vocab_size", None)
-        raise ValueError(f"an {getattr(draft, 'architecture', '')} head drafts over the {own}-token vocabulary it was "
+        raise ValueError(f"{with_article(getattr(draft, 'architecture', ''))} head drafts over the {own}-token vocabulary it was "
                          f"trained with (draft.draft_vocab_size at training); decoding.draft_vocab is for msd heads")
     counts = getattr(draft, "token_counts", None)
     if counts is None:

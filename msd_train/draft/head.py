@@ -55,6 +55,7 @@ from transformers.cache_utils import DynamicCache
 
 from msd_train.draft.compression import SlotMap, slot_map
 from msd_train.draft.families import LAYER_FAMILIES
+from msd_train.formatting import with_article
 from msd_train.targets.protocol import TargetProtocol
 
 #: architecture name (``draft.architecture`` in conf/head/*.yaml) -> head class
@@ -225,12 +226,12 @@ class DraftHead(PreTrainedModel, metaclass=ABCMeta):
     def restrict_vocabulary(self, target: TargetProtocol, ids: torch.Tensor | None) -> None:
         """Draft over target ids ``ids`` only (None: the whole vocabulary); heads with
         ``supports_restrict_vocabulary``."""
-        raise NotImplementedError(f"an {self.architecture} head cannot draft over a subset of the target's vocabulary")
+        raise NotImplementedError(f"{with_article(self.architecture)} head cannot draft over a subset of the target's vocabulary")
 
     def set_vocabulary(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Set the head's own draft vocabulary (draft id i is target id i + d2t[i]; t2d marks
         the members); heads with ``has_draft_vocabulary``."""
-        raise NotImplementedError(f"an {self.architecture} head has no draft vocabulary of its own")
+        raise NotImplementedError(f"{with_article(self.architecture)} head has no draft vocabulary of its own")
 
     @classmethod
     def card(cls, config, num_parameters: int | None = None, dtype: str | None = None) -> HeadCard:
@@ -243,7 +244,7 @@ class DraftHead(PreTrainedModel, metaclass=ABCMeta):
                 ("visual decoupling", getattr(config, "decouple_visual", None)),
                 ("M-RoPE sections", config.mrope_section),
                 ("parameters", f"{num_parameters:,}" if num_parameters else None), ("dtype", dtype)]
-        summary = (f"A draft head for lossless speculative decoding of a multimodal model: an {cls.architecture} "
+        summary = (f"A draft head for lossless speculative decoding of a multimodal model: {with_article(cls.architecture)} "
                    "head. It is not a model on its own: it drafts from the target's features and embedding table, "
                    "and the target verifies every drafted token, so outputs are exactly the target's. Trained with "
                    "msd-train.")

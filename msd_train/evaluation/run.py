@@ -23,6 +23,7 @@ from msd_train.evaluation.bench import bench_decoding, grouped_by, load_bench
 from msd_train.evaluation.metrics import DEFINITIONS, summarize, summarize_by_category
 from msd_train.evaluation.report import write_report
 from msd_train.evaluation.runner import evaluate
+from msd_train.formatting import with_article
 from msd_train.paths import user_path
 from msd_train.runtime import local_device, setup_group
 from msd_train.targets import TargetProtocol
@@ -228,7 +229,7 @@ def _load_models(cfg: dict, config: DecodeConfig, device: torch.device):
         if config.ensemble is not None and draft.feature_layers is not None:
             raise ConfigError(
                 f"decoding.ensemble={config.ensemble}: ensembles build their input variants from the target's last "
-                f"layer, and {cfg['draft']} is an {draft.architecture} head (it reads the inputs of target layers "
+                f"layer, and {cfg['draft']} is {with_article(draft.architecture)} head (it reads the inputs of target layers "
                 f"{draft.feature_layers}); evaluate it without decoding.ensemble")
     return target, draft
 

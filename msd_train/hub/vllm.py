@@ -78,6 +78,7 @@ from safetensors.torch import load_file, save_file
 from msd_train.draft import MSD3DraftConfig, MSD3DraftModel, MSDDraftConfig, MSDDraftModel
 from msd_train.draft.families import layer_family
 from msd_train.draft.head import DraftHead, head_class, head_class_of_config
+from msd_train.formatting import with_article
 from msd_train.hub.folders import IncompleteHeadError
 from msd_train.hub.formats import HeadFormat
 from msd_train.runtime import atomic_dir, resolve_dtype
@@ -118,7 +119,7 @@ def vllm_refusals(config) -> list[str]:
     get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
     layout = vllm_layout(config)
     if layout is None:
-        return [f"the layout holds {' and '.join(_LAYOUTS)} heads, and this is an {_architecture(config)} head; "
+        return [f"the layout holds {' and '.join(_LAYOUTS)} heads, and this is {with_article(_architecture(config))} head; "
                 f"{_KEEP}"]
     out = []
     if (get("visual_compression") or "none") != "none":

@@ -45,6 +45,7 @@ from msd_train.data.dataset import UNUSABLE, UnusableImage, build_split, record_
 from msd_train.draft import DraftHead, MSDDraftModel, head_class
 from msd_train.draft.vocabulary import draft_vocabulary, load_counts, most_frequent, save_counts
 from msd_train.features import make_feature_source
+from msd_train.formatting import with_article
 from msd_train.paths import portable_name
 from msd_train.targets import load_target
 from msd_train.targets.identity import target_identity
@@ -161,7 +162,7 @@ class TrainRecipe:
         tc = cfg.train
         precision = tc.precision if tc.precision != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
         if tc.gradient_checkpointing and self.objective.kind == "on_policy" and self.draft.rollout_reads_cache:
-            raise TrainingError(f"train.gradient_checkpointing=true: an {self.draft.architecture} head's on-policy "
+            raise TrainingError(f"train.gradient_checkpointing=true: {with_article(self.draft.architecture)} head's on-policy "
                                 "rollout reads its own earlier steps' keys from a cache, which checkpointed layers drop; set "
                                 "train.gradient_checkpointing=false (or lower train.rollout_steps to save memory)")
         if tc.gradient_checkpointing and not self.draft.supports_gradient_checkpointing:
@@ -255,7 +256,7 @@ class TrainRecipe:
             draft = MSDDraftModel.from_pretrained(init)  # the class its config.json names
             if draft.architecture != head_cls.architecture:
                 raise TrainingError(
-                    f"{init} (stage.init_from) holds an {draft.architecture} head, but this launch trains "
+                    f"{init} (stage.init_from) holds {with_article(draft.architecture)} head, but this launch trains "
                     f"draft.architecture={head_cls.architecture}; use head={draft.architecture} or another init_from")
             for key in draft.config.stage_overridable:  # what the head declares a later stage may change
                 if key in overrides and getattr(draft.config, key) != overrides[key]:
@@ -286,7 +287,7 @@ class TrainRecipe:
         train_vocab = overrides.get("train_vocab", getattr(draft.config, "train_vocab", None))
         if train_vocab is not None:  # the token term over the N tokens this stage's data uses most
             if not objective.supports_train_vocabulary:
-                raise TrainingError(f"draft.train_vocab={train_vocab}: an {draft.architecture} head trains over its own "
+                raise TrainingError(f"draft.train_vocab={train_vocab}: {with_article(draft.architecture)} head trains over its own "
                                     "draft vocabulary (draft.draft_vocab_size); drop draft.train_vocab")
             if isinstance(train_vocab, bool) or not isinstance(train_vocab, int) or \
                     not 0 < train_vocab <= self.target.vocab_size:

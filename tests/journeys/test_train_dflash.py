@@ -53,7 +53,7 @@ def test_stage_1_then_stage_2_train_validate_and_export(tmp_path):
     back = load_head(tmp_path / "stage2" / "final", s2.target)
     assert type(back) is DFlashDraftModel and back.config.decouple_visual is False
 
-    with pytest.raises(Exception, match="holds an dflash head"):  # another head kind cannot continue it
+    with pytest.raises(Exception, match="holds a dflash head"):  # another head kind cannot continue it
         recipe(["stage='2'", "train.max_steps=1", f"run_dir={tmp_path}"])
 
 

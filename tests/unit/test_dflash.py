@@ -238,7 +238,7 @@ def test_eval_refuses_a_tree_for_a_dflash_head_before_loading(tmp_path):
     out = subprocess.run([sys.executable, "eval.py", f"draft={folder}", "decoding=tree", f"out={tmp_path / 'e'}"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 1
-    assert "decoding.method=tree: an dflash head proposes a whole block" in out.stderr + out.stdout
+    assert "decoding.method=tree: a dflash head proposes a whole block" in out.stderr + out.stdout
     assert "Loading weights" not in out.stderr + out.stdout
 
 
