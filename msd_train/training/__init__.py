@@ -62,7 +62,8 @@ def _run(cfg, begun: list) -> None:
     from msd_train.training.recipe import TrainingError, TrainRecipe, check_init_from_config
 
     with user_errors():  # the head's kind of training, with its registry: before anything is read
-        why = objective_refusal(cfg.draft.architecture, cfg.train.get("objective", "supervised"))
+        why = objective_refusal(OmegaConf.select(cfg, "draft.architecture", default="msd"),
+                                OmegaConf.select(cfg, "train.objective", default="supervised"))
         if why:
             raise ConfigError(why)
 
