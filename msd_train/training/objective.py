@@ -51,13 +51,16 @@ def objective_refusal(architecture: str, kind: str) -> str | None:
     if (architecture, kind) in OBJECTIVES:
         return None
     own = sorted(k for a, k in OBJECTIVES if a == architecture)
+    if not own:
+        heads = sorted({a for a, _ in OBJECTIVES})
+        return f"draft.architecture={architecture} is no head architecture; use head={' or head='.join(heads)}"
     others = sorted(a for a, k in OBJECTIVES if k == kind)
-    fix = f"use train.objective={own[0] if own else 'supervised'}"
+    fix = f"use train.objective={own[0]}"
     if kind == "on_policy":
         fix += " (a stage-3 launch: train stages 1 and 2 only)"
     if others:
         fix += f", or a head with one: head={' or head='.join(others)}"
-    return f"train.objective={kind}: {architecture} heads have no {kind} objective (theirs: {', '.join(own) or 'none'}); {fix}"
+    return f"train.objective={kind}: {architecture} heads have no {kind} objective (theirs: {', '.join(own)}); {fix}"
 
 
 def objective_for(head, kind: str = "supervised") -> Objective:

@@ -191,6 +191,12 @@ def test_a_kind_of_training_the_head_has_not_is_refused_before_anything_is_read(
     assert not (tmp_path / "stage3").exists()
 
 
+def test_an_unknown_head_architecture_names_the_heads(tmp_path):
+    out, _ = run("train.py", "draft.architecture=dflsh", f"run_dir={tmp_path}")
+    refused(out, "draft.architecture=dflsh is no head architecture; use head=dflash or head=msd or head=msd3")
+    assert not (tmp_path / "stage1").exists()
+
+
 def test_a_run_dir_under_a_file_is_one_message(tmp_path):
     # Hydra makes its output folder under run_dir before any of the run's own checks
     (tmp_path / "blocker").write_text("a file, not a folder")
