@@ -9,8 +9,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: an absolute path as a word of a string: at its start or after a space, '=', ',', a quote or '('
-_ABSOLUTE = re.compile(r"""(?:^|(?<=[\s=,'"(`]))/(?:[A-Za-z0-9_.+-]+/)*[A-Za-z0-9_.+-]+""")
+#: where a path word starts: a string's start, or after a space, '=', ',', a quote, '(' or '`'
+_WORD_START = r"""(?:^|(?<=[\s=,'"(`]))"""
+#: an absolute path as a word of a string
+_ABSOLUTE = re.compile(_WORD_START + r"/(?:[A-Za-z0-9_.+-]+/)*[A-Za-z0-9_.+-]+")
+#: paths every Linux machine has (a device, the kernel's files): not where one machine kept anything
+_SYSTEM = ("/dev/", "/proc/", "/sys/")
 
 
 def portable(value, folders: dict[str | Path, str], checkout: str | Path = ROOT):
@@ -39,9 +43,9 @@ def portable(value, folders: dict[str | Path, str], checkout: str | Path = ROOT)
 
 def machine_paths(value, where: str = "") -> list[str]:
     """Every absolute path left in the strings of ``value`` (a word starting with '/'), with where it
-    sits (``~/...`` is a user's own default, not a machine's path)."""
+    sits (``~/...`` is a user's own default, and ``/dev/``, ``/proc/``, ``/sys/`` every machine's)."""
     if isinstance(value, str):
-        return [f"{where}: {m}" for m in _ABSOLUTE.findall(value)]
+        return [f"{where}: {m}" for m in _ABSOLUTE.findall(value) if not m.startswith(_SYSTEM)]
     if isinstance(value, list):
         return [p for i, v in enumerate(value) for p in machine_paths(v, f"{where}[{i}]")]
     if isinstance(value, dict):
@@ -49,7 +53,7 @@ def machine_paths(value, where: str = "") -> list[str]:
     return []
 
 
-_TMP = re.compile(r"(?:^|(?<=[\s=,'\"(`]))/tmp/")
+_TMP = re.compile(_WORD_START + "/tmp/")
 
 
 def main(argv: list[str] | None = None) -> None:
