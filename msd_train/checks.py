@@ -139,13 +139,13 @@ def method_refusal(architecture: str, methods: tuple[str, ...], method: str, ens
         return None
     if method not in methods:
         if method == "block":
-            return (f"decoding=block drafts a block in one forward, which only a block head (head=dflash) does; an "
-                    f"{architecture} head drafts step by step: use decoding=tree or decoding=chain")
+            return (f"decoding=block drafts a block in one forward, which only a block head (head=dflash) does; "
+                    f"{with_article(architecture)} head drafts step by step: use decoding=tree or decoding=chain")
         return (f"decoding.method={method}: {with_article(architecture)} head proposes a whole block in one forward and cannot "
                 f"draft a {method} shape; use decoding=block (decoding.k bounds the proposals verified per cycle)")
     if method == "block" and ensemble is not None:
-        return (f"decoding.ensemble={ensemble}: ensembles draft with stepped heads over input variants; an "
-                f"{architecture} head drafts one block: drop decoding.ensemble")
+        return (f"decoding.ensemble={ensemble}: ensembles draft with stepped heads over input variants; "
+                f"{with_article(architecture)} head drafts one block: drop decoding.ensemble")
     return None
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from msd_train.formatting import with_article
+
 
 @dataclass(frozen=True)
 class HeadFormat:
@@ -59,8 +61,8 @@ class HeadFormat:
         if not self.holds(head.architecture):
             others = [f.name for f in FORMATS.values() if f.holds(head.architecture)]
             held = " and ".join(filter(None, (", ".join(self.heads[:-1]), self.heads[-1])))
-            raise ValueError(f"format={self.name} holds {held} heads; {where} is an "
-                             f"{head.architecture} head (use {' or '.join(f'format={n}' for n in others)})")
+            raise ValueError(f"format={self.name} holds {held} heads; {where} is "
+                             f"{with_article(head.architecture)} head (use {' or '.join(f'format={n}' for n in others)})")
 
 
 #: name -> format, in registration order
