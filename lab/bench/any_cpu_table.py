@@ -63,18 +63,14 @@ def main() -> None:
                   f"{s['tokens_per_s']:.1f} ({s['plain_tokens_per_s']:.1f}) | {'yes' if s['outputs_equal'] else 'no'} |")
     if a.copy:
         folders = {a.out: "OUT", **({a.work: "WORK"} if a.work else {})}
-
-        def copy(text: str) -> str:
-            return portable(text, folders)
-
         for report in a.out.glob("*/*-r*/report.json"):
             dest = a.copy / report.parent.parent.name / report.parent.name / "report.json"
             dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_text(copy(report.read_text()))
+            dest.write_text(portable(report.read_text(), folders))
         for forward in a.out.glob("*/forward.json"):
             (a.copy / forward.parent.name).mkdir(parents=True, exist_ok=True)
-            (a.copy / forward.parent.name / "forward.json").write_text(copy(forward.read_text()))
-        (a.copy / "summary.json").write_text(copy(json.dumps(kinds, indent=1)) + "\n")
+            (a.copy / forward.parent.name / "forward.json").write_text(portable(forward.read_text(), folders))
+        (a.copy / "summary.json").write_text(portable(json.dumps(kinds, indent=1), folders) + "\n")
 
 
 if __name__ == "__main__":

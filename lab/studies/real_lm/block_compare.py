@@ -11,8 +11,8 @@ is a product command and resumes where it stopped; a finished stage is not run a
 WORK is the experiment's work folder (its store and splits: docs/recipes.md), OUT the runs
 and ``summary.json``: each arm's held-out validation at the end of each stage and its
 training time (the launches' wall seconds, and the seconds of its optimizer steps alone: the
-equal-CPU-time measure, without start-ups and validation). The dflash arms read the target's last output (``draft.feature_layers=[30]``),
-what the msd store holds. ``--decode``: each stage-2 head decodes the held-out bench prompts
+equal-CPU-time measure, without start-ups and validation). The dflash arms read the target's last
+output (``draft.feature_layers=[30]``), what the msd store holds. ``--decode``: each stage-2 head decodes the held-out bench prompts
 (``WORK/splits/bench_text.jsonl`` and ``bench_images.jsonl``, 8 each, 64 new tokens, 2 threads)
 beside plain decoding, in its CPU setting (``DECODING``); ``eval.py``'s report per arm and bench
 under ``OUT/decode/``, its tau, speedup, exactness and acceptance per position in the summary.

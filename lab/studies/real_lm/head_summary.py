@@ -1,12 +1,12 @@
 """A committed head's entry of benchmarks/real_lm/summary.json (msd-stage2's by default; the dflash
-head's with the second command below), from committed results only: the decoder on each CPU kind (``results/any_cpu/summary.json``, ``lab/bench/any_cpu.sh``), the
-epochs it has trained and held-out simulated tau against them (the metrics of the run that made it,
-``results/rebuild/stage{1,2}/``), and the on-policy comparison (``results/on_policy/results.json``,
+head's with the second command below), from committed results only: the decoder on each CPU kind
+(``results/any_cpu/summary.json``, ``lab/bench/any_cpu.sh``), the epochs it has trained and
+held-out simulated tau against them (the metrics of the run that made it, ``results/rebuild/stage{1,2}/``), and the on-policy comparison (``results/on_policy/results.json``,
 ``lab/studies/on_policy.py``), and the head served by vLLM where ``results/served/`` holds its
 reports (``scale_serve.sh``). Run after ``scale_summary`` (which rewrites the file from a WORK folder).
 
     python -m lab.studies.real_lm.head_summary [--head msd-stage2]
-    python -m lab.studies.real_lm.head_summary --head dflash-stage2 --any-cpu blocks/head --plot none \
+    python -m lab.studies.real_lm.head_summary --head dflash-stage2 --any-cpu blocks/head/text --plot none \
         --on-policy none --lineage blocks/metrics/dflash-s0/stage1:16:12234:0 blocks/metrics/dflash-s0-on/stage2:16:12234:7482
 
 The lineage: FOLDER:CONVERSATIONS_PER_STEP:TEXT:IMAGES, oldest first (FOLDER under results/, holding
