@@ -1,5 +1,7 @@
 """The block-drafting comparison's table (lab/studies/real_lm/block_compare.py) from its summary."""
 
+from pathlib import Path
+
 import pytest
 
 from lab.studies.real_lm.block_compare import main, table
@@ -92,3 +94,43 @@ def test_step_seconds_count_each_step_once_across_a_resume(tmp_path):
             {"step": 1, "tokens": 90.0, "tokens_per_s": 45.0}, {"step": 2, "tokens": 10.0, "tokens_per_s": 10.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert step_seconds(tmp_path) == 2.0 + 2.0 + 1.0
+
+
+def test_msd3_arms_need_a_store_of_layer_inputs_and_name_the_command_that_makes_it(tmp_path):
+    work = tmp_path / "work"
+    (work / "store").mkdir(parents=True)
+    (work / "store" / "manifest.json").write_text("{}")  # the msd store: not enough for msd3
+    with pytest.raises(SystemExit, match=r"no feature store in .*store-msd3 for the msd3 arms; make it first "
+                                         r"\(python scripts/generate_features.py .*'features.layers=\[2,15,27\]'"):
+        main([str(work), str(tmp_path / "out"), "--heads", "dflash", "msd3"])
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_visual_on_launches_only_the_decoupled_arm_and_msd3_reads_its_own_store(tmp_path, monkeypatch):
+    """The equal-CPU-time arm trains one visual path; msd3's launches name its store and vocabulary."""
+    import json
+
+    import lab.studies.real_lm.block_compare as bc
+
+    work, out, launches = tmp_path / "work", tmp_path / "out", []
+    for store in ("store", "store-msd3"):
+        (work / store).mkdir(parents=True)
+        (work / store / "manifest.json").write_text("{}")
+
+    def train(cmd, **kw):  # a finished stage: its final head and a validation row
+        args = dict(a.split("=", 1) for a in cmd[2:] if "=" in a)
+        launches.append(args)
+        stage = Path(args["run_dir"]) / f"stage{args['stage']}"
+        (stage / "final").mkdir(parents=True)
+        (stage / "final" / "config.json").write_text("{}")
+        (stage / "metrics.jsonl").write_text(json.dumps({"step": 1, "val/sim_tau": 1.5}) + "\n")
+        return 0
+
+    monkeypatch.setattr(bc.subprocess, "call", train)
+    main([str(work), str(out), "--heads", "msd3", "--seeds", "0", "--visual", "on"])
+    assert [(Path(a["run_dir"]).name, a["stage"]) for a in launches] == [("msd3-s0", "1"), ("msd3-s0-on", "2")]
+    assert all(a["features.path"] == f"{work}/store-msd3" and a["draft.draft_vocab_size"] == "8192"
+               and a["draft.train_vocab"] == "null" for a in launches)
+    assert launches[1]["draft.decouple_visual"] == "true"
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"msd3-s0", "msd3-s0-on"} and summary["msd3-s0-on"]["stage2"]["val/sim_tau"] == 1.5

@@ -1,10 +1,11 @@
 """Block drafting against stepped heads on SmolLM2-LLaVA, at equal data: dflash, msd and msd3
-trained by the product's recipe (``experiment=smollm2_llava``, the same feature store) on a
+trained by the product's recipe (``experiment=smollm2_llava``: the same conversations; msd and
+dflash read one feature store, msd3 one of its own holding three layers' inputs, ``STORES``) on a
 shortened schedule, two seeds each; stage 1 (text only: decoupling does not enter) once per
-head and seed, stage 2 from it twice, with MSD's visual decoupling on and off. Every launch
+head and seed, stage 2 from it twice, with MSD's visual decoupling on and off (``--visual``). Every launch
 is a product command and resumes where it stopped; a finished stage is not run again.
 
-    python -m lab.studies.real_lm.block_compare WORK OUT [--s1 400] [--s2 300] [--heads dflash msd msd3] [--decode]
+    python -m lab.studies.real_lm.block_compare WORK OUT [--s1 400] [--s2 300] [--heads dflash msd msd3] [--visual on off] [--decode]
     python -m lab.studies.real_lm.block_compare WORK OUT --table        # the summary as a Markdown table
     python -m lab.studies.real_lm.block_compare WORK OUT --copy DEST    # what the repository keeps
 
@@ -35,7 +36,14 @@ from pathlib import Path
 from lab.portable import machine_paths, portable
 
 ROOT = Path(__file__).resolve().parents[3]
-HEADS = {"msd": [], "msd3": ["head=msd3"], "dflash": ["head=dflash", "draft.feature_layers=[30]"]}
+#: each head's overrides of the recipe; msd3 reads the inputs of three target layers, held by a
+#: store of its own (``STORES``), and trains over its own draft vocabulary of the recipe's size
+HEADS = {"msd": [], "msd3": ["head=msd3", "draft.train_vocab=null", "draft.draft_vocab_size=8192",
+                             "features.path={work}/store-msd3"],
+         "dflash": ["head=dflash", "draft.feature_layers=[30]"]}
+#: the store each head reads under WORK, and the command that makes it
+STORES = {"msd": ("store", ""), "dflash": ("store", ""),
+          "msd3": ("store-msd3", " features.path={work}/store-msd3 'features.layers=[2,15,27]'")}
 #: each head in the setting it decodes fastest in on a CPU (docs/decoding.md)
 DECODING = {"msd": ["decoding=tree_small"], "msd3": ["decoding=tree_small"], "dflash": ["decoding=block"]}
 BENCHES = {"text": "bench_text.jsonl", "images": "bench_images.jsonl"}
@@ -153,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--s2", type=int, default=300, help="stage-2 steps (image share ramped 0 -> 0.5 over half)")
     p.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    p.add_argument("--visual", nargs="+", default=["on", "off"], choices=["on", "off"],
+                   help="the stage-2 arms: decoupled visual path (on), shared (off)")
     p.add_argument("--decode", action="store_true", help="decode the bench prompts with each stage-2 head")
     p.add_argument("--table", action="store_true", help="print OUT/summary.json as a Markdown table and stop")
     p.add_argument("--copy", type=Path, metavar="DEST", help="copy the summary and decode reports, paths masked, and stop")
@@ -165,9 +175,12 @@ def main(argv: list[str] | None = None) -> None:
         else:
             print(table(json.loads((a.out / "summary.json").read_text())), end="")
         return
-    if not (a.work / "store" / "manifest.json").is_file():
-        raise SystemExit(f"block_compare: no feature store in {a.work / 'store'}; make it first "
-                         f"(python scripts/generate_features.py experiment=smollm2_llava recipe.work={a.work})")
+    for head in a.heads:
+        store, extra = STORES[head]
+        if not (a.work / store / "manifest.json").is_file():
+            raise SystemExit(f"block_compare: no feature store in {a.work / store} for the {head} arms; make it first "
+                             f"(python scripts/generate_features.py experiment=smollm2_llava recipe.work={a.work} "
+                             f"target.dtype=bf16{extra.format(work=a.work)})")
     a.out.mkdir(parents=True, exist_ok=True)
     summary_path = a.out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
@@ -180,20 +193,22 @@ def main(argv: list[str] | None = None) -> None:
             f"recipe.stages.2.max_steps={a.s2}", f"recipe.stages.2.every={a.s2}",
             f"recipe.stages.2.curriculum.ramp_steps={max(a.s2 // 2, 1)}"]
     for head in a.heads:
+        overrides = [o.format(work=a.work) for o in HEADS[head]]
         for seed in a.seeds:
             run = a.out / "runs" / f"{head}-s{seed}"
             arm = summary.setdefault(f"{head}-s{seed}", {"head": head, "seed": seed})
             if not (run / "stage1" / "final" / "config.json").is_file():
-                launch([*base, *HEADS[head], "stage=1", f"seed={seed}", f"run_dir={run}"], a.out / f"{head}-s{seed}.log",
+                launch([*base, *overrides, "stage=1", f"seed={seed}", f"run_dir={run}"], a.out / f"{head}-s{seed}.log",
                        arm, "stage1_seconds", save)
             arm["stage1"] = last_validation(run / "stage1")
             arm["stage1_step_seconds"] = round(step_seconds(run / "stage1"), 1)
-            for decouple in ("true", "false"):
-                name = f"{head}-s{seed}-{'on' if decouple == 'true' else 'off'}"
+            for visual in a.visual:
+                decouple = "true" if visual == "on" else "false"
+                name = f"{head}-s{seed}-{visual}"
                 two = a.out / "runs" / name
                 entry = summary.setdefault(name, {"head": head, "seed": seed, "decouple_visual": decouple == "true"})
                 if not (two / "stage2" / "final" / "config.json").is_file():
-                    launch([*base, *HEADS[head], "stage=2", f"seed={seed}", f"run_dir={two}",
+                    launch([*base, *overrides, "stage=2", f"seed={seed}", f"run_dir={two}",
                             f"stage.init_from={run / 'stage1' / 'final'}", f"draft.decouple_visual={decouple}"],
                            a.out / f"{name}.log", entry, "stage2_seconds", save)
                 entry["stage2"] = last_validation(two / "stage2")
