@@ -58,12 +58,14 @@ def _run(cfg, begun: list) -> None:
     from msd_train.training import checkpoint as ckpt
     from msd_train.training import resume, rundir
     from msd_train.training.build_locks import clear_stale_build_locks
-    from msd_train.training.objective import objective_refusal
+    from msd_train.training.objective import objective_refusal, train_vocab_refusal
     from msd_train.training.recipe import TrainingError, TrainRecipe, check_init_from_config
 
     with user_errors():  # the head's kind of training, with its registry: before anything is read
-        why = objective_refusal(OmegaConf.select(cfg, "draft.architecture", default="msd"),
-                                OmegaConf.select(cfg, "train.objective", default="supervised"))
+        architecture = OmegaConf.select(cfg, "draft.architecture", default="msd")
+        kind = OmegaConf.select(cfg, "train.objective", default="supervised")
+        why = objective_refusal(architecture, kind) or \
+            train_vocab_refusal(architecture, kind, OmegaConf.select(cfg, "draft.train_vocab", default=None))
         if why:
             raise ConfigError(why)
 

@@ -32,6 +32,7 @@ import torch
 from msd_train.draft.head import pair, shift
 from msd_train.draft.loss import lm_head_argmax, loss_index, msd_loss
 from msd_train.draft.vocabulary import VocabSubset
+from msd_train.formatting import with_article
 from msd_train.targets.protocol import TargetProtocol
 
 #: (head architecture (``DraftHead.architecture``), kind (``train.objective``)) -> its objective class
@@ -61,6 +62,17 @@ def objective_refusal(architecture: str, kind: str) -> str | None:
     if others:
         fix += f", or a head with one: head={' or head='.join(others)}"
     return f"train.objective={kind}: {architecture} heads have no {kind} objective (theirs: {', '.join(own)}); {fix}"
+
+
+def train_vocab_refusal(architecture: str, kind: str, train_vocab) -> str | None:
+    """Why ``draft.train_vocab`` cannot restrict the token loss of an ``architecture`` head's ``kind``
+    objective (None: it can, or it is unset), with the fix."""
+    objective = OBJECTIVES.get((architecture, kind))
+    if train_vocab is None or objective is None or objective.supports_train_vocabulary:
+        return None
+    return (f"draft.train_vocab={train_vocab}: {with_article(architecture)} head trains over its own draft "
+            "vocabulary (draft.draft_vocab_size); drop draft.train_vocab (draft.train_vocab=null where an "
+            "experiment sets it)")
 
 
 def objective_for(head, kind: str = "supervised") -> Objective:

@@ -52,7 +52,7 @@ from msd_train.targets.identity import target_identity
 from msd_train.training import checkpoint as ckpt
 from msd_train.training import resume, rundir, wandb_run
 from msd_train.training.loss import draft_loss_mask, loss_index
-from msd_train.training.objective import Objective, objective_for
+from msd_train.training.objective import Objective, objective_for, train_vocab_refusal
 from msd_train.training.validation import evaluate_split
 
 log = logging.getLogger("msd_train")
@@ -286,9 +286,9 @@ class TrainRecipe:
             raise TrainingError(str(e)) from None
         train_vocab = overrides.get("train_vocab", getattr(draft.config, "train_vocab", None))
         if train_vocab is not None:  # the token term over the N tokens this stage's data uses most
-            if not objective.supports_train_vocabulary:
-                raise TrainingError(f"draft.train_vocab={train_vocab}: {with_article(draft.architecture)} head trains over its own "
-                                    "draft vocabulary (draft.draft_vocab_size); drop draft.train_vocab")
+            why = train_vocab_refusal(draft.architecture, cfg.train.get("objective", "supervised"), train_vocab)
+            if why:
+                raise TrainingError(why)
             if isinstance(train_vocab, bool) or not isinstance(train_vocab, int) or \
                     not 0 < train_vocab <= self.target.vocab_size:
                 raise TrainingError(f"draft.train_vocab={train_vocab} must be between 1 and the target's vocabulary "

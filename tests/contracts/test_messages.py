@@ -197,6 +197,15 @@ def test_an_unknown_head_architecture_names_the_heads(tmp_path):
     assert not (tmp_path / "stage1").exists()
 
 
+def test_a_train_vocabulary_for_a_head_with_its_own_draft_vocabulary_is_refused_before_anything_is_read(tmp_path):
+    """An experiment's draft.train_vocab (smollm2_llava sets one) given to an msd3 head, which trains
+    over its own draft vocabulary: refused naming the override that clears it, nothing made."""
+    out, _ = run("train.py", "head=msd3", "+draft.train_vocab=64", f"run_dir={tmp_path}")
+    refused(out, "draft.train_vocab=64: an msd3 head trains over its own draft vocabulary (draft.draft_vocab_size)",
+            "draft.train_vocab=null where an experiment sets it")
+    assert not (tmp_path / "stage1").exists()
+
+
 def test_a_run_dir_under_a_file_is_one_message(tmp_path):
     # Hydra makes its output folder under run_dir before any of the run's own checks
     (tmp_path / "blocker").write_text("a file, not a folder")
