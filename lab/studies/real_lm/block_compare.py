@@ -37,9 +37,10 @@ from lab.portable import machine_paths, portable
 
 ROOT = Path(__file__).resolve().parents[3]
 #: each head's overrides of the recipe; msd3 reads the inputs of three target layers, held by a
-#: store of its own (``STORES``), and trains over its own draft vocabulary of the recipe's size
+#: store of its own (``STORES``), trains over its own draft vocabulary of the recipe's size and
+#: unrolls 3 TTT steps (the committed msd3-stage2 head's CPU setting)
 HEADS = {"msd": [], "msd3": ["head=msd3", "draft.train_vocab=null", "draft.draft_vocab_size=8192",
-                             "features.path={work}/store-msd3"],
+                             "draft.ttt_steps=3", "features.path={work}/store-msd3"],
          "dflash": ["head=dflash", "draft.feature_layers=[30]"]}
 #: the store each head reads under WORK, and the command that makes it
 STORES = {"msd": ("store", ""), "dflash": ("store", ""),
