@@ -9,7 +9,8 @@ from lab.studies.real_lm.block_compare import main, table
 
 def _summary():
     val = {"val/text/sim_tau": 1.8, "val/mm/sim_tau": 1.7, "val/text/agree_cond_1": 0.5, "val/mm/agree_cond_1": 0.45}
-    decode = {"text": {"tau": 1.9, "speedup": 1.25, "outputs_match_ar": True, "accept_at_pos": [0.5]},
+    decode = {"text": {"tau": 1.9, "speedup": 1.25, "outputs_match_ar": True,
+                       "accept_at_pos": [0.5, 0.25, 0.125, 0.1]},
               "images": {"tau": 1.8, "speedup": 1.2, "outputs_match_ar": False, "accept_at_pos": [0.4]}}
     return {"dflash-s0": {"head": "dflash", "seed": 0, "stage1_seconds": 130.0, "stage1_step_seconds": 100.0, "stage1": {}},
             "dflash-s0-on": {"head": "dflash", "seed": 0, "decouple_visual": True, "stage2_seconds": 70.0,
@@ -22,10 +23,10 @@ def test_one_row_per_stage2_arm_with_both_stages_step_seconds_and_exactness_over
     rows = table(_summary()).splitlines()
     assert len(rows) == 4  # header, rule, two arms; the stage-1 entry is no row
     on = next(r for r in rows if "decoupled" in r)
-    assert on == ("| dflash | 0 | decoupled | 1.800 | 1.700 | 0.500 | 0.450 | 150 | 1.900 | 1.25x | 1.800 | 1.20x "
-                  "| no |")  # images did not match plain decoding: the arm is not exact
+    assert on == ("| dflash | 0 | decoupled | 1.800 | 1.700 | 0.500 | 0.450 | 150 | 1.900 | 0.50 0.25 0.12 | 1.25x "
+                  "| 1.800 | 0.40 | 1.20x | no |")  # images did not match plain decoding: the arm is not exact
     off = next(r for r in rows if "shared" in r)
-    assert off == "| dflash | 0 | shared | - | - | - | - | - | - | - | - | - | - |"
+    assert off == "| dflash | 0 | shared | - | - | - | - | - | - | - | - | - | - | - | - |"
 
 
 def test_table_without_a_summary_says_what_to_run(tmp_path):

@@ -105,13 +105,19 @@ def _cell(v, fmt="{:.3f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
+def _acceptance(per_position) -> str:
+    """The decoder's acceptance at the first three draft positions (of the drafts that reach each)."""
+    return "-" if not per_position else " ".join(f"{a:.2f}" for a in per_position[:3])
+
+
 def table(summary: dict) -> str:
     """The stage-2 arms: held-out simulated tau and first-position agreement (text, images), the
-    seconds of both stages' optimizer steps (``step_seconds``), decoded tau and speedup per bench
-    and whether outputs equal plain decoding."""
+    seconds of both stages' optimizer steps (``step_seconds``), decoded tau, acceptance at the first
+    three positions and speedup per bench, and whether outputs equal plain decoding."""
     rows = ["| head | seed | visual path | sim tau text | sim tau images | agree@1 text | agree@1 images | "
-            "step s | tau text | speedup text | tau images | speedup images | outputs = plain |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "step s | tau text | acceptance text | speedup text | tau images | acceptance images | speedup images "
+            "| outputs = plain |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for _, e in sorted(summary.items()):
         if "decouple_visual" not in e:  # a stage-1 entry: its seconds count in its stage-2 arms
             continue
@@ -125,8 +131,9 @@ def table(summary: dict) -> str:
             _cell(v.get("val/text/sim_tau")), _cell(v.get("val/mm/sim_tau")),
             _cell(v.get("val/text/agree_cond_1")), _cell(v.get("val/mm/agree_cond_1")),
             _cell(seconds, "{:.0f}"),
-            _cell(d.get("text", {}).get("tau")), _cell(d.get("text", {}).get("speedup"), "{:.2f}x"),
-            _cell(d.get("images", {}).get("tau")), _cell(d.get("images", {}).get("speedup"), "{:.2f}x"),
+            *(cell for b in BENCHES for cell in (
+                _cell(d.get(b, {}).get("tau")), _acceptance(d.get(b, {}).get("accept_at_pos")),
+                _cell(d.get(b, {}).get("speedup"), "{:.2f}x"))),
             ("yes" if all(exact) else "no") if exact else "-"]) + " |")
     return "\n".join(rows) + "\n"
 
