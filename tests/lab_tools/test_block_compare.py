@@ -135,3 +135,32 @@ def test_visual_on_launches_only_the_decoupled_arm_and_msd3_reads_its_own_store(
     assert launches[1]["draft.decouple_visual"] == "true"
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary) == {"msd3-s0", "msd3-s0-on"} and summary["msd3-s0-on"]["stage2"]["val/sim_tau"] == 1.5
+
+
+def test_repeated_decodes_give_the_median_speedup_its_range_and_exactness_over_every_run(tmp_path, monkeypatch):
+    """One decode run carries +-5% of noise: --repeats N runs each bench N times (finished runs are kept)."""
+    import json
+
+    import lab.studies.real_lm.block_compare as bc
+
+    speedups, ran = iter([1.3, 1.5, 1.4, 1.2, 1.1, 1.25]), []
+
+    def eval_py(cmd, **kw):
+        out = Path(next(a for a in cmd if a.startswith("out=")).split("=", 1)[1])
+        ran.append(out.name)
+        out.mkdir(parents=True)
+        exact = out.name != "arm-images-r3"  # one run of one bench differs from plain decoding
+        (out / "report.json").write_text(json.dumps({"overall": {
+            "tau": 1.6, "accept_at_pos": [0.4], "speedup": next(speedups), "outputs_match_ar": exact}}))
+        return 0
+
+    monkeypatch.setattr(bc.subprocess, "call", eval_py)
+    first = bc.decode(tmp_path, tmp_path, "arm", "dflash", tmp_path / "head", repeats=1)
+    assert first["text"]["speedup"] == 1.3 and first["text"]["speedups"] == [1.3]
+    d = bc.decode(tmp_path, tmp_path, "arm", "dflash", tmp_path / "head", repeats=3)
+    assert ran == ["arm-text", "arm-images", "arm-text-r2", "arm-text-r3", "arm-images-r2", "arm-images-r3"]
+    assert d["text"] == {"tau": 1.6, "accept_at_pos": [0.4], "speedup": 1.3, "speedups": [1.3, 1.4, 1.2],
+                         "outputs_match_ar": True}
+    assert d["images"]["speedups"] == [1.5, 1.1, 1.25] and d["images"]["speedup"] == 1.25
+    assert d["images"]["outputs_match_ar"] is False
+    assert bc._speedup(d["text"]) == "1.30x (1.20-1.40)" and bc._speedup(first["text"]) == "1.30x"

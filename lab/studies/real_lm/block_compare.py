@@ -5,7 +5,7 @@ shortened schedule, two seeds each; stage 1 (text only: decoupling does not ente
 head and seed, stage 2 from it twice, with MSD's visual decoupling on and off (``--visual``). Every launch
 is a product command and resumes where it stopped; a finished stage is not run again.
 
-    python -m lab.studies.real_lm.block_compare WORK OUT [--s1 400] [--s2 300] [--heads dflash msd msd3] [--visual on off] [--decode]
+    python -m lab.studies.real_lm.block_compare WORK OUT [--s1 400] [--s2 300] [--heads dflash msd msd3] [--visual on off] [--decode [--repeats 3]]
     python -m lab.studies.real_lm.block_compare WORK OUT --table        # the summary as a Markdown table
     python -m lab.studies.real_lm.block_compare WORK OUT --copy DEST    # what the repository keeps
 
@@ -15,8 +15,9 @@ training time (the launches' wall seconds, and the seconds of its optimizer step
 equal-CPU-time measure, without start-ups and validation). The dflash arms read the target's last
 output (``draft.feature_layers=[30]``), what the msd store holds. ``--decode``: each stage-2 head decodes the held-out bench prompts
 (``WORK/splits/bench_text.jsonl`` and ``bench_images.jsonl``, 8 each, 64 new tokens, 2 threads)
-beside plain decoding, in its CPU setting (``DECODING``); ``eval.py``'s report per arm and bench
-under ``OUT/decode/``, its tau, speedup, exactness and acceptance per position in the summary.
+beside plain decoding, in its CPU setting (``DECODING``), ``--repeats`` times; ``eval.py``'s report per
+arm, bench and run under ``OUT/decode/``, its tau, median speedup (and each run's), exactness and
+acceptance per position in the summary.
 ``--copy DEST``: the summary and the decode reports into DEST with WORK and OUT written so and
 the checkout's files relative (refused, before writing, if a path of this machine is left), and
 each stage's ``metrics.jsonl`` gzipped (``metrics/ARM/stageN/metrics.jsonl.gz``).
@@ -28,6 +29,7 @@ import argparse
 import gzip
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -82,22 +84,29 @@ def step_seconds(stage_dir: Path) -> float:
     return sum(steps.values())
 
 
-def decode(work: Path, out: Path, arm: str, head: str, head_dir: Path) -> dict:
-    """The arm's head on each bench beside plain decoding (a finished report is not run again)."""
+def decode(work: Path, out: Path, arm: str, head: str, head_dir: Path, repeats: int = 1) -> dict:
+    """The arm's head on each bench beside plain decoding, ``repeats`` times (``OUT/decode/ARM-BENCH``,
+    then ``-r2``, ``-r3``...; a finished report is not run again): the first run's tau, acceptance
+    and exactness, the median speedup, every run's speedup, and exactness over all runs."""
     results = {}
     for bench, name in BENCHES.items():
-        dest = out / "decode" / f"{arm}-{bench}"
-        if not (dest / "report.json").is_file():
-            cmd = [sys.executable, "eval.py", "target=smollm2_llava", f"draft={head_dir}", *DECODING[head], "bench=jsonl",
-                   f"bench.path={work / 'splits' / name}", "bench.max_samples=8", "decoding.max_new_tokens=64",
-                   "threads=2", "progress=false", f"out={dest}"]
-            log = out / "decode" / f"{arm}-{bench}.log"
-            log.parent.mkdir(parents=True, exist_ok=True)
-            with log.open("w") as fh:
-                if subprocess.call(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT):
-                    raise SystemExit(f"block_compare: {' '.join(cmd)} failed; see {log}")
-        o = json.loads((dest / "report.json").read_text())["overall"]
-        results[bench] = {k: o[k] for k in ("tau", "speedup", "outputs_match_ar", "accept_at_pos")}
+        runs = []
+        for r in range(1, repeats + 1):
+            dest = out / "decode" / (f"{arm}-{bench}" + (f"-r{r}" if r > 1 else ""))
+            if not (dest / "report.json").is_file():
+                cmd = [sys.executable, "eval.py", "target=smollm2_llava", f"draft={head_dir}", *DECODING[head], "bench=jsonl",
+                       f"bench.path={work / 'splits' / name}", "bench.max_samples=8", "decoding.max_new_tokens=64",
+                       "threads=2", "progress=false", f"out={dest}"]
+                log = dest.parent / f"{dest.name}.log"
+                log.parent.mkdir(parents=True, exist_ok=True)
+                with log.open("w") as fh:
+                    if subprocess.call(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT):
+                        raise SystemExit(f"block_compare: {' '.join(cmd)} failed; see {log}")
+            runs.append(json.loads((dest / "report.json").read_text())["overall"])
+        speedups = [o["speedup"] for o in runs]
+        results[bench] = {**{k: runs[0][k] for k in ("tau", "accept_at_pos")},
+                          "speedup": statistics.median(speedups), "speedups": speedups,
+                          "outputs_match_ar": all(o["outputs_match_ar"] for o in runs)}
     return results
 
 
@@ -108,6 +117,13 @@ def _cell(v, fmt="{:.3f}") -> str:
 def _acceptance(per_position) -> str:
     """The decoder's acceptance at the first three draft positions (of the drafts that reach each)."""
     return "-" if not per_position else " ".join(f"{a:.2f}" for a in per_position[:3])
+
+
+def _speedup(bench: dict) -> str:
+    """The median speedup, with the range over the runs when there were several."""
+    runs = bench.get("speedups") or []
+    cell = _cell(bench.get("speedup"), "{:.2f}x")
+    return f"{cell} ({min(runs):.2f}-{max(runs):.2f})" if len(runs) > 1 else cell
 
 
 def table(summary: dict) -> str:
@@ -133,7 +149,7 @@ def table(summary: dict) -> str:
             _cell(seconds, "{:.0f}"),
             *(cell for b in BENCHES for cell in (
                 _cell(d.get(b, {}).get("tau")), _acceptance(d.get(b, {}).get("accept_at_pos")),
-                _cell(d.get(b, {}).get("speedup"), "{:.2f}x"))),
+                _speedup(d.get(b, {})))),
             ("yes" if all(exact) else "no") if exact else "-"]) + " |")
     return "\n".join(rows) + "\n"
 
@@ -172,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--visual", nargs="+", default=["on", "off"], choices=["on", "off"],
                    help="the stage-2 arms: decoupled visual path (on), shared (off)")
     p.add_argument("--decode", action="store_true", help="decode the bench prompts with each stage-2 head")
+    p.add_argument("--repeats", type=int, default=1, help="decode runs per arm and bench (the median speedup)")
     p.add_argument("--table", action="store_true", help="print OUT/summary.json as a Markdown table and stop")
     p.add_argument("--copy", type=Path, metavar="DEST", help="copy the summary and decode reports, paths masked, and stop")
     a = p.parse_args(argv)
@@ -223,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
                 entry["stage2_step_seconds"] = round(step_seconds(two / "stage2"), 1)
                 entry["head_dir"] = os.path.relpath(two / "stage2" / "final", a.out)
                 if a.decode:
-                    entry["decode"] = decode(a.work, a.out, name, head, two / "stage2" / "final")
+                    entry["decode"] = decode(a.work, a.out, name, head, two / "stage2" / "final", a.repeats)
                 save()
     save()
     print(json.dumps({k: {s: v.get(s, {}).get("val/sim_tau") for s in ("stage1", "stage2")} for k, v in summary.items()},
