@@ -1,6 +1,6 @@
 """Block drafting against stepped heads on SmolLM2-LLaVA, at equal data: dflash, msd and msd3
 trained by the product's recipe (``experiment=smollm2_llava``: the same conversations; msd and
-dflash read one feature store, msd3 one of its own holding three layers' inputs, ``STORES``) on a
+dflash read one feature store, msd3 one of its own holding three layers' inputs, ``LAYER_STORES``) on a
 shortened schedule, two seeds each; stage 1 (text only: decoupling does not enter) once per
 head and seed, stage 2 from it twice, with MSD's visual decoupling on and off (``--visual``). Every launch
 is a product command and resumes where it stopped; a finished stage is not run again.
@@ -38,15 +38,13 @@ from pathlib import Path
 from lab.portable import machine_paths, portable
 
 ROOT = Path(__file__).resolve().parents[3]
-#: each head's overrides of the recipe; msd3 reads the inputs of three target layers, held by a
-#: store of its own (``STORES``), trains over its own draft vocabulary of the recipe's size and
-#: unrolls 3 TTT steps (the committed msd3-stage2 head's CPU setting)
-HEADS = {"msd": [], "msd3": ["head=msd3", "draft.train_vocab=null", "draft.draft_vocab_size=8192",
-                             "draft.ttt_steps=3", "features.path={work}/store-msd3"],
+#: each head's overrides of the recipe; msd3 trains over its own draft vocabulary of the recipe's
+#: size and unrolls 3 TTT steps (the committed msd3-stage2 head's CPU setting)
+HEADS = {"msd": [], "msd3": ["head=msd3", "draft.train_vocab=null", "draft.draft_vocab_size=8192", "draft.ttt_steps=3"],
          "dflash": ["head=dflash", "draft.feature_layers=[30]"]}
-#: the store each head reads under WORK, and the command that makes it
-STORES = {"msd": ("store", ""), "dflash": ("store", ""),
-          "msd3": ("store-msd3", " features.path={work}/store-msd3 'features.layers=[2,15,27]'")}
+#: heads that read a store of their own under WORK rather than the recipe's ``store``: its folder
+#: and the target layers whose inputs it holds (msd3 reads three)
+LAYER_STORES = {"msd3": ("store-msd3", "[2,15,27]")}
 #: each head in the setting it decodes fastest in on a CPU (docs/decoding.md)
 DECODING = {"msd": ["decoding=tree_small"], "msd3": ["decoding=tree_small"], "dflash": ["decoding=block"]}
 BENCHES = {"text": "bench_text.jsonl", "images": "bench_images.jsonl"}
@@ -201,11 +199,13 @@ def main(argv: list[str] | None = None) -> None:
             print(table(json.loads((a.out / "summary.json").read_text())), end="")
         return
     for head in a.heads:
-        store, extra = STORES[head]
-        if not (a.work / store / "manifest.json").is_file():
-            raise SystemExit(f"block_compare: no feature store in {a.work / store} for the {head} arms; make it first "
+        folder, layers = LAYER_STORES.get(head, ("store", None))
+        store = a.work / folder
+        if not (store / "manifest.json").is_file():
+            own = f" features.path={store} 'features.layers={layers}'" if layers else ""
+            raise SystemExit(f"block_compare: no feature store in {store} for the {head} arms; make it first "
                              f"(python scripts/generate_features.py experiment=smollm2_llava recipe.work={a.work} "
-                             f"target.dtype=bf16{extra.format(work=a.work)})")
+                             f"target.dtype=bf16{own})")
     a.out.mkdir(parents=True, exist_ok=True)
     summary_path = a.out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
             f"recipe.stages.2.max_steps={a.s2}", f"recipe.stages.2.every={a.s2}",
             f"recipe.stages.2.curriculum.ramp_steps={max(a.s2 // 2, 1)}"]
     for head in a.heads:
-        overrides = [o.format(work=a.work) for o in HEADS[head]]
+        overrides = [*HEADS[head], *([f"features.path={a.work / LAYER_STORES[head][0]}"] if head in LAYER_STORES else [])]
         for seed in a.seeds:
             run = a.out / "runs" / f"{head}-s{seed}"
             arm = summary.setdefault(f"{head}-s{seed}", {"head": head, "seed": seed})
