@@ -27,9 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 RESULTS = ROOT / "benchmarks" / "real_lm" / "results"
 LINEAGE = ["rebuild/stage1:16:12234:0", "rebuild/stage2:16:12234:7482"]  # experiment=smollm2_llava, stage 1 then 2
-CPU_NAMES = {"native": "AMD EPYC, AVX-512 BF16 (2 cores)",
-             "avx2": "the same CPU limited to AVX2 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 "
-                     "MKL_ENABLE_INSTRUCTIONS=AVX2): no native bf16"}
+#: the CPU kinds ``lab/bench/any_cpu.sh`` measures: the machine as it is, and limited to AVX2
+CPU_KINDS = ("native", "avx2")
 OVERRIDES = {"chain1": ["decoding=chain", "decoding.k=1"], "tree_small": ["decoding=tree_small"], "tree": ["decoding=tree"],
              "block": ["decoding=block"]}
 
@@ -76,12 +75,26 @@ def tau_vs_epochs(lineage: list[str], table_from: str, head_step: int | None = N
     return table, {key: round(v, 3) for key, v in (head_epochs or seen).items()}
 
 
-def by_cpu(folder: str = "any_cpu") -> tuple[dict, dict]:
-    """Each CPU kind's settings in ``results/FOLDER`` (``any_cpu_table --copy``) and the fastest."""
+def cpu_name(kind: str, forward: dict) -> str:
+    """The CPU a kind's timings came from, as its ``forward.json`` recorded it: the model, the widest
+    vector extension PyTorch ran at (AVX-512 BF16 where the CPU has native bf16) and the threads; the
+    AVX2 kind names the settings that limited it."""
+    flags = set(forward.get("cpu_flags", []))
+    if kind == "avx2":
+        env = " ".join(f"{k}={v}" for k, v in forward["env"].items() if v)
+        return f"the same CPU limited to AVX2 ({env}): no native bf16"
+    isa = "AVX-512 BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
+    model = forward["cpu"].split(" (")[0]  # newer records add family and extensions in brackets
+    return f"{model}, {isa} ({forward['threads']} cores)"
+
+
+def by_cpu(folder: str = "any_cpu") -> tuple[dict, dict, dict]:
+    """Each CPU kind's settings in ``results/FOLDER`` (``any_cpu_table --copy``) and the fastest, under
+    the name of the CPU they were timed on (``cpu_name``); and each kind's name."""
     summary = json.loads((RESULTS / folder / "summary.json").read_text())
-    out, best = {}, {}
+    out, best, names = {}, {}, {}
     for kind, data in summary.items():
-        if kind not in CPU_NAMES:
+        if kind not in CPU_KINDS:
             continue
         settings = {}
         for name, s in data["settings"].items():
@@ -91,9 +104,10 @@ def by_cpu(folder: str = "any_cpu") -> tuple[dict, dict]:
                               "speedup_over_plain": s["speedup"], "speedup_over_plain_range": s["speedup_range"],
                               "outputs_equal": s["outputs_equal"], "target_setting": s["target_setting"],
                               "accept_at_pos": [round(statistics.mean(a[i] for a in accept), 4) for i in range(len(accept[0]))]}
-        out[CPU_NAMES[kind]] = settings
-        best[CPU_NAMES[kind]] = max(settings, key=lambda n: settings[n]["speedup_over_plain"])
-    return out, best
+        name = names[kind] = cpu_name(kind, data["forward"])
+        out[name] = settings
+        best[name] = max(settings, key=lambda n: settings[n]["speedup_over_plain"])
+    return out, best, names
 
 
 def plot_tau_vs_epochs(table: list[dict], out: Path) -> None:
@@ -148,8 +162,8 @@ def main() -> None:
     a = ap.parse_args()
     path = ROOT / "benchmarks" / "real_lm" / "summary.json"
     summary = json.loads(path.read_text())
-    cpus, best = by_cpu(a.any_cpu)
-    native = CPU_NAMES["native"]
+    cpus, best, names = by_cpu(a.any_cpu)
+    native = names["native"]
     table, epochs = tau_vs_epochs(a.lineage, a.table_from or a.lineage[0].split(":")[0], a.head_step)
     if a.plot != "none":
         plot_tau_vs_epochs(table, RESULTS / a.plot)
