@@ -69,6 +69,11 @@ _NAMED_FLAGS = (("amx_bf16", "AMX BF16"), ("avx512_bf16", "AVX-512 BF16"), ("avx
                 ("avx512f", "AVX-512"), ("avx_vnni", "AVX-VNNI"), ("avx2", "AVX2"))
 
 
+def named_extensions(flags: set[str]) -> list[str]:
+    """The vector extensions among ``flags`` that a result names, widest first (``_NAMED_FLAGS``)."""
+    return [name for flag, name in _NAMED_FLAGS if flag in flags]
+
+
 def cpu_identity(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
     """The CPU as a result should name it: its model name, family / model / stepping (a model name
     such as "AMD EPYC" covers several generations) and the vector extensions it has, e.g.
@@ -78,10 +83,9 @@ def cpu_identity(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
         import platform
 
         return platform.processor() or platform.machine() or "unknown CPU"
-    flags = set(fields.get("flags", "").split())
     ids = [f"{name} {fields[key]}" for key, name in (("cpu family", "family"), ("model", "model"), ("stepping", "stepping"))
            if fields.get(key)]
-    named = [name for flag, name in _NAMED_FLAGS if flag in flags]
+    named = named_extensions(set(fields.get("flags", "").split()))
     detail = "; ".join(x for x in (", ".join(ids), ", ".join(named)) if x)
     return f"{fields.get('model name', 'unknown CPU')}" + (f" ({detail})" if detail else "")
 

@@ -50,6 +50,13 @@ DECODING = {"msd": ["decoding=tree_small"], "msd3": ["decoding=tree_small"], "df
 BENCHES = {"text": "bench_text.jsonl", "images": "bench_images.jsonl"}
 
 
+def store_of(work: Path, head: str) -> tuple[Path, str | None]:
+    """The feature store a head's arms read under WORK, and the target layers whose inputs it holds
+    (None: the recipe's ``store``)."""
+    folder, layers = LAYER_STORES.get(head, ("store", None))
+    return work / folder, layers
+
+
 def launch(args: list[str], log: Path, entry: dict, key: str, save) -> None:
     """One ``train.py`` launch, its wall seconds added to ``entry[key]`` and saved (``save()``) also
     when it stops early (a SIGTERM saves a checkpoint and exits 1: the relaunch resumes, and the
@@ -199,8 +206,7 @@ def main(argv: list[str] | None = None) -> None:
             print(table(json.loads((a.out / "summary.json").read_text())), end="")
         return
     for head in a.heads:
-        folder, layers = LAYER_STORES.get(head, ("store", None))
-        store = a.work / folder
+        store, layers = store_of(a.work, head)
         if not (store / "manifest.json").is_file():
             own = f" features.path={store} 'features.layers={layers}'" if layers else ""
             raise SystemExit(f"block_compare: no feature store in {store} for the {head} arms; make it first "
@@ -218,7 +224,8 @@ def main(argv: list[str] | None = None) -> None:
             f"recipe.stages.2.max_steps={a.s2}", f"recipe.stages.2.every={a.s2}",
             f"recipe.stages.2.curriculum.ramp_steps={max(a.s2 // 2, 1)}"]
     for head in a.heads:
-        overrides = [*HEADS[head], *([f"features.path={a.work / LAYER_STORES[head][0]}"] if head in LAYER_STORES else [])]
+        store, layers = store_of(a.work, head)
+        overrides = [*HEADS[head], *([f"features.path={store}"] if layers else [])]
         for seed in a.seeds:
             run = a.out / "runs" / f"{head}-s{seed}"
             arm = summary.setdefault(f"{head}-s{seed}", {"head": head, "seed": seed})

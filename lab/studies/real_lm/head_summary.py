@@ -77,15 +77,16 @@ def tau_vs_epochs(lineage: list[str], table_from: str, head_step: int | None = N
 
 def cpu_name(kind: str, forward: dict) -> str:
     """The CPU a kind's timings came from, as its ``forward.json`` recorded it: the model, the widest
-    vector extension PyTorch ran at (AVX-512 BF16 where the CPU has native bf16) and the threads; the
-    AVX2 kind names the settings that limited it."""
-    flags = set(forward.get("cpu_flags", []))
+    vector extension it has (``named_extensions``: AVX-512 BF16 where it has native bf16) and the
+    threads; the AVX2 kind names the settings that limited it."""
     if kind == "avx2":
         env = " ".join(f"{k}={v}" for k, v in forward["env"].items() if v)
         return f"the same CPU limited to AVX2 ({env}): no native bf16"
-    isa = "AVX-512 BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
+    from msd_train.evaluation.cpu_setting import named_extensions
+
+    widest = named_extensions(set(forward.get("cpu_flags", [])))[:1]
     model = forward["cpu"].split(" (")[0]  # newer records add family and extensions in brackets
-    return f"{model}, {isa} ({forward['threads']} cores)"
+    return ", ".join([model, *widest]) + f" ({forward['threads']} cores)"
 
 
 def by_cpu(folder: str = "any_cpu") -> tuple[dict, dict, dict]:
