@@ -24,9 +24,30 @@ def test_one_row_per_stage2_arm_with_both_stages_step_seconds_and_exactness_over
     assert len(rows) == 4  # header, rule, two arms; the stage-1 entry is no row
     on = next(r for r in rows if "decoupled" in r)
     assert on == ("| dflash | 0 | decoupled | 1.800 | 1.700 | 0.500 | 0.450 | 150 | 1.900 | 0.50 0.25 0.12 | 1.25x "
-                  "| 1.800 | 0.40 | 1.20x | no |")  # images did not match plain decoding: the arm is not exact
+                  "| 1.800 | 0.40 | 1.20x | no | - |")  # images did not match plain decoding: the arm is not exact
     off = next(r for r in rows if "shared" in r)
-    assert off == "| dflash | 0 | shared | - | - | - | - | - | - | - | - | - | - | - | - |"
+    assert off == "| dflash | 0 | shared | - | - | - | - | - | - | - | - | - | - | - | - | - |"
+
+
+def test_each_row_names_the_cpus_it_trained_and_decoded_on_and_the_legend_names_them(tmp_path):
+    """Step seconds and speedups hold on their machine: an arm trained on one CPU and decoded on
+    another names both; a summary written before decodes recorded their CPU reads it from the reports."""
+    import json
+
+    a = "AMD EPYC (family 25, model 17, stepping 1; AVX-512 BF16, AVX-512, AVX2)"
+    b = "Intel(R) Xeon(R) Processor (family 6, model 207, stepping 2; AMX BF16, AVX-512 BF16, AVX-512, AVX2)"
+    summary = _summary()
+    summary["dflash-s0"]["trained_on"] = [a]
+    for bench in ("text", "images"):
+        summary["dflash-s0-on"]["decode"][bench]["devices"] = [f"cpu ({b}, 2 threads)"]
+    summary["dflash-s0-off"]["decode"] = {"text": {"tau": 1.5, "speedup": 1.1, "outputs_match_ar": True}}
+    (tmp_path / "decode" / "dflash-s0-off-text-r2").mkdir(parents=True)
+    (tmp_path / "decode" / "dflash-s0-off-text-r2" / "report.json").write_text(
+        json.dumps({"device": f"cpu ({a}, 1 thread)"}))
+    lines = table(summary, tmp_path).splitlines()
+    assert next(r for r in lines if "decoupled" in r).endswith("| no | A, B |")  # trained on A, decoded on B
+    assert next(r for r in lines if "shared" in r).endswith("| yes | A |")  # from its report
+    assert lines[-2:] == [f"A: {a}", f"B: {b}"]
 
 
 def test_table_without_a_summary_says_what_to_run(tmp_path):
@@ -45,7 +66,8 @@ def test_a_stopped_launch_still_counts_its_seconds(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="stopped \\(1\\).*The same command resumes it"):
         bc.launch(["stage=1"], tmp_path / "log", entry, "stage1_seconds", lambda: saved.append(dict(entry)))
     first = entry["stage1_seconds"]
-    assert saved == [{"stage1_seconds": first}] and first >= 0
+    here = bc.cpu_identity()
+    assert saved == [{"trained_on": [here], "stage1_seconds": first}] and first >= 0  # and where it trained
     bc.launch(["stage=1"], tmp_path / "log", entry, "stage1_seconds", lambda: saved.append(dict(entry)))
     assert len(saved) == 2 and entry["stage1_seconds"] >= first
 
@@ -150,7 +172,7 @@ def test_repeated_decodes_give_the_median_speedup_its_range_and_exactness_over_e
         ran.append(out.name)
         out.mkdir(parents=True)
         exact = out.name != "arm-images-r3"  # one run of one bench differs from plain decoding
-        (out / "report.json").write_text(json.dumps({"overall": {
+        (out / "report.json").write_text(json.dumps({"device": f"cpu (X{len(ran) % 2}, 2 threads)", "overall": {
             "tau": 1.6, "accept_at_pos": [0.4], "speedup": next(speedups), "outputs_match_ar": exact}}))
         return 0
 
@@ -160,7 +182,8 @@ def test_repeated_decodes_give_the_median_speedup_its_range_and_exactness_over_e
     d = bc.decode(tmp_path, tmp_path, "arm", "dflash", tmp_path / "head", repeats=3)
     assert ran == ["arm-text", "arm-images", "arm-text-r2", "arm-text-r3", "arm-images-r2", "arm-images-r3"]
     assert d["text"] == {"tau": 1.6, "accept_at_pos": [0.4], "speedup": 1.3, "speedups": [1.3, 1.4, 1.2],
-                         "outputs_match_ar": True}
+                         "outputs_match_ar": True, "devices": ["cpu (X1, 2 threads)", "cpu (X1, 2 threads)",
+                                                               "cpu (X0, 2 threads)"]}
     assert d["images"]["speedups"] == [1.5, 1.1, 1.25] and d["images"]["speedup"] == 1.25
     assert d["images"]["outputs_match_ar"] is False
     assert bc._speedup(d["text"]) == "1.30x (1.20-1.40)" and bc._speedup(first["text"]) == "1.30x"

@@ -29,6 +29,7 @@ import argparse
 import gzip
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -36,6 +37,7 @@ import time
 from pathlib import Path
 
 from lab.portable import machine_paths, portable
+from msd_train.evaluation.cpu_setting import cpu_identity
 
 ROOT = Path(__file__).resolve().parents[3]
 #: each head's overrides of the recipe; msd3 trains over its own draft vocabulary of the recipe's
@@ -61,6 +63,9 @@ def launch(args: list[str], log: Path, entry: dict, key: str, save) -> None:
     """One ``train.py`` launch, its wall seconds added to ``entry[key]`` and saved (``save()``) also
     when it stops early (a SIGTERM saves a checkpoint and exits 1: the relaunch resumes, and the
     stage's seconds are the sum over its launches)."""
+    machines = entry.setdefault("trained_on", [])
+    if cpu_identity() not in machines:  # a stage resumed on another machine trained on both
+        machines.append(cpu_identity())
     t = time.perf_counter()
     with log.open("a") as fh:
         code = subprocess.call([sys.executable, "train.py", *args, "logging.progress=false"], cwd=ROOT,
@@ -95,7 +100,7 @@ def decode(work: Path, out: Path, arm: str, head: str, head_dir: Path, repeats: 
     and exactness, the median speedup, every run's speedup, and exactness over all runs."""
     results = {}
     for bench, name in BENCHES.items():
-        runs = []
+        runs, devices = [], []
         for r in range(1, repeats + 1):
             dest = out / "decode" / (f"{arm}-{bench}" + (f"-r{r}" if r > 1 else ""))
             if not (dest / "report.json").is_file():
@@ -107,11 +112,13 @@ def decode(work: Path, out: Path, arm: str, head: str, head_dir: Path, repeats: 
                 with log.open("w") as fh:
                     if subprocess.call(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT):
                         raise SystemExit(f"block_compare: {' '.join(cmd)} failed; see {log}")
-            runs.append(json.loads((dest / "report.json").read_text())["overall"])
+            report = json.loads((dest / "report.json").read_text())
+            runs.append(report["overall"])
+            devices.append(report.get("device"))
         speedups = [o["speedup"] for o in runs]
         results[bench] = {**{k: runs[0][k] for k in ("tau", "accept_at_pos")},
                           "speedup": statistics.median(speedups), "speedups": speedups,
-                          "outputs_match_ar": all(o["outputs_match_ar"] for o in runs)}
+                          "outputs_match_ar": all(o["outputs_match_ar"] for o in runs), "devices": devices}
     return results
 
 
@@ -131,15 +138,29 @@ def _speedup(bench: dict) -> str:
     return f"{cell} ({min(runs):.2f}-{max(runs):.2f})" if len(runs) > 1 else cell
 
 
-def table(summary: dict) -> str:
+def _devices(out: Path | None, arm: str, d: dict) -> list[str]:
+    """The CPUs an arm's decodes ran on (each report's ``device``, ``cpu (CPU, N threads)``), from its
+    summary or, for a summary written before it recorded them, from the reports under ``OUT/decode``."""
+    devices = [x for b in BENCHES for x in d.get(b, {}).get("devices") or []]
+    if not devices and out is not None:
+        for report in sorted((out / "decode").glob(f"{arm}-*/report.json")):
+            if report.parent.name.split(f"{arm}-", 1)[1].split("-r")[0] in BENCHES:
+                devices.append(json.loads(report.read_text()).get("device"))
+    return [re.sub(r"^cpu \((.*), \d+ threads?\)$", r"\1", x) for x in dict.fromkeys(devices) if x]
+
+
+def table(summary: dict, out: Path | None = None) -> str:
     """The stage-2 arms: held-out simulated tau and first-position agreement (text, images), the
     seconds of both stages' optimizer steps (``step_seconds``), decoded tau, acceptance at the first
-    three positions and speedup per bench, and whether outputs equal plain decoding."""
+    three positions and speedup per bench, whether outputs equal plain decoding, and the CPUs the arm
+    trained (where recorded) and decoded on: a letter per CPU, named under the table (step seconds and
+    speedups hold on theirs)."""
     rows = ["| head | seed | visual path | sim tau text | sim tau images | agree@1 text | agree@1 images | "
             "step s | tau text | acceptance text | speedup text | tau images | acceptance images | speedup images "
-            "| outputs = plain |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for _, e in sorted(summary.items()):
+            "| outputs = plain | CPU |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    machines: dict[str, str] = {}
+    for arm, e in sorted(summary.items()):
         if "decouple_visual" not in e:  # a stage-1 entry: its seconds count in its stage-2 arms
             continue
         v = e.get("stage2", {})
@@ -147,6 +168,9 @@ def table(summary: dict) -> str:
         seconds = None if s1 is None or "stage2_step_seconds" not in e else s1 + e["stage2_step_seconds"]
         d = e.get("decode", {})
         exact = [d[b]["outputs_match_ar"] for b in BENCHES if b in d]
+        trained = [*summary.get(f"{e['head']}-s{e['seed']}", {}).get("trained_on", []), *e.get("trained_on", [])]
+        cpus = [machines.setdefault(x, chr(ord("A") + len(machines)))
+                for x in dict.fromkeys([*trained, *_devices(out, arm, d)])]
         rows.append("| " + " | ".join([
             e["head"], str(e["seed"]), "decoupled" if e["decouple_visual"] else "shared",
             _cell(v.get("val/text/sim_tau")), _cell(v.get("val/mm/sim_tau")),
@@ -155,8 +179,9 @@ def table(summary: dict) -> str:
             *(cell for b in BENCHES for cell in (
                 _cell(d.get(b, {}).get("tau")), _acceptance(d.get(b, {}).get("accept_at_pos")),
                 _speedup(d.get(b, {})))),
-            ("yes" if all(exact) else "no") if exact else "-"]) + " |")
-    return "\n".join(rows) + "\n"
+            ("yes" if all(exact) else "no") if exact else "-", ", ".join(cpus) or "-"]) + " |")
+    legend = [f"{letter}: {device}" for device, letter in machines.items()]
+    return "\n".join(rows) + "\n" + ("\n" + "\n".join(legend) + "\n" if legend else "")
 
 
 def copy(work: Path, out: Path, dest: Path) -> list[Path]:
@@ -203,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         if a.copy:
             print(f"block_compare: {len(copy(a.work, a.out, a.copy))} files into {a.copy}")
         else:
-            print(table(json.loads((a.out / "summary.json").read_text())), end="")
+            print(table(json.loads((a.out / "summary.json").read_text()), a.out), end="")
         return
     for head in a.heads:
         store, layers = store_of(a.work, head)
