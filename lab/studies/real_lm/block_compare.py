@@ -149,11 +149,21 @@ def _devices(out: Path | None, arm: str, d: dict) -> list[str]:
     return [re.sub(r"^cpu \((.*), \d+ threads?\)$", r"\1", x) for x in dict.fromkeys(devices) if x]
 
 
+def _short(identity: str) -> str:
+    """A CPU's name for a table cell: its model name without trademarks and its family / model
+    (``AMD EPYC 25/17`` for ``cpu_identity``'s ``AMD EPYC (family 25, model 17, stepping 1; ...)``)."""
+    m = re.match(r"(.*?) \(family (\d+), model (\d+)", identity)
+    if not m:
+        return identity
+    name = re.sub(r"\((R|TM)\)| Processor| CPU", "", m.group(1)).strip()
+    return f"{name} {m.group(2)}/{m.group(3)}"
+
+
 def table(summary: dict, out: Path | None = None) -> str:
     """The stage-2 arms: held-out simulated tau and first-position agreement (text, images), the
     seconds of both stages' optimizer steps (``step_seconds``), decoded tau, acceptance at the first
     three positions and speedup per bench, whether outputs equal plain decoding, and the CPUs the arm
-    trained (where recorded) and decoded on: a letter per CPU, named under the table (step seconds and
+    trained (where recorded) and decoded on, each named in full under the table (step seconds and
     speedups hold on theirs)."""
     rows = ["| head | seed | visual path | sim tau text | sim tau images | agree@1 text | agree@1 images | "
             "step s | tau text | acceptance text | speedup text | tau images | acceptance images | speedup images "
@@ -169,8 +179,7 @@ def table(summary: dict, out: Path | None = None) -> str:
         d = e.get("decode", {})
         exact = [d[b]["outputs_match_ar"] for b in BENCHES if b in d]
         trained = [*summary.get(f"{e['head']}-s{e['seed']}", {}).get("trained_on", []), *e.get("trained_on", [])]
-        cpus = [machines.setdefault(x, chr(ord("A") + len(machines)))
-                for x in dict.fromkeys([*trained, *_devices(out, arm, d)])]
+        cpus = [machines.setdefault(x, _short(x)) for x in dict.fromkeys([*trained, *_devices(out, arm, d)])]
         rows.append("| " + " | ".join([
             e["head"], str(e["seed"]), "decoupled" if e["decouple_visual"] else "shared",
             _cell(v.get("val/text/sim_tau")), _cell(v.get("val/mm/sim_tau")),
@@ -180,7 +189,7 @@ def table(summary: dict, out: Path | None = None) -> str:
                 _cell(d.get(b, {}).get("tau")), _acceptance(d.get(b, {}).get("accept_at_pos")),
                 _speedup(d.get(b, {})))),
             ("yes" if all(exact) else "no") if exact else "-", ", ".join(cpus) or "-"]) + " |")
-    legend = [f"{letter}: {device}" for device, letter in machines.items()]
+    legend = [f"{short}: {device}" for device, short in machines.items()]
     return "\n".join(rows) + "\n" + ("\n" + "\n".join(legend) + "\n" if legend else "")
 
 
