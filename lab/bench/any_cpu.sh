@@ -8,7 +8,7 @@
 #     HEAD   a head folder (data/smollm2-llava-heads/msd-stage2)
 #     BENCH  a JSONL benchmark (WORK/splits/bench_text.jsonl, lab/studies/real_lm/scale_splits.py)
 # Environment: SETTINGS (default "chain1:decoding=chain,decoding.k=1 chain2:decoding=chain,decoding.k=2"),
-# SAMPLES (8), TOKENS (64), THREADS (2).
+# SAMPLES (8), TOKENS (64), THREADS (2), KINDS ("native avx2": the CPU as it is, then limited to AVX2).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 [ $# -ge 3 ] || { echo "usage: lab/bench/any_cpu.sh HEAD BENCH OUT [REPEATS]" >&2; exit 2; }
@@ -21,7 +21,11 @@ read -r -a settings <<< "${SETTINGS:-chain1:decoding=chain,decoding.k=1 chain2:d
 threads=${THREADS:-2}
 mkdir -p "$out"
 declare -A kinds=([native]="" [avx2]="ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2")
-for kind in native avx2; do
+read -r -a kind_list <<< "${KINDS:-native avx2}"
+for kind in "${kind_list[@]}"; do
+    [ -n "${kinds[$kind]+set}" ] || { echo "lab/bench/any_cpu.sh: unknown kind $kind in KINDS (native, avx2)" >&2; exit 2; }
+done
+for kind in "${kind_list[@]}"; do
     read -r -a env_kind <<< "${kinds[$kind]}"
     mkdir -p "$out/$kind"
     [ -f "$out/$kind/forward.json" ] || env "${env_kind[@]}" python -m lab.bench.cpu_linear \
