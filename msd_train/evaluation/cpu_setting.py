@@ -7,9 +7,11 @@ about one plain step, and the outputs equal plain decoding. Measured on SmolLM2-
 (``benchmarks/real_lm/README.md``, "Any CPU"), that decodes as fast as bf16 on a CPU with
 native bf16 (1.30x vs 1.31x plain decoding), with no bf16 rounding ties, and much faster than
 PyTorch's own fp32 linears (MKL: k rows cost ~k rows; 0.82x on a CPU without native bf16).
-Where this PyTorch has no oneDNN, a CPU with native bf16 (AVX-512 BF16 or AMX, and oneDNN
-allowed to use it) gets bf16 with eager attention (chains bit-exact with the two-row plain
-step, ``decoding.plain_rows=auto``; trees exact up to bf16 rounding ties), any other fp32.
+Where this PyTorch has no oneDNN, a CPU with native bf16 (AVX-512 BF16, and oneDNN allowed to
+use it) gets bf16 with eager attention (chains bit-exact with the two-row plain step,
+``decoding.plain_rows=auto``; trees exact up to bf16 rounding ties), any other fp32, AMX CPUs
+included: there a bf16 row rounds apart with the rows computed beside it, and bf16 chains part
+from plain decoding at near ties (measured: ``benchmarks/real_lm/results/machine_c/``).
 
 A dtype or attention given explicitly is kept; ``target.cpu_linear`` (auto | onednn | aten)
 picks the fp32 kernels (auto: oneDNN on a CPU). ``choose(tc, device)`` returns the choice and
@@ -123,6 +125,9 @@ def choose(tc: dict, device: torch.device) -> CPUSetting:
         if onednn:
             dtype, why = "float32", (f"float32 with oneDNN linears: a verification costs about one plain step, as fast "
                                      f"as bf16 on the CPUs measured, and exact ({cpu})")
+        elif bf16 and "amx_bf16" in cpu_flags():
+            dtype, why = "float32", (f"{cpu}, but AMX rounds a bf16 row apart with the rows beside it (bf16 chains "
+                                     "part from plain decoding at near ties there): float32")
         else:
             dtype = "bfloat16" if bf16 else "float32"
             why = f"{cpu}: {dtype}"

@@ -50,8 +50,15 @@ def test_auto_on_a_cpu_is_fp32_on_onednn_else_by_native_bf16(monkeypatch):
     assert "oneDNN" in s.why and "native bf16" in s.why  # the choice and what the CPU has
     # without oneDNN: bf16 (eager attention, exact rows) only where the CPU has it natively
     monkeypatch.setattr(cl, "onednn_available", lambda: False)
+    monkeypatch.setattr(cs, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     s = choose({"dtype": "auto", "attn_implementation": "auto"}, CPU)
     assert (s.dtype, s.attn_implementation, s.linear) == ("bfloat16", "eager", "aten")
+    # an AMX CPU's bf16 rows round apart with the row count (chains part from plain decoding): fp32
+    monkeypatch.setattr(cs, "cpu_flags", lambda: {"avx512f", "avx512_bf16", "amx_bf16"})
+    s = choose({"dtype": "auto", "attn_implementation": "auto"}, CPU)
+    assert (s.dtype, s.attn_implementation, s.linear) == ("float32", "sdpa", "aten") and "AMX" in s.why
+    monkeypatch.setattr(cs, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    assert choose({"dtype": "auto", "attn_implementation": "auto"}, CPU).dtype == "bfloat16"
     monkeypatch.setattr(cs, "native_bf16", lambda: (False, "no native bf16"))
     s = choose({"dtype": "auto", "attn_implementation": "auto"}, CPU)
     assert (s.dtype, s.attn_implementation, s.linear) == ("float32", "sdpa", "aten") and "no native bf16" in s.why
