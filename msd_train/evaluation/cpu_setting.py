@@ -5,8 +5,9 @@ every linear layer on oneDNN over a weight packed once** (``msd_train.targets.cp
 a forward over a few tokens then costs about what one token's does, so a verification costs
 about one plain step, and the outputs equal plain decoding. Measured on SmolLM2-135M
 (``benchmarks/real_lm/README.md``, "Any CPU"), that decodes as fast as bf16 on a CPU with
-native bf16 (1.30x vs 1.31x plain decoding), with no bf16 rounding ties, and much faster than
-PyTorch's own fp32 linears (MKL: k rows cost ~k rows; 0.82x on a CPU without native bf16).
+AVX-512 BF16 (1.30x vs 1.31x plain decoding), with no bf16 rounding ties, and much faster than
+PyTorch's own fp32 linears (MKL: k rows cost ~k rows; 0.82x on a CPU without native bf16). On an
+AMX CPU bf16 is faster (1.83x against 1.55x) but parts from plain decoding at near ties: fp32 stays.
 Where this PyTorch has no oneDNN, a CPU with native bf16 (AVX-512 BF16, and oneDNN allowed to
 use it) gets bf16 with eager attention (chains bit-exact with the two-row plain step,
 ``decoding.plain_rows=auto``; trees exact up to bf16 rounding ties), any other fp32, AMX CPUs
@@ -123,8 +124,8 @@ def choose(tc: dict, device: torch.device) -> CPUSetting:
     if dtype == "auto":
         bf16, cpu = native_bf16()
         if onednn:
-            dtype, why = "float32", (f"float32 with oneDNN linears: a verification costs about one plain step, as fast "
-                                     f"as bf16 on the CPUs measured, and exact ({cpu})")
+            dtype, why = "float32", (f"float32 with oneDNN linears: a verification costs little more than one plain "
+                                     f"step, and exact where bf16 can part at near ties ({cpu})")
         elif bf16 and "amx_bf16" in cpu_flags():
             dtype, why = "float32", (f"{cpu}, but AMX rounds a bf16 row apart with the rows beside it (bf16 chains "
                                      "part from plain decoding at near ties there): float32")
