@@ -11,8 +11,8 @@ AMX CPU bf16 is faster (1.83x against 1.55x) but parts from plain decoding at ne
 Where this PyTorch has no oneDNN, a CPU with native bf16 (AVX-512 BF16, and oneDNN allowed to
 use it) gets bf16 with eager attention (chains bit-exact with the two-row plain step,
 ``decoding.plain_rows=auto``; trees exact up to bf16 rounding ties), any other fp32, AMX CPUs
-included: there a bf16 row rounds apart with the rows computed beside it, and bf16 chains part
-from plain decoding at near ties (measured: ``benchmarks/real_lm/results/machine_c/``).
+included: there bf16 verification rounds apart from the plain step somewhere in the forward (not
+pinned), and bf16 chains part from plain decoding at near ties (measured: ``benchmarks/real_lm/results/machine_c/``).
 
 A dtype or attention given explicitly is kept; ``target.cpu_linear`` (auto | onednn | aten)
 picks the fp32 kernels (auto: oneDNN on a CPU). ``choose(tc, device)`` returns the choice and
@@ -127,8 +127,8 @@ def choose(tc: dict, device: torch.device) -> CPUSetting:
             dtype, why = "float32", (f"float32 with oneDNN linears: a verification costs little more than one plain "
                                      f"step, and exact where bf16 can part at near ties ({cpu})")
         elif bf16 and "amx_bf16" in cpu_flags():
-            dtype, why = "float32", (f"{cpu}, but AMX rounds a bf16 row apart with the rows beside it (bf16 chains "
-                                     "part from plain decoding at near ties there): float32")
+            dtype, why = "float32", (f"{cpu}, but on AMX bf16 verification rounds apart from the plain step (bf16 "
+                                     "chains part from plain decoding at near ties there): float32")
         else:
             dtype = "bfloat16" if bf16 else "float32"
             why = f"{cpu}: {dtype}"

@@ -53,7 +53,7 @@ def test_auto_on_a_cpu_is_fp32_on_onednn_else_by_native_bf16(monkeypatch):
     monkeypatch.setattr(cs, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     s = choose({"dtype": "auto", "attn_implementation": "auto"}, CPU)
     assert (s.dtype, s.attn_implementation, s.linear) == ("bfloat16", "eager", "aten")
-    # an AMX CPU's bf16 rows round apart with the row count (chains part from plain decoding): fp32
+    # on an AMX CPU bf16 verification rounds apart from the plain step (chains part from plain decoding): fp32
     monkeypatch.setattr(cs, "cpu_flags", lambda: {"avx512f", "avx512_bf16", "amx_bf16"})
     s = choose({"dtype": "auto", "attn_implementation": "auto"}, CPU)
     assert (s.dtype, s.attn_implementation, s.linear) == ("float32", "sdpa", "aten") and "AMX" in s.why
