@@ -63,9 +63,9 @@ def launch(args: list[str], log: Path, entry: dict, key: str, save) -> None:
     """One ``train.py`` launch, its wall seconds added to ``entry[key]`` and saved (``save()``) also
     when it stops early (a SIGTERM saves a checkpoint and exits 1: the relaunch resumes, and the
     stage's seconds are the sum over its launches)."""
-    machines = entry.setdefault("trained_on", [])
-    if cpu_identity() not in machines:  # a stage resumed on another machine trained on both
-        machines.append(cpu_identity())
+    machines, here = entry.setdefault("trained_on", []), cpu_identity()
+    if here not in machines:  # a stage resumed on another machine trained on both
+        machines.append(here)
     t = time.perf_counter()
     with log.open("a") as fh:
         code = subprocess.call([sys.executable, "train.py", *args, "logging.progress=false"], cwd=ROOT,
@@ -143,9 +143,11 @@ def _devices(out: Path | None, arm: str, d: dict) -> list[str]:
     summary or, for a summary written before it recorded them, from the reports under ``OUT/decode``."""
     devices = [x for b in BENCHES for x in d.get(b, {}).get("devices") or []]
     if not devices and out is not None:
-        for report in sorted((out / "decode").glob(f"{arm}-*/report.json")):
-            if report.parent.name.split(f"{arm}-", 1)[1].split("-r")[0] in BENCHES:
-                devices.append(json.loads(report.read_text()).get("device"))
+        for b in BENCHES:  # decode()'s folders: ARM-BENCH, then ARM-BENCH-r2, -r3...
+            for report in [out / "decode" / f"{arm}-{b}" / "report.json",
+                           *sorted((out / "decode").glob(f"{arm}-{b}-r*/report.json"))]:
+                if report.is_file():
+                    devices.append(json.loads(report.read_text()).get("device"))
     return [re.sub(r"^cpu \((.*), \d+ threads?\)$", r"\1", x) for x in dict.fromkeys(devices) if x]
 
 
