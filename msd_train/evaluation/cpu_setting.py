@@ -122,11 +122,12 @@ def choose(tc: dict, device: torch.device) -> CPUSetting:
 
     onednn = linear != "aten" and onednn_available()
     if dtype == "auto":
-        bf16, cpu = native_bf16()
+        flags = cpu_flags()
+        bf16, cpu = native_bf16(flags)
         if onednn:
             dtype, why = "float32", (f"float32 with oneDNN linears: a verification costs little more than one plain "
                                      f"step, and exact where bf16 can part at near ties ({cpu})")
-        elif bf16 and "amx_bf16" in cpu_flags():
+        elif bf16 and "amx_bf16" in flags:
             dtype, why = "float32", (f"{cpu}, but on AMX bf16 verification rounds apart from the plain step (bf16 "
                                      "chains part from plain decoding at near ties there): float32")
         else:

@@ -12,6 +12,7 @@ import datetime
 import functools
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -76,6 +77,12 @@ def describe_device(device: torch.device) -> str:
 
     n = torch.get_num_threads()
     return f"cpu ({cpu_identity()}, {n} thread{'s' if n != 1 else ''})"
+
+
+def described_cpu(device: str | None) -> str | None:
+    """The CPU a report's ``device`` names (``describe_device``'s ``cpu (CPU, N threads)``), else None."""
+    m = re.fullmatch(r"cpu \((.*), \d+ threads?\)", device or "")
+    return m.group(1) if m else None
 
 
 def default_out(draft: str | None, bench: str, method: str) -> Path:

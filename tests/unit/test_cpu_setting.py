@@ -39,11 +39,19 @@ def test_a_report_names_the_cpu_generation_and_its_vector_extensions(tmp_path):
     assert cpu_identity(tmp_path / "missing")  # not Linux: the platform's name, never an error
 
 
+def test_a_reports_device_gives_back_the_cpu_it_names():
+    """What a study reads back from a report's ``device`` (its CPU column) is what the report named."""
+    from msd_train.evaluation.run import describe_device, described_cpu
+
+    assert described_cpu(describe_device(CPU)) == cpu_identity()
+    assert described_cpu("NVIDIA H200 (cuda)") is None and described_cpu(None) is None
+
+
 def test_auto_on_a_cpu_is_fp32_on_onednn_else_by_native_bf16(monkeypatch):
     import msd_train.evaluation.cpu_setting as cs
     import msd_train.targets.cpu_linear as cl
 
-    monkeypatch.setattr(cs, "native_bf16", lambda: (True, "native bf16"))
+    monkeypatch.setattr(cs, "native_bf16", lambda flags: (True, "native bf16"))
     monkeypatch.setattr(cl, "onednn_available", lambda: True)
     s = choose({"dtype": "auto", "attn_implementation": "auto"}, CPU)
     assert (s.dtype, s.attn_implementation, s.linear) == ("float32", "sdpa", "onednn")
@@ -59,7 +67,7 @@ def test_auto_on_a_cpu_is_fp32_on_onednn_else_by_native_bf16(monkeypatch):
     assert (s.dtype, s.attn_implementation, s.linear) == ("float32", "sdpa", "aten") and "AMX" in s.why
     monkeypatch.setattr(cs, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     assert choose({"dtype": "auto", "attn_implementation": "auto"}, CPU).dtype == "bfloat16"
-    monkeypatch.setattr(cs, "native_bf16", lambda: (False, "no native bf16"))
+    monkeypatch.setattr(cs, "native_bf16", lambda flags: (False, "no native bf16"))
     s = choose({"dtype": "auto", "attn_implementation": "auto"}, CPU)
     assert (s.dtype, s.attn_implementation, s.linear) == ("float32", "sdpa", "aten") and "no native bf16" in s.why
     # what the user gives is kept

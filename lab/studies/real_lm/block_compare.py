@@ -38,6 +38,7 @@ from pathlib import Path
 
 from lab.portable import machine_paths, portable
 from msd_train.evaluation.cpu_setting import cpu_identity
+from msd_train.evaluation.run import described_cpu
 
 ROOT = Path(__file__).resolve().parents[3]
 #: each head's overrides of the recipe; msd3 trains over its own draft vocabulary of the recipe's
@@ -148,7 +149,7 @@ def _devices(out: Path | None, arm: str, d: dict) -> list[str]:
                            *sorted((out / "decode").glob(f"{arm}-{b}-r*/report.json"))]:
                 if report.is_file():
                     devices.append(json.loads(report.read_text()).get("device"))
-    return [re.sub(r"^cpu \((.*), \d+ threads?\)$", r"\1", x) for x in dict.fromkeys(devices) if x]
+    return [described_cpu(x) or x for x in dict.fromkeys(devices) if x]
 
 
 def _short(identity: str) -> str:
