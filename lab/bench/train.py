@@ -278,7 +278,9 @@ def run_one(args, overrides: list[str]) -> dict:
 def environment() -> dict:
     import transformers
 
-    env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+    from msd_train.evaluation.cpu_setting import cpu_identity
+
+    env = {"cpu": cpu_identity(), "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
            "platform": platform.platform(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
            "load_average": [round(x, 2) for x in os.getloadavg()]}
     try:
@@ -297,7 +299,7 @@ def environment() -> dict:
 
 def markdown(r: dict) -> str:
     e = r["environment"]
-    lines = [f"# MSD training throughput: `{r['target']}` on {e['gpu'] or 'CPU'}", "",
+    lines = [f"# MSD training throughput: `{r['target']}` on {e['gpu'] or e.get('cpu') or 'CPU'}", "",
              f"- command: `{r['command']}`", f"- created: {r['created']}",
              f"- torch {e['torch']}, transformers {e['transformers']}, deepspeed {e['deepspeed']}, "
              f"cuda {e.get('cuda')}, python {e['python']}; {e['cpu_count']} CPUs, load {e['load_average']}",
