@@ -193,14 +193,15 @@ def run_one(args, overrides: list[str]) -> dict:
         device = recipe.device
         timer, shape = PhaseTimer(device), StepShape()
         recipe.features = timer.wrap("target_forward", recipe.features)
-        # the token loss's lm_head products (their gradient is taken in the forward): the msd
-        # loss function, and msd3's target distribution and per-step logits
-        import msd_train.draft.model as msd_model
+        # the token loss's lm_head products (their gradient is taken in the forward): the loss
+        # function the msd, on-policy and dflash objectives call, and msd3's target distribution
+        # and per-step logits
         import msd_train.draft.msd3 as msd3_model
+        import msd_train.training.objective as objective
 
-        saved = (msd_model.msd_loss, msd3_model.MSD3DraftModel._targets, msd3_model.MSD3DraftModel.draft_logits)
-        msd_model.msd_loss = timer.wrap("loss", msd_model.msd_loss)
-        msd3_model.MSD3DraftModel._targets = timer.wrap("loss", saved[1])
+        saved = (objective.msd_loss, objective.MSD3Objective._targets, msd3_model.MSD3DraftModel.draft_logits)
+        objective.msd_loss = timer.wrap("loss", saved[0])
+        objective.MSD3Objective._targets = timer.wrap("loss", saved[1])
         msd3_model.MSD3DraftModel.draft_logits = timer.wrap("loss", saved[2])
         next_batches = timer.wrap("data", recipe._next_batches)
         to_device = timer.wrap("data", recipe._to_device)
@@ -247,7 +248,7 @@ def run_one(args, overrides: list[str]) -> dict:
         peak = (torch.cuda.max_memory_allocated(device) if cuda
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         t = timer.t
-        msd_model.msd_loss, msd3_model.MSD3DraftModel._targets, msd3_model.MSD3DraftModel.draft_logits = saved
+        objective.msd_loss, objective.MSD3Objective._targets, msd3_model.MSD3DraftModel.draft_logits = saved
         # the head's forward and backward, the loss's forward part left out (msd3's logits'
         # backward, run by autograd, stays in head_fwd_bwd)
         t["head_fwd_bwd"] = max(split_total - t["data"] - t["target_forward"] - t["loss"] - t["optimizer"], 0.0)
@@ -309,8 +310,9 @@ def markdown(r: dict) -> str:
     lines += ["| micro-batch | s/step | target tokens/s | MFU | peak GiB | data | target fwd | head fwd+bwd | loss | optimizer |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
-        if row.get("oom"):
-            lines.append(f"| {row['micro_batch_size']} | OOM | | | | | | | | |")
+        if row.get("oom") or row.get("failed"):
+            what = "OOM" if row.get("oom") else "failed: " + " ".join(row.get("error") or []).replace("|", "/")
+            lines.append(f"| {row['micro_batch_size']} | {what} | | | | | | | | |")
             continue
         sp = row["split_share"]
         mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "-"
@@ -391,6 +393,10 @@ def main(argv=None) -> dict:
     out.write_text(json.dumps(result, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown(result))
     print(f"wrote {out} and {out.with_suffix('.md')}")
+    failed = [r for r in rows if r.get("failed")]
+    if failed:  # a broken run is not a measurement: the caller (the GPU session's step) sees it
+        raise SystemExit(f"lab.bench.train: micro-batch {', '.join(str(r['micro_batch_size']) for r in failed)} failed "
+                         f"({' '.join(failed[0]['error'])}); the output above says why")
     return result
 
 
