@@ -382,7 +382,7 @@ def main(argv=None) -> dict:
         "target": ok[0]["target"] if ok else args.target,
         "sample": (f"synthetic: {args.seq_len} tokens per sample with one image (stage 2 path, multimodal share 1)"
                    if args.seq_len else "the configured data"),
-        "command": "python -m lab.bench.train " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": " ".join(["python -m lab.bench.train", *(sys.argv[1:] if argv is None else argv)]),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "environment": environment(), "rows": rows, "best_target_tokens_per_s": best,
         "goal_target_tokens_per_s": GOAL_TOKENS_PER_S, "first_bar_target_tokens_per_s": FIRST_BAR,
