@@ -47,7 +47,7 @@ def test_each_row_names_the_cpus_it_trained_and_decoded_on_and_the_legend_names_
     lines = table(summary, tmp_path).splitlines()
     assert next(r for r in lines if "decoupled" in r).endswith("| no | AMD EPYC 25/17, Intel Xeon 6/207 |")  # trained, decoded
     assert next(r for r in lines if "shared" in r).endswith("| yes | AMD EPYC 25/17 |")  # from its report
-    assert lines[-2:] == [f"AMD EPYC 25/17: {a}", f"Intel Xeon 6/207: {b}"]
+    assert lines[-2:] == [f"- AMD EPYC 25/17: {a}", f"- Intel Xeon 6/207: {b}"]
 
 
 def test_table_without_a_summary_says_what_to_run(tmp_path):

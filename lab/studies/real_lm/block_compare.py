@@ -192,7 +192,7 @@ def table(summary: dict, out: Path | None = None) -> str:
                 _cell(d.get(b, {}).get("tau")), _acceptance(d.get(b, {}).get("accept_at_pos")),
                 _speedup(d.get(b, {})))),
             ("yes" if all(exact) else "no") if exact else "-", ", ".join(cpus) or "-"]) + " |")
-    legend = [f"{short}: {device}" for device, short in machines.items()]
+    legend = [f"- {short}: {device}" for device, short in machines.items()]  # a list: one line each in Markdown
     return "\n".join(rows) + "\n" + ("\n" + "\n".join(legend) + "\n" if legend else "")
 
 
